@@ -1,0 +1,3 @@
+from saem_gguf.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""Compile the patched llama.cpp + native/ once, cached by what went into it.
+
+The cache key hashes (sdist sha256, every patch, every file under native/, CMakeLists.txt, the
+build flags, and the CPU's feature flags for a GGML_NATIVE build). An unchanged rebuild only hashes
+those inputs and returns. A changed one reuses a persistent CMake tree per variant (with ccache
+when present), so only what changed is recompiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from saem_gguf.build.paths import CMAKELISTS, NATIVE_DIR, PATCHES_DIR, REPO_ROOT, cache_root
+from saem_gguf.build.source import SDIST_SHA256, fetch_sdist, patch_files, prepare_source
+from saem_gguf.errors import BuildError
+
+LIB_NAMES = ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    variant: str = "saem"  # "saem": patches + native/ ; "stock": the unpatched vendored llama.cpp
+    cuda: bool = False
+    cuda_arch: str = "90"
+    build_type: str = "Release"
+    native_cpu: bool = True  # GGML_NATIVE: tune for this CPU (key includes its feature flags)
+
+    @property
+    def flavor(self) -> str:
+        return f"{self.variant}-{'cuda' + self.cuda_arch if self.cuda else 'cpu'}"
+
+    def cmake_args(self) -> list[str]:
+        args = [f"-DCMAKE_BUILD_TYPE={self.build_type}",
+                f"-DGGML_NATIVE={'ON' if self.native_cpu else 'OFF'}",
+                f"-DSAEM_CUDA={'ON' if self.cuda else 'OFF'}",
+                f"-DSAEM_WITH_NATIVE={'ON' if self.variant == 'saem' else 'OFF'}"]
+        if self.cuda:
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}")
+        return args
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return hashlib.sha256(line.encode()).hexdigest()[:12]
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _hash_tree(h: "hashlib._Hash", root: Path) -> None:
+    if not root.exists():
+        return
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts:
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+
+
+def build_key(cfg: BuildConfig) -> str:
+    h = hashlib.sha256()
+    h.update(SDIST_SHA256.encode())
+    h.update(json.dumps(asdict(cfg), sort_keys=True).encode())
+    h.update(CMAKELISTS.read_bytes())
+    if cfg.variant == "saem":
+        for p in patch_files(PATCHES_DIR):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+        _hash_tree(h, NATIVE_DIR)
+    if cfg.native_cpu:
+        h.update(_cpu_signature().encode())
+    return f"{cfg.flavor}-{h.hexdigest()[:16]}"
+
+
+def library_dir(cfg: BuildConfig) -> Path:
+    return cache_root() / "builds" / build_key(cfg) / "lib"
+
+
+def find_build(cfg: BuildConfig) -> Path | None:
+    lib = library_dir(cfg)
+    stamp = lib.parent / "build.json"
+    if stamp.exists() and all((lib / n).exists() for n in LIB_NAMES):
+        return lib
+    return None
+
+
+def _run_with_progress(cmd: list[str], log: Path, desc: str, quiet: bool) -> None:
+    """Run a build command, showing CMake's [ NN%] lines as a progress bar; full output to ``log``."""
+    from tqdm import tqdm
+
+    bar = None if quiet else tqdm(total=100, desc=desc, unit="%", file=sys.stderr,
+                                  bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+    pct = re.compile(r"^\[\s*(\d+)%\]")
+    with open(log, "a") as lf:
+        lf.write(f"$ {' '.join(cmd)}\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lf.write(line)
+            m = pct.match(line)
+            if m and bar is not None:
+                bar.n = int(m.group(1))
+                bar.refresh()
+        rc = proc.wait()
+    if bar is not None:
+        if rc == 0:
+            bar.n = 100
+        bar.close()
+    if rc != 0:
+        tail = log.read_text().splitlines()[-25:]
+        raise BuildError(f"{desc} failed (exit {rc}); full log: {log}\n" + "\n".join(tail))
+
+
+def build(cfg: BuildConfig = BuildConfig(), jobs: int | None = None, force: bool = False,
+          quiet: bool = False) -> Path:
+    """Return the directory holding libllama.so & co. for ``cfg``, building it if needed."""
+    found = None if force else find_build(cfg)
+    if found:
+        return found
+    for tool in ("cmake", "patch"):
+        if not shutil.which(tool):
+            raise BuildError(f"'{tool}' is not installed; it is needed to build llama.cpp")
+    t0 = time.time()
+    key = build_key(cfg)
+    # one CMake tree per (checkout, flavour): two checkouts never build in the same tree at once
+    tree_id = hashlib.sha256(str(REPO_ROOT).encode()).hexdigest()[:8]
+    work = cache_root() / "work" / f"{cfg.flavor}-{tree_id}"
+    src, bld = work / "llama.cpp", work / "build"
+    prefix = cache_root() / "builds" / key
+    log = work / "build.log"
+    work.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    if not quiet:
+        print(f"building llama.cpp ({cfg.flavor}) -> {prefix}", file=sys.stderr)
+    sdist = fetch_sdist(quiet=quiet)
+    prepare_source(src, patch_files(PATCHES_DIR) if cfg.variant == "saem" else [], sdist)
+    t_src = time.time() - t0
+    configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(bld), f"-DSAEM_LLAMA_SRC={src}",
+                 *cfg.cmake_args()]
+    if shutil.which("ccache"):
+        configure += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+        if cfg.cuda:
+            configure.append("-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache")
+    _run_with_progress(configure, log, "configure", quiet=True)
+    jobs = jobs or os.cpu_count() or 2
+    _run_with_progress(["cmake", "--build", str(bld), "-j", str(jobs)], log, "compile", quiet)
+    if prefix.exists():
+        shutil.rmtree(prefix)
+    _run_with_progress(["cmake", "--install", str(bld), "--prefix", str(prefix)], log, "install", True)
+    lib = prefix / "lib"
+    missing = [n for n in LIB_NAMES if not (lib / n).exists()]
+    if missing:
+        raise BuildError(f"build finished but {', '.join(missing)} missing in {lib}; log: {log}")
+    stamp = {"key": key, "config": asdict(cfg), "seconds": round(time.time() - t0, 1),
+             "source_seconds": round(t_src, 1), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    (prefix / "build.json").write_text(json.dumps(stamp, indent=2))
+    return lib

@@ -1,0 +1,1 @@
+"""Command line: `python -m saem_gguf <command>`. One module per subcommand."""

@@ -1,0 +1,46 @@
+"""`gen-model`: write a small real MoE GGUF (random weights, planted routing) for tests and demos."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from saem_gguf.budget import format_size
+from saem_gguf.errors import SaemError
+from saem_gguf.testmodels import ARCHS, EXPERT_TYPES, ModelSpec, ensure_model, write_model
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gen-model", help="generate a small MoE GGUF test model",
+                       description="Write a small, real MoE GGUF that llama.cpp loads: random weights "
+                                   "from a seed, a real byte-level BPE vocabulary, ChatML template, and "
+                                   "planted routing (each token's group picks its experts).")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="qwen3moe")
+    p.add_argument("--expert-type", choices=EXPERT_TYPES, default="q4_0")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--embd", type=int, default=64, help="n_embd (256-multiple for q4_k)")
+    p.add_argument("--ff", type=int, default=64, help="expert FFN size (256-multiple for q4_k)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2, help="experts used per token")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--dense", action="store_true", help="a dense model (no experts)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", type=Path, default=None,
+                   help="output .gguf (default: the model cache, printed)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec = ModelSpec(arch=args.arch, expert_type=args.expert_type, n_layer=args.layers,
+                         n_embd=args.embd, n_ff_exp=args.ff, n_expert=args.experts,
+                         n_expert_used=args.top_k, n_head=args.heads, n_head_kv=args.kv_heads,
+                         head_dim=args.embd // args.heads, dense=args.dense, seed=args.seed)
+    except ValueError as e:
+        raise SaemError(str(e)) from None
+    path = write_model(spec, args.output) if args.output else ensure_model(spec)
+    print(f"wrote {spec.arch} model, {format_size(path.stat().st_size)}", file=sys.stderr)
+    print(path)
+    return 0

@@ -1,0 +1,219 @@
+"""What a GGUF holds, read with the `gguf` package (no llama.cpp load): the MoE shape and its bytes.
+
+Every way a file can be wrong (missing, a directory, not GGUF, truncated, absurd metadata) ends
+in GGUFFormatError with a one-line message; nothing here lets a raw exception through.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from saem_gguf.errors import GGUFFormatError
+
+GGUF_MAGIC = b"GGUF"
+# Routed-expert tensors (and their per-expert biases/scales): llama.cpp's LLM_FFN_EXPS_REGEX.
+EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")
+SHARED_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_\w+_shexp\.")
+MAX_LAYERS = 4096
+MAX_EXPERTS = 65536
+
+
+@dataclass
+class ExpertTensor:
+    name: str
+    kind: str  # gate | up | down | gate_up (and .bias/.scale aux tensors)
+    type: str  # ggml type name, e.g. Q4_K
+    shape: list[int]  # ggml order (ne0, ne1, ne2)
+    nbytes: int
+
+
+@dataclass
+class MoELayer:
+    index: int
+    tensors: list[ExpertTensor] = field(default_factory=list)
+    bytes_per_expert: int = 0  # gate + up + down (+ aux) of one expert
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    file_bytes: int
+    architecture: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_vocab: int
+    n_ctx_train: int
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int
+    n_ff_exp: int
+    moe_layers: list[MoELayer]
+    expert_bytes: int  # all routed experts, all layers
+    non_expert_bytes: int  # everything else (attention, embeddings, router, shared experts)
+    expert_types: list[str]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0 and bool(self.moe_layers)
+
+    @property
+    def bytes_per_expert_all_layers(self) -> int:
+        """Bytes that one cache slot in every MoE layer costs."""
+        return sum(l.bytes_per_expert for l in self.moe_layers)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["is_moe"] = self.is_moe
+        return d
+
+
+def _check_header(path: Path) -> None:
+    if not path.exists():
+        raise GGUFFormatError(f"{path}: no such file")
+    if path.is_dir():
+        raise GGUFFormatError(f"{path}: is a directory, not a GGUF file")
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise GGUFFormatError(f"{path}: cannot read ({e.strerror})") from None
+    if head[:4] != GGUF_MAGIC:
+        raise GGUFFormatError(f"{path}: not a GGUF file (bad magic {head[:4]!r})")
+    if len(head) < 24:
+        raise GGUFFormatError(f"{path}: truncated GGUF ({size} bytes)")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    if version not in (2, 3):
+        raise GGUFFormatError(f"{path}: unsupported GGUF version {version}")
+    if n_tensors > 1_000_000 or n_kv > 1_000_000:
+        raise GGUFFormatError(f"{path}: absurd header ({n_tensors} tensors, {n_kv} metadata keys)")
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception:  # noqa: BLE001 - a malformed value is a format error, reported by caller
+        raise GGUFFormatError(f"metadata key {key} is malformed") from None
+
+
+def _int_field(reader, key: str, default: int, lo: int = 0, hi: int = 1 << 31) -> int:
+    v = _field(reader, key, default)
+    if isinstance(v, list):  # per-layer arrays (e.g. head_count_kv): take the max
+        v = max(v) if v else default
+    try:
+        v = int(v)
+    except (TypeError, ValueError):
+        raise GGUFFormatError(f"metadata {key}={v!r} is not an integer") from None
+    if not lo <= v <= hi:
+        raise GGUFFormatError(f"metadata {key}={v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    path = Path(path)
+    _check_header(path)
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+    except GGUFFormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the gguf reader raises many types on bad files
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GGUFFormatError(f"{path}: truncated or corrupt GGUF ({msg})") from None
+    try:
+        return _info_from_reader(path, reader)
+    except GGUFFormatError as e:
+        raise GGUFFormatError(f"{path}: {e}") from None
+
+
+def _info_from_reader(path: Path, reader) -> ModelInfo:
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise GGUFFormatError("no general.architecture: not a llama.cpp model file")
+    a = arch
+    n_layer = _int_field(reader, f"{a}.block_count", 0, 1, MAX_LAYERS)
+    n_embd = _int_field(reader, f"{a}.embedding_length", 0, 1, 1 << 20)
+    n_head = _int_field(reader, f"{a}.attention.head_count", 1, 0, 1 << 16)
+    n_head_kv = _int_field(reader, f"{a}.attention.head_count_kv", n_head, 0, 1 << 16)
+    hd = n_embd // max(n_head, 1)
+    head_dim_k = _int_field(reader, f"{a}.attention.key_length", hd, 0, 1 << 16)
+    head_dim_v = _int_field(reader, f"{a}.attention.value_length", hd, 0, 1 << 16)
+    n_ctx_train = _int_field(reader, f"{a}.context_length", 0, 0, 1 << 31)
+    n_expert = _int_field(reader, f"{a}.expert_count", 0, 0, MAX_EXPERTS)
+    n_used = _int_field(reader, f"{a}.expert_used_count", 0, 0, MAX_EXPERTS)
+    if n_expert and not (0 < n_used <= n_expert):
+        raise GGUFFormatError(f"expert_used_count={n_used} must be in [1, expert_count={n_expert}]")
+    n_shared = _int_field(reader, f"{a}.expert_shared_count", 0, 0, MAX_EXPERTS)
+    n_ff_exp = _int_field(reader, f"{a}.expert_feed_forward_length", 0, 0, 1 << 24)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens.data) if tokens is not None else 0
+
+    file_bytes = path.stat().st_size
+    layers: dict[int, MoELayer] = {}
+    expert_bytes = total_bytes = 0
+    types: set[str] = set()
+    has_shexp = False
+    for t in reader.tensors:
+        nbytes = int(t.n_bytes)
+        end = int(t.data_offset) + nbytes
+        if end > file_bytes:
+            raise GGUFFormatError(f"tensor {t.name} ends at byte {end}, past the end of the file "
+                                  f"({file_bytes} bytes): truncated")
+        total_bytes += nbytes
+        if SHARED_EXPERT_TENSOR.match(t.name):
+            has_shexp = True
+        m = EXPERT_TENSOR.match(t.name)
+        if not m:
+            continue
+        il = int(m.group(1))
+        if il >= n_layer:
+            raise GGUFFormatError(f"tensor {t.name} names layer {il} but block_count={n_layer}")
+        shape = [int(x) for x in t.shape]
+        if len(shape) < 2 or n_expert == 0 or shape[-1] != n_expert:
+            raise GGUFFormatError(f"tensor {t.name} shape {shape} does not hold expert_count="
+                                  f"{n_expert} experts")
+        tname = t.tensor_type.name
+        kind = m.group(2) + ("" if t.name.endswith(".weight") else "." + t.name.rsplit(".", 1)[-1])
+        layer = layers.setdefault(il, MoELayer(il))
+        layer.tensors.append(ExpertTensor(t.name, kind, tname, shape, nbytes))
+        layer.bytes_per_expert += nbytes // n_expert
+        expert_bytes += nbytes
+        if t.name.endswith(".weight"):
+            types.add(tname)
+            if m.group(2) in ("gate", "up", "gate_up") and not n_ff_exp:
+                n_ff_exp = shape[1] // (2 if m.group(2) == "gate_up" else 1)
+    if n_expert and has_shexp and not n_shared:
+        n_shared = 1
+    name = _field(reader, "general.name", "") or ""
+    return ModelInfo(
+        path=str(path), file_bytes=file_bytes, architecture=arch, name=str(name), n_layer=n_layer,
+        n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v, n_vocab=n_vocab, n_ctx_train=n_ctx_train, n_expert=n_expert,
+        n_expert_used=n_used, n_expert_shared=n_shared, n_ff_exp=n_ff_exp,
+        moe_layers=[layers[k] for k in sorted(layers)], expert_bytes=expert_bytes,
+        non_expert_bytes=total_bytes - expert_bytes, expert_types=sorted(types),
+    )
+
+
+def kv_cache_bytes(info: ModelInfo, n_ctx: int, bytes_per_elem: int = 2) -> int:
+    """F16 K+V cache for n_ctx tokens (standard attention; MLA and hybrids are approximations)."""
+    per_token = info.n_layer * info.n_head_kv * (info.head_dim_k + info.head_dim_v) * bytes_per_elem
+    return int(per_token * n_ctx)
+
+
+def compute_buffer_bytes(info: ModelInfo, n_ubatch: int = 512) -> int:
+    """Estimate of llama.cpp's device compute buffer: logits plus a few activations per token."""
+    width = max(info.n_embd, info.n_ff_exp * max(info.n_expert_used, 1))
+    return int(n_ubatch * (info.n_vocab + 16 * width) * 4)

@@ -1,0 +1,13 @@
+"""Llama with experts (Mixtral style: arch "llama" + expert_count), or a dense Llama."""
+
+from saem_gguf.testmodels.archs import register
+from saem_gguf.testmodels.archs.base import ArchDef, attention, dense_ffn, moe
+
+
+@register
+class Llama(ArchDef):
+    name = "llama"
+
+    def layer(self, add, W, il) -> None:
+        attention(add, W, il)
+        (dense_ffn if W.spec.dense else moe)(add, W, il)

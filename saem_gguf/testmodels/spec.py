@@ -1,0 +1,61 @@
+"""What a generated test model is: architecture, sizes, quant types, routing plant, seed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+EXPERT_TYPES = ("f16", "q8_0", "q4_0", "q4_k")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str = "qwen3moe"
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_ff_exp: int = 64
+    n_ff_shexp: int = 64  # shared expert FFN size (architectures that have one)
+    n_ff_dense: int = 128  # FFN size of dense layers (n_dense_lead > 0, or dense=True)
+    n_expert: int = 8
+    n_expert_used: int = 2
+    n_dense_lead: int = 0  # leading dense FFN layers before the MoE ones (DeepSeek style)
+    expert_type: str = "q8_0"
+    n_ctx_train: int = 4096
+    seed: int = 0
+    # Planted routing: each vocabulary token belongs to one of n_expert // n_expert_used groups,
+    # and each group prefers its own K experts in every layer (a different permutation per layer).
+    # `planted` pins chosen words' tokens to chosen groups: ((("verify", "check"), 1), ...).
+    planted: tuple[tuple[tuple[str, ...], int], ...] = ()
+    routing_strength: float = 8.0  # router logit margin; large = routing follows the text
+    dense: bool = False  # no experts at all (a dense model, for error paths)
+    name: str = ""
+    extra: tuple[tuple[str, str], ...] = field(default=())  # arch-specific knobs, as strings
+
+    def __post_init__(self) -> None:
+        if self.expert_type not in EXPERT_TYPES:
+            raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}")
+        if not self.dense and not (0 < self.n_expert_used <= self.n_expert):
+            raise ValueError("need 0 < n_expert_used <= n_expert")
+        if self.n_embd % (256 if self.expert_type == "q4_k" else 32):
+            raise ValueError(f"n_embd must be a multiple of the {self.expert_type} block size")
+        if self.n_ff_exp % (256 if self.expert_type == "q4_k" else 32):
+            raise ValueError(f"n_ff_exp must be a multiple of the {self.expert_type} block size")
+
+    @property
+    def n_groups(self) -> int:
+        return max(1, self.n_expert // self.n_expert_used)
+
+    def key(self) -> str:
+        """Stable id of the spec (and of the generator version), for the file cache."""
+        from saem_gguf.testmodels.writer import GENERATOR_VERSION
+
+        blob = json.dumps({"v": GENERATOR_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def filename(self) -> str:
+        kind = "dense" if self.dense else f"{self.n_expert}x{self.n_expert_used}-{self.expert_type}"
+        return f"{self.name or self.arch}-L{self.n_layer}-{kind}-{self.key()}.gguf"

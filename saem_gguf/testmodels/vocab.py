@@ -1,0 +1,98 @@
+"""A small real byte-level BPE vocabulary for test models.
+
+It is the head of Qwen2's vocabulary: the 256 byte tokens and the first N merges in rank order
+(Qwen2's token 256+i is the result of merge i), so llama.cpp tokenizes with Qwen2's pre-tokenizer
+and real merges, only with fewer of them. The derived file ships in saem_gguf/data/tokenizer/;
+``python -m saem_gguf.testmodels.vocab SRC.gguf`` regenerates it from the llama.cpp source's
+ggml-vocab-qwen2.gguf.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+VOCAB_FILE = "qwen2-bpe-3k.json"
+N_MERGES = 3000
+
+# (text, llama token type): CONTROL (3) tokens are not rendered as text; USER_DEFINED (4) are,
+# so the stage detector sees "</think>" in the generated pieces.
+SPECIAL_TOKENS = (
+    ("<|endoftext|>", 3),
+    ("<|im_start|>", 3),
+    ("<|im_end|>", 3),
+    ("<think>", 4),
+    ("</think>", 4),
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Vocab:
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]
+    merges: tuple[str, ...]
+    eos_id: int
+    im_start_id: int
+    im_end_id: int
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def id_of(self, text: str) -> int:
+        return self.tokens.index(text)
+
+
+@lru_cache(maxsize=1)
+def load_vocab() -> Vocab:
+    data = json.loads(resources.files("saem_gguf.data.tokenizer").joinpath(VOCAB_FILE).read_text())
+    tokens = list(data["tokens"])
+    types = [1] * len(tokens)  # NORMAL
+    for text, ttype in SPECIAL_TOKENS:
+        tokens.append(text)
+        types.append(ttype)
+    # pad to a multiple of 64 rows: quantized output/embedding rows tile cleanly
+    while len(tokens) % 64:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(5)  # UNUSED
+    return Vocab(tuple(tokens), tuple(types), tuple(data["merges"]),
+                 eos_id=tokens.index("<|im_end|>"), im_start_id=tokens.index("<|im_start|>"),
+                 im_end_id=tokens.index("<|im_end|>"))
+
+
+def derive(src_gguf: Path, n_merges: int = N_MERGES) -> dict:
+    from gguf import GGUFReader
+
+    r = GGUFReader(src_gguf)
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    merges = r.fields["tokenizer.ggml.merges"].contents()
+    vocab = list(tokens[:256])
+    have = set(vocab)
+    kept = []
+    for m in merges:
+        if len(kept) >= n_merges:
+            break
+        a, b = m.split(" ")
+        if a in have and b in have and (a + b) not in have:
+            kept.append(m)
+            vocab.append(a + b)
+            have.add(a + b)
+    return {"source": "head of Qwen2 vocabulary (ggml-vocab-qwen2.gguf in llama.cpp 0c1e570)",
+            "tokens": vocab, "merges": kept}
+
+
+if __name__ == "__main__":
+    out = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / VOCAB_FILE
+    out.write_text(json.dumps(derive(Path(sys.argv[1])), ensure_ascii=False))
+    print(out)

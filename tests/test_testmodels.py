@@ -1,0 +1,78 @@
+"""Generated test models are real GGUFs: llama.cpp loads them, tokenizes, and decodes greedily."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import ARCH_QUANTS, spec_for
+from saem_gguf.testmodels import ModelSpec, Weights, ensure_model, write_model
+from saem_gguf.testmodels.vocab import load_vocab
+
+PROMPT = "First, compute 12 + 7. Wait, let me verify the sum."
+
+
+def greedy_tokens(llama_cpp, path, n: int = 12) -> list[int]:
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=64, n_threads=2, seed=1,
+                          verbose=False)
+    try:
+        toks = llm.tokenize(PROMPT.encode(), add_bos=False)
+        out = []
+        for t in llm.generate(toks, top_k=1, temp=0.0, reset=True):
+            out.append(t)
+            if len(out) == n:
+                break
+        return out
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch,quant", ARCH_QUANTS + [("qwen3moe", "q4_k")])
+def test_loads_and_greedy_is_deterministic(llama_cpp, arch, quant):
+    path = ensure_model(spec_for(arch, quant))
+    a = greedy_tokens(llama_cpp, path)
+    b = greedy_tokens(llama_cpp, path)
+    assert len(a) == 12 and a == b
+
+
+def test_real_tokenizer_roundtrip(llama_cpp):
+    llm = llama_cpp.Llama(model_path=str(ensure_model(spec_for("qwen3moe", "q8_0"))), n_ctx=64,
+                          verbose=False)
+    try:
+        text = "<think>\nAlternatively, try 3 × 4 = 12 (ünïcode).</think>"
+        toks = llm.tokenize(text.encode(), add_bos=False, special=True)
+        vocab = load_vocab()
+        assert vocab.id_of("<think>") in toks and vocab.id_of("</think>") in toks
+        assert len(toks) < len(text.encode())  # real merges, not bytes
+        assert llm.detokenize(toks).decode() == text
+        tpl = llm.metadata.get("tokenizer.chat_template", "")
+        assert "<|im_start|>" in tpl
+    finally:
+        llm.close()
+
+
+def test_generation_is_seed_deterministic(tmp_path):
+    spec = ModelSpec(arch="qwen2moe", expert_type="q4_0", seed=11)
+    a = write_model(spec, tmp_path / "a.gguf").read_bytes()
+    b = write_model(spec, tmp_path / "b.gguf").read_bytes()
+    c = write_model(ModelSpec(arch="qwen2moe", expert_type="q4_0", seed=12), tmp_path / "c.gguf")
+    assert a == b and a != c.read_bytes()
+
+
+def test_planted_routing_sends_groups_to_their_experts():
+    spec = ModelSpec(arch="qwen3moe", n_expert=16, n_expert_used=4, n_layer=3, seed=5,
+                     planted=((("verify", "check"), 2),))
+    vocab = load_vocab()
+    W = Weights(spec, vocab)
+    emb = W.embedding()
+    x = emb / np.sqrt((emb**2).mean(axis=1, keepdims=True))  # RMSNorm, as the layer input sees it
+    for il in range(spec.n_layer):
+        logits = x @ W.router(il).T
+        top = np.argsort(-logits, axis=1)[:, : spec.n_expert_used]
+        want = np.stack([np.sort(W.group_experts(il, g)) for g in W.token_group])
+        agree = (np.sort(top, axis=1) == want).all(axis=1).mean()
+        assert agree > 0.99, (il, agree)
+    verify = [i for i, t in enumerate(vocab.tokens) if t.replace("Ġ", "").lower() in ("verify", "check")]
+    assert verify and all(W.token_group[i] == 2 for i in verify)
+    # each layer routes a group to a different expert set
+    assert not np.array_equal(W.group_experts(0, 2), W.group_experts(1, 2))
