@@ -104,7 +104,10 @@ def _run_with_progress(cmd: list[str], log: Path, desc: str, quiet: bool) -> Non
     pct = re.compile(r"^\[\s*(\d+)%\]")
     with open(log, "a") as lf:
         lf.write(f"$ {' '.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # relative paths under the cache let ccache share objects between checkouts' build trees
+        env = {**os.environ, "CCACHE_BASEDIR": str(cache_root() / "work")}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
         assert proc.stdout is not None
         for line in proc.stdout:
             lf.write(line)

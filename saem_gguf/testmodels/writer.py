@@ -17,7 +17,7 @@ from saem_gguf.testmodels.spec import ModelSpec
 from saem_gguf.testmodels.vocab import CHATML_TEMPLATE, Vocab, load_vocab
 from saem_gguf.testmodels.weights import Weights
 
-GENERATOR_VERSION = 1  # bump when the bytes written for a given spec change
+GENERATOR_VERSION = 2  # bump when the bytes written for a given spec change
 
 FILE_TYPE = {"f16": 1, "q8_0": 7, "q4_0": 2, "q4_k": 15}  # llama_ftype of the expert tensors
 
@@ -82,7 +82,7 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, arch, vocab: Vocab, nam
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(spec.n_embd)
     w.add_block_count(spec.n_layer)
-    w.add_feed_forward_length(spec.n_ff_dense)
+    w.add_feed_forward_length(arch.feed_forward_length(spec))
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(1e-6)

@@ -20,6 +20,10 @@ class ArchDef:
     def hparams(self, w, spec: ModelSpec) -> None:  # w: gguf.GGUFWriter
         """Architecture-specific metadata beyond the common keys."""
 
+    def feed_forward_length(self, spec: ModelSpec) -> int:
+        """{arch}.feed_forward_length: the dense FFN size (some architectures use it for experts)."""
+        return spec.n_ff_dense
+
     def layer(self, add: AddTensor, W: Weights, il: int) -> None:
         raise NotImplementedError
 
