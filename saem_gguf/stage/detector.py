@@ -1,0 +1,210 @@
+"""The engine-facing streaming stage detector: cue matcher + optional implicit detector.
+
+One ``feed`` per decode step: the text piece (and, when routing is tracked, the top-k expert
+ids [L, K]) of the token each active sequence just produced. A boundary is a cue, or (with
+``use_implicit``) a routing shift; with both on, the shift must be ``combined_scale`` times
+stronger, since cues already catch the explicit transitions. Either kind restarts the other's
+stage, and one minimum stage length applies to both.
+
+When routing is tracked the detector also keeps each sequence's current-stage expert
+histogram and, at each boundary, the completed stage's histogram: what the planner aggregates
+across the batch (coherence.aggregate_stage) to pick the next stage's resident experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+from numba import njit
+
+from saem_gguf.errors import SaemError
+from saem_gguf.stage.cues import CueSet
+from saem_gguf.stage.implicit import ImplicitConfig, ImplicitDetector
+from saem_gguf.stage.matcher import CueMatcher
+
+if TYPE_CHECKING:
+    from saem_gguf.stage.calibrate import Profile
+
+
+@dataclass
+class DetectorConfig:
+    min_stage_tokens: int = 32  # no boundary within this many tokens of the previous one
+    use_cues: bool = True
+    use_implicit: bool = False
+    implicit: ImplicitConfig = field(default_factory=ImplicitConfig)
+    # With cues on, an implicit boundary needs a shift this many times the implicit thresholds.
+    combined_scale: float = 1.5
+
+
+class StageEvent(NamedTuple):
+    seq: int
+    token: int  # token index at which the boundary was detected; the new stage starts here
+    source: str  # "cue" | "implicit"
+    cue_id: int  # -1 for implicit
+    cue: str  # cue text, "" for implicit
+    score: float  # implicit: excess divergence when it fired; cue: 0.0
+
+
+@njit(cache=True)
+def _add_routing(hist, seq_idx, experts):
+    E = hist.shape[2]
+    for j in range(seq_idx.shape[0]):
+        i = seq_idx[j]
+        for l in range(experts.shape[1]):
+            for k in range(experts.shape[2]):
+                e = experts[j, l, k]
+                if 0 <= e < E:
+                    hist[i, l, e] += 1
+
+
+class StageDetector:
+    """Per-sequence stage detection for ``n_seq`` slots (one token per slot per ``feed``).
+
+    Routing is tracked when ``n_layer``, ``n_expert`` and ``top_k`` are given; then ``feed``
+    needs the experts of each token, and implicit detection and stage histograms are available.
+    """
+
+    def __init__(self, n_seq: int, cues: CueSet | None = None, config: DetectorConfig | None = None, *,
+                 n_layer: int = 0, n_expert: int = 0, top_k: int = 0):
+        self.config = cfg = config or DetectorConfig()
+        if cfg.min_stage_tokens < 0 or cfg.combined_scale <= 0:
+            raise SaemError(f"bad detector config: {cfg}")
+        if n_seq < 1:
+            raise SaemError("n_seq must be >= 1")
+        self.n_seq = n_seq
+        self.matcher: CueMatcher | None = None
+        if cfg.use_cues:
+            if cues is None or len(cues) == 0:
+                raise SaemError("use_cues needs a non-empty cue set")
+            self.matcher = CueMatcher(cues, n_seq, cfg.min_stage_tokens)
+        self.cues = cues
+        self.tracks_routing = n_layer > 0
+        if cfg.use_implicit and not self.tracks_routing:
+            raise SaemError("implicit detection needs the routing shape (n_layer, n_expert, top_k)")
+        if not cfg.use_cues and not cfg.use_implicit:
+            raise SaemError("the detector needs cues, implicit detection, or both")
+        self.implicit: ImplicitDetector | None = None
+        self.shape = (n_layer, n_expert, top_k)
+        if self.tracks_routing:
+            if min(n_expert, top_k) < 1:
+                raise SaemError(f"bad routing shape: n_layer={n_layer} n_expert={n_expert} top_k={top_k}")
+            if cfg.use_implicit:
+                icfg = replace(cfg.implicit, min_stage_tokens=cfg.min_stage_tokens)
+                self.implicit = ImplicitDetector(n_seq, n_layer, n_expert, top_k, icfg)
+            self._stage = np.zeros((n_seq, n_layer, n_expert), np.int64)
+            self._completed = np.zeros((n_seq, n_layer, n_expert), np.int64)
+        self._scale = cfg.combined_scale if (cfg.use_cues and cfg.use_implicit) else 1.0
+        self._stage_start = np.zeros(n_seq, np.int64)
+
+    @classmethod
+    def from_profile(cls, profile: Profile, n_seq: int, *, use_implicit: bool | None = None,
+                     track_routing: bool = True) -> StageDetector:
+        """A detector configured by a calibration profile (its cues and thresholds)."""
+        sig = profile.signature
+        use_imp = profile.implicit is not None if use_implicit is None else use_implicit
+        cfg = DetectorConfig(
+            min_stage_tokens=int(profile.thresholds.get("min_stage_tokens", 32)),
+            use_cues=len(profile.cues) > 0,
+            use_implicit=use_imp,
+            implicit=profile.implicit or ImplicitConfig(),
+        )
+        shape = dict(n_layer=sig.n_layer, n_expert=sig.n_expert, top_k=sig.n_expert_used) if (
+            track_routing or use_imp) else {}
+        return cls(n_seq, profile.cues if len(profile.cues) else None, cfg, **shape)
+
+    def reset(self, seq: int, start_token: int = 0) -> None:
+        """A new sequence in slot ``seq``; its next token has index ``start_token``."""
+        self._check_slot(seq)
+        if self.matcher is not None:
+            self.matcher.reset(seq, start_token)
+        if self.implicit is not None:
+            self.implicit.reset(seq, start_token)
+        if self.tracks_routing:
+            self._stage[seq] = 0
+            self._completed[seq] = 0
+        self._stage_start[seq] = start_token
+
+    def _check_slot(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq:
+            raise SaemError(f"sequence slot {seq} out of range 0..{self.n_seq - 1}")
+
+    def feed(self, seq_idx, pieces: Sequence[bytes] | None = None,
+             experts: np.ndarray | None = None) -> list[StageEvent]:
+        """Consume one token for each slot in ``seq_idx`` (distinct slots): its text piece and,
+        when routing is tracked, its experts [B, L, K]. Returns the boundaries found."""
+        seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
+        B = seq_idx.shape[0]
+        if B == 0:
+            return []
+        if B > 1 and self.matcher is not None and self.tracks_routing:
+            # Cue and routing events are merged per slot after both kernels ran; that is only
+            # well-defined when each slot advances by exactly one token.
+            if len(set(seq_idx.tolist())) != B:
+                raise SaemError("feed: a sequence slot appears twice in one step")
+        events: list[StageEvent] = []
+        if self.matcher is not None:
+            if pieces is None:
+                raise SaemError("feed: this detector matches cues and needs the token pieces")
+            mev = self.matcher.feed(seq_idx, pieces)
+            if len(mev):
+                for s, c, t in mev.tuples():
+                    events.append(StageEvent(s, t, "cue", c, self.cues[c].text, 0.0))
+                    self._boundary(s, t)
+        if self.tracks_routing:
+            if experts is None:
+                raise SaemError("feed: this detector tracks routing and needs the experts [B, L, K]")
+            experts = np.asarray(experts)
+            if experts.shape != (B, *self.shape[:1], self.shape[2]):
+                raise SaemError(f"feed: experts must be [{B}, {self.shape[0]}, {self.shape[2]}], got {experts.shape}")
+            if experts.dtype != np.int16:
+                experts = experts.astype(np.int16)
+            if self.implicit is not None:
+                iev = self.implicit.update(seq_idx, experts, self._scale)
+                for s, t, x in zip(iev.seq.tolist(), iev.token.tolist(), iev.score.tolist()):
+                    events.append(StageEvent(s, t, "implicit", -1, "", float(x)))
+                    self._boundary(s, t, implicit=True)
+                    if self.matcher is not None:
+                        self.matcher.mark_boundary(s, t)
+            # The boundary token's routing opens the new stage.
+            _add_routing(self._stage, seq_idx, experts)
+        return events
+
+    def _boundary(self, s: int, t: int, implicit: bool = False) -> None:
+        self._stage_start[s] = t
+        if self.tracks_routing:
+            self._completed[s] = self._stage[s]
+            self._stage[s] = 0
+        if self.implicit is not None and not implicit:
+            self.implicit.new_stage(s, t)  # a cue restarts the routing statistics too
+
+    def flush(self, seq: int) -> list[StageEvent]:
+        """End of sequence: confirms a cue still waiting for its right boundary."""
+        self._check_slot(seq)
+        if self.matcher is None:
+            return []
+        out = []
+        for s, c, t in self.matcher.flush(seq).tuples():
+            out.append(StageEvent(s, t, "cue", c, self.cues[c].text, 0.0))
+            self._boundary(s, t)
+        return out
+
+    def stage_start(self, seq: int) -> int:
+        """Token index where slot ``seq``'s current stage began."""
+        return int(self._stage_start[seq])
+
+    def stage_histogram(self, seq: int) -> np.ndarray:
+        """int64 [L, E]: expert usage of slot ``seq``'s current stage so far."""
+        self._need_routing()
+        return self._stage[seq].copy()
+
+    def completed_histogram(self, seq: int) -> np.ndarray:
+        """int64 [L, E]: expert usage of slot ``seq``'s last completed stage."""
+        self._need_routing()
+        return self._completed[seq].copy()
+
+    def _need_routing(self) -> None:
+        if not self.tracks_routing:
+            raise SaemError("this detector does not track routing (construct it with n_layer, n_expert, top_k)")

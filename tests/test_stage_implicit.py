@@ -1,0 +1,151 @@
+"""Implicit (routing-shift) stage detection and the combined detector on routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from saem_gguf.errors import SaemError
+from saem_gguf.stage import CueSet, DetectorConfig, ImplicitConfig, ImplicitDetector, StageDetector, detect_trace
+from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
+
+
+def reference_D(w: np.ndarray, r: np.ndarray) -> float:
+    """D from scratch: mean over layers of (N*JS_pi - Miller-Madow term) / Nw."""
+    vals = []
+    for wl, rl in zip(w.astype(float), r.astype(float)):
+        c = wl + rl
+        Nw, Nr, N = wl.sum(), rl.sum(), c.sum()
+
+        def H(x, n):
+            p = x[x > 0] / n
+            return -(p * np.log(p)).sum()
+
+        js = H(c, N) - Nw / N * H(wl, Nw) - Nr / N * H(rl, Nr)
+        mm = ((wl > 0).sum() + (rl > 0).sum() - (c > 0).sum() - 1) / 2
+        vals.append((N * js - mm) / Nw)
+    return float(np.mean(vals))
+
+
+def test_incremental_statistic_matches_recomputation():
+    rng = np.random.default_rng(1)
+    L, E, K = 4, 16, 3
+    cfg = ImplicitConfig(window=5, min_ref=3)
+    det = ImplicitDetector(2, L, E, K, cfg, detect=False)
+    for step in range(60):
+        ex = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(2)])
+        det.update(np.array([0, 1]), ex.astype(np.int16))
+        if step == 30:
+            det.new_stage(1, det.n_tokens(1))
+        for i in range(2):
+            nw, nr = int(det.state[i, 3]), int(det.state[i, 4])
+            assert det.w[i].sum() == nw * L * K and det.r[i].sum() == nr * L * K
+            if nw == 5 and nr >= 1:
+                assert det.raw_score(i) == pytest.approx(reference_D(det.w[i], det.r[i]), abs=1e-9)
+            np.testing.assert_array_equal(det.stage_histogram(i), det.w[i] + det.r[i])
+
+
+def planted_recall(events_tokens: np.ndarray, starts: np.ndarray, within: int = 32) -> tuple[int, int]:
+    hits = sum(1 for b in starts if np.any((events_tokens >= b) & (events_tokens <= b + within)))
+    return hits, len(starts)
+
+
+def test_finds_planted_shifts_and_no_false_alarms_on_stationary_routing():
+    # Default synthetic routing (48 x 128, top-8); stages keep the paper's 55+ token minimum.
+    staged = make_stage_traces(SyntheticConfig(n_sequences=8, seed=5, with_text=False))
+    hits = total = false = 0
+    for s in staged.sequences:
+        ev = detect_trace(s.experts, 128)
+        h, t = planted_recall(ev.token, s.stage_starts[1:])
+        hits, total = hits + h, total + t
+        false += sum(1 for x in ev.token if not np.any((x >= s.stage_starts[1:]) & (x <= s.stage_starts[1:] + 32)))
+    assert total >= 30
+    assert hits / total >= 0.9, (hits, total)
+
+    still = make_stage_traces(SyntheticConfig(n_sequences=5, seed=6, with_text=False, stationary=True))
+    n_tok = sum(s.n_tokens for s in still.sequences)
+    alarms = sum(len(detect_trace(s.experts, 128)) for s in still.sequences)
+    assert n_tok >= 10000
+    assert alarms / n_tok * 1000 <= 1.0, (alarms, n_tok)
+    # Spurious events on the staged traces (outside any planted boundary's window) are rare too.
+    assert false / sum(s.n_tokens for s in staged.sequences) * 1000 <= 1.0
+
+
+def test_hysteresis_and_minimum_stage_length():
+    # Two abrupt shifts 200 tokens apart: exactly one event each, none in between.
+    cfg = SyntheticConfig(n_layer=16, n_expert=64, top_k=4, n_sequences=1, seed=2, with_text=False, n_stages=3,
+                          coherence=0.0, stage_len_min=200, stage_len_max=200)
+    s = make_stage_traces(cfg).sequences[0]
+    ev = detect_trace(s.experts, 64)
+    starts = s.stage_starts[1:]
+    assert len(ev) == 2
+    assert all(0 <= t - b <= 32 for t, b in zip(ev.token.tolist(), starts.tolist()))
+    # A minimum stage length longer than the stages suppresses the second boundary.
+    ev2 = detect_trace(s.experts, 64, ImplicitConfig(min_stage_tokens=300))
+    assert len(ev2) == 1
+
+
+def test_batch_equals_one_at_a_time():
+    ts = make_stage_traces(SyntheticConfig(n_layer=8, n_expert=32, top_k=4, n_sequences=3, seed=7,
+                                           with_text=False, coherence=0.2, stage_len_scale=0.5))
+    seqs = ts.sequences
+    solo = [(i, t) for i, s in enumerate(seqs) for t in detect_trace(s.experts, 32).token.tolist()]
+    det = ImplicitDetector(3, 8, 32, 4)
+    got = []
+    for step in range(max(s.n_tokens for s in seqs)):
+        idx = [i for i, s in enumerate(seqs) if step < s.n_tokens]
+        ex = np.stack([seqs[i].experts[step] for i in idx])
+        ev = det.update(np.array(idx), ex)
+        got += list(zip(ev.seq.tolist(), ev.token.tolist()))
+    assert sorted(got) == sorted(solo)
+    assert len(solo) >= 3
+
+
+def test_detector_combines_cues_and_routing():
+    # Half of the boundaries carry a cue, half are implicit: together they find nearly all.
+    cfg = SyntheticConfig(n_sequences=4, seed=8, cue_prob=0.5)
+    ts = make_stage_traces(cfg)
+    cues = CueSet.load("general")
+    det = StageDetector(4, cues, DetectorConfig(min_stage_tokens=16, use_implicit=True, combined_scale=1.0),
+                        n_layer=48, n_expert=128, top_k=8)
+    seqs = ts.sequences
+    events = []
+    for step in range(max(s.n_tokens for s in seqs)):
+        idx = [i for i, s in enumerate(seqs) if step < s.n_tokens]
+        events += det.feed(np.array(idx), [seqs[i].pieces[step] for i in idx],
+                           np.stack([seqs[i].experts[step] for i in idx]))
+    hits = total = 0
+    kinds = set()
+    for i, (s, planted) in enumerate(zip(seqs, ts.meta["boundary_cues"])):
+        toks = np.array([e.token for e in events if e.seq == i])
+        h, t = planted_recall(toks, s.stage_starts[1:])
+        hits, total = hits + h, total + t
+        for b, cue in zip(s.stage_starts[1:], planted[1:]):
+            near = [e for e in events if e.seq == i and 0 <= e.token - b <= 32]
+            if near:
+                kinds.add((cue is not None, near[0].source))
+    assert hits / total >= 0.85, (hits, total)
+    assert (True, "cue") in kinds and (False, "implicit") in kinds
+    # Stage histograms: the completed stage of the last event, and the running one.
+    e = events[-1]
+    h = det.completed_histogram(e.seq)
+    assert h.shape == (48, 128) and h.sum() > 0 and h.sum() % (48 * 8) == 0
+    s = seqs[e.seq]
+    cur = det.stage_histogram(e.seq)
+    assert cur.sum() == (s.n_tokens - det.stage_start(e.seq)) * 48 * 8
+
+
+def test_detector_input_checks():
+    det = StageDetector(2, CueSet.load("general"), DetectorConfig(use_implicit=True), n_layer=2, n_expert=8,
+                        top_k=2)
+    ex = np.zeros((2, 2, 2), np.int16)
+    with pytest.raises(SaemError, match="twice"):
+        det.feed(np.array([1, 1]), [b"a", b"b"], ex)
+    with pytest.raises(SaemError, match="experts"):
+        det.feed(np.array([0]), [b"a"])
+    with pytest.raises(SaemError, match="experts must be"):
+        det.feed(np.array([0]), [b"a"], np.zeros((1, 3, 2), np.int16))
+    with pytest.raises(SaemError):
+        StageDetector(2, None, DetectorConfig(use_cues=False, use_implicit=True))  # no routing shape
+    with pytest.raises(SaemError):
+        ImplicitConfig(high=0.01, low=0.1).validate()
