@@ -1,0 +1,183 @@
+"""`simulate`: replay routing traces under each placement policy x ECR x batch size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from saem_gguf.errors import SaemError
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from saem_gguf.costmodel import DEFAULT_HW, HW_PRESETS, MODEL_PRESETS
+    from saem_gguf.policies import DEFAULT_POLICIES, POLICIES
+
+    p = sub.add_parser(
+        "simulate", help="replay routing traces under placement policies (hit rate, Load, tokens/s)",
+        description="Replay routing traces under each policy x expert cache ratio x batch size and report "
+                    "hit rate, adjusted hit rate, Load (MB/token), transfers, CPU-executed expert-tokens and "
+                    "estimated tokens/s from a hardware cost model. Policies: " + ", ".join(POLICIES) + ".")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", metavar="T", help="trace file (.npz) to replay")
+    src.add_argument("--synthetic", action="store_true", help="generate synthetic stage-structured traces")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="comma-separated policy names, or 'all' (default: %(default)s)")
+    p.add_argument("--ecr", type=_floats, default=(3.125, 6.25, 12.5, 25.0, 50.0),
+                   help="expert cache ratios in %% of each layer's experts (default: 3.125,6.25,12.5,25,50)")
+    p.add_argument("--batch", type=_ints, default=(1,), help="batch sizes, comma-separated (default: 1)")
+    p.add_argument("--hw", default=DEFAULT_HW,
+                   help=f"hardware: {', '.join(HW_PRESETS)}, measure[:PRESET] (CPU side measured here) "
+                        "or FILE.json (default: %(default)s)")
+    p.add_argument("--overlap", action="store_true",
+                   help="CPU and GPU experts of a layer run concurrently (the paper's runtime; the engine's "
+                        "phase-1 native layer runs them one after the other)")
+    p.add_argument("--copy-barrier", action="store_true",
+                   help="each decode step waits for every copy issued before it (the engine's phase-1 native "
+                        "layer: one copy event per step) instead of per-slot readiness")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None,
+                   help="model shape for the cost model (default: the preset matching the trace's routing shape)")
+    p.add_argument("--quant", default=None, help="quant type of the experts, e.g. Q4_K, Q8_0, BF16 (default: Q4_K)")
+    p.add_argument("--calib-trace", metavar="FILE", help="calibration traces (default: hold out --calib-frac)")
+    p.add_argument("--calib-frac", type=float, default=0.25,
+                   help="share of --trace's sequences held out for calibration (default: %(default)s)")
+    p.add_argument("--events", choices=("detector", "cued", "all", "none"), default="detector",
+                   help="stage events: run the stage detector over the traces' text and routing (default), "
+                        "the recorded boundaries that carry a text cue, all recorded boundaries, or none")
+    p.add_argument("--cues", default="general",
+                   help="cue set of the stage detector: a built-in name or a cue JSON file (default: %(default)s)")
+    p.add_argument("--plot", metavar="FILE.png", help="write hit rate / tokens/s vs ECR plots")
+    p.add_argument("--json", metavar="OUT", help="write all results as JSON ('-' for stdout)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no table")
+    g = p.add_argument_group("synthetic traces (with --synthetic)")
+    g.add_argument("--seqs", type=int, default=8, help="sequences to replay (default: %(default)s)")
+    g.add_argument("--calib-seqs", type=int, default=4,
+                   help="calibration sequences, generated with another seed (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--skew", type=float, default=None, help="Zipf exponent of stage affinities")
+    g.add_argument("--coherence", type=float, default=None, help="affinity share kept across a boundary")
+    g.add_argument("--stage-scale", type=float, default=None, help="multiplies stage lengths")
+    g.add_argument("--cue-prob", type=float, default=None, help="share of boundaries that carry a text cue")
+    g.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence")
+    g.add_argument("--stationary", action="store_true", help="one stage per sequence, no cues (null model)")
+    g.add_argument("--layers", type=int, default=None)
+    g.add_argument("--experts", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    p.set_defaults(func=run)
+
+
+def _synthetic(args):
+    try:
+        from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
+    except ImportError as e:  # pragma: no cover - module is part of the package
+        raise SaemError(f"synthetic traces are not available ({e})") from None
+    kw = {}
+    for a, f in (("skew", "skew"), ("coherence", "coherence"), ("stage_scale", "stage_len_scale"),
+                 ("cue_prob", "cue_prob"), ("prompt_len", "prompt_len"), ("layers", "n_layer"),
+                 ("experts", "n_expert"), ("top_k", "top_k")):
+        v = getattr(args, a)
+        if v is not None:
+            kw[f] = v
+    if args.seqs < 1:
+        raise SaemError("--seqs must be >= 1")
+    base = SyntheticConfig(n_sequences=args.seqs, seed=args.seed, stationary=args.stationary, **kw)
+    ts = make_stage_traces(base)
+    calib = None
+    if args.calib_seqs > 0:
+        import dataclasses
+
+        calib = make_stage_traces(dataclasses.replace(base, n_sequences=args.calib_seqs, seed=args.seed + 1_000_003))
+    return ts, calib
+
+
+def run(args: argparse.Namespace) -> int:
+    from saem_gguf.policies import POLICIES
+    from saem_gguf.simulator import SimConfig, default_cost, simulate, split_calibration
+    from saem_gguf.trace import load_traces
+
+    pols = tuple(POLICIES) if args.policies.strip() == "all" else tuple(
+        x.strip() for x in args.policies.split(",") if x.strip())
+    unknown = [x for x in pols if x not in POLICIES]
+    if unknown:
+        raise SaemError(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+    if not pols:
+        raise SaemError("no policy to simulate")
+    if not args.ecr or any(not 0 < e <= 100 for e in args.ecr):
+        raise SaemError("--ecr values must be in (0, 100]")
+    if not args.batch or any(b < 1 for b in args.batch):
+        raise SaemError("--batch values must be >= 1")
+
+    if args.synthetic:
+        ts, calib = _synthetic(args)
+        source = "synthetic" + (" (stationary)" if args.stationary else "")
+    else:
+        ts = load_traces(args.trace)
+        source = args.trace
+        if args.calib_trace:
+            calib = load_traces(args.calib_trace, expect=ts.signature)
+        else:
+            if not 0 <= args.calib_frac < 1:
+                raise SaemError("--calib-frac must be in [0, 1)")
+            ts, calib = split_calibration(ts, args.calib_frac)
+
+    from saem_gguf.costmodel import get_hw
+
+    hw = get_hw(args.hw)
+    if args.overlap:
+        hw = hw.replace(cpu_gpu_overlap=True)
+    if args.copy_barrier:
+        hw = hw.replace(copy_barrier=True)
+    cost = default_cost(ts, hw, args.model, args.quant)
+    cfg = SimConfig(policies=pols, ecrs=tuple(args.ecr), batches=tuple(args.batch), events=args.events,
+                    cues=args.cues)
+    n_runs = len(pols) * len(cfg.ecrs) * len(cfg.batches)
+
+    from tqdm import tqdm
+
+    with tqdm(total=n_runs, file=sys.stderr, disable=args.quiet, unit="run", desc="simulate") as bar:
+        res = simulate(ts, cfg, cost, calib=calib, progress=bar.update)
+    res.info["source_name"] = source
+
+    if not args.quiet:
+        d = cost.describe()
+        n_tok = sum(s.n_tokens - s.prompt_len for s in ts.sequences)
+        print(f"traces: {source}: {len(ts.sequences)} sequences, {n_tok} decode tokens, "
+              f"{res.info['calibration_sequences']} calibration sequences")
+        print(f"cost: {d['model']} on {hw.name}: expert {cost.expert_bytes / 1e6:.2f} MB, transfer "
+              f"{d['transfer_us']:.0f} us, GPU {d['gpu_expert_us_1tok']:.1f} us/expert, CPU "
+              f"{d['cpu_expert_us_1tok']:.1f} us/expert at 1 token; CPU beats transfer below "
+              f"{d['crossover_tokens'] or '>4096'} tokens; CPU/GPU overlap {'on' if hw.cpu_gpu_overlap else 'off'}; "
+              f"copies {'block the next step' if hw.copy_barrier else 'ready per slot'}")
+        print()
+        print(res.table())
+    if args.json:
+        text = json.dumps(res.to_json(), indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            try:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError as e:
+                raise SaemError(f"{args.json}: cannot write ({e.strerror or e})") from None
+    if args.plot:
+        from saem_gguf.plots import plot_results
+
+        plot_results(res, args.plot, title=f"{source}: {cost.model} on {hw.name}")
+        if not args.quiet:
+            print(f"plot: {args.plot}")
+    return 0

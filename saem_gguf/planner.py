@@ -1,0 +1,116 @@
+"""SAEM's placement planner: rank each layer's experts by a usage profile and fill the slots,
+and the per-expert rule that decides between in-place CPU execution and a transfer.
+
+The ranking runs at every stage boundary on [L, E] arrays (48 x 128 for Qwen3-30B-A3B), so
+it is one Numba kernel that writes the copies and evictions straight into preallocated rows;
+bench/bench_planner.py times it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from typing import TYPE_CHECKING
+
+from saem_gguf.costmodel import t_cpu, t_gpu, t_xfer
+
+if TYPE_CHECKING:  # policies.base imports this module's users; import it lazily at run time
+    from saem_gguf.policies.base import CacheState, ResidencyPlan
+
+
+@njit(cache=True)
+def cpu_wins(n_tokens, link_wait, cost):
+    """The paper's rule: run a non-resident expert where its latency is lower. Moving it costs
+    the wait for the link, the copy and the GPU run; the CPU runs it where it lies. With few
+    tokens the CPU's weight read beats the copy, so the CPU wins."""
+    return t_cpu(n_tokens, cost) <= link_wait + t_xfer(cost) + t_gpu(n_tokens, cost)
+
+
+@njit(cache=True)
+def rank_fill_kernel(scores, n_slots, slot_of, owner, copies, evicts):
+    """Per layer: the target set is the n_slots[l] experts of highest score; ties at the cut go
+    to experts already resident (no churn for equal evidence), then to lower ids. Experts with
+    score <= 0 are never copied in (no evidence: leave the slot as it is). Evictions free the
+    slots of residents that leave; entrants fill free slots in decreasing score order, layer by
+    layer (layer 0 first: the next step needs it first). Returns (n_copies, n_evictions)."""
+    L, E = scores.shape
+    nc = 0
+    ne = 0
+    key = np.empty(E, np.float64)
+    want = np.zeros(E, np.bool_)
+    for l in range(L):
+        S = n_slots[l]
+        if S <= 0:
+            continue
+        # Residents get a sub-ulp-scale bonus via a two-key sort: sort by (-score, !resident, id).
+        for e in range(E):
+            key[e] = -scores[l, e]
+        order = np.argsort(key, kind="mergesort")
+        take = min(S, E)
+        thr = scores[l, order[take - 1]]
+        n_in = 0
+        for e in range(E):
+            want[e] = False
+        for i in range(E):
+            e = order[i]
+            if scores[l, e] > thr:
+                want[e] = True
+                n_in += 1
+        # fill the remaining places at the threshold: residents first, then by id
+        for pass_res in (True, False):
+            for e in range(E):
+                if n_in >= take:
+                    break
+                if not want[e] and scores[l, e] == thr and (slot_of[l, e] >= 0) == pass_res:
+                    if thr <= 0.0 and slot_of[l, e] < 0:
+                        continue
+                    want[e] = True
+                    n_in += 1
+        for e in range(E):
+            if want[e] and scores[l, e] <= 0.0 and slot_of[l, e] < 0:
+                want[e] = False
+        # evictions: residents not wanted
+        for s in range(S):
+            e = owner[l, s]
+            if e >= 0 and not want[e]:
+                evicts[ne, 0] = l
+                evicts[ne, 1] = e
+                evicts[ne, 2] = s
+                ne += 1
+        # copies: wanted non-residents, best first, into slots freed above or free before
+        free_ptr = 0
+        for i in range(E):
+            e = order[i]
+            if not want[e] or slot_of[l, e] >= 0:
+                continue
+            while free_ptr < S:
+                o = owner[l, free_ptr]
+                if o < 0 or not want[o]:
+                    break
+                free_ptr += 1
+            copies[nc, 0] = l
+            copies[nc, 1] = e
+            copies[nc, 2] = free_ptr
+            nc += 1
+            free_ptr += 1
+    return nc, ne
+
+
+def plan_from_scores(state: "CacheState", scores: np.ndarray, reason: str = "", proactive: bool = True) -> "ResidencyPlan":
+    """The plan that makes each layer's residents its top-scoring experts (see rank_fill_kernel)."""
+    from saem_gguf.policies.base import ResidencyPlan
+
+    scores = np.ascontiguousarray(scores, np.float64)
+    L, E = state.slot_of.shape
+    if scores.shape != (L, E):
+        raise ValueError(f"scores shape {scores.shape} != {(L, E)}")
+    cap = int(state.n_slots.sum())
+    copies = np.empty((cap, 3), np.int32)
+    evicts = np.empty((cap, 3), np.int32)
+    nc, ne = rank_fill_kernel(scores, state.n_slots, state.slot_of, state.owner, copies, evicts)
+    target = state.slot_of.copy()
+    target[evicts[:ne, 0], evicts[:ne, 1]] = -1
+    target[copies[:nc, 0], copies[:nc, 1]] = copies[:nc, 2]
+    return ResidencyPlan(copies=copies[:nc].copy(), evictions=evicts[:ne].copy(), proactive=proactive,
+                         target=target, reason=reason)

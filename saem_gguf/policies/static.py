@@ -1,0 +1,70 @@
+"""Placements that never change while decoding: llama.cpp's offload modes and KTransformers-style
+static hot experts. Non-resident experts always run in place on the CPU, as those systems do."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from saem_gguf.policies.base import CacheState, Policy, PolicyContext, ResidencyPlan, RoutingBlock, Accounting
+from saem_gguf.policies.replay import MISS_CPU, new_detector, run_fixed
+
+
+class StaticPolicy(Policy):
+    """Shared replay: fixed residency, misses on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._det = new_detector(False)
+
+    def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:
+        run_fixed(block.routing, s0, s1, block.step0, state.slot_of, state.ready_at, self.ctx.cost.array,
+                  MISS_CPU, acct.clock, acct.counters, self._det, acct.log, acct.log_n)
+
+
+class CpuMoePolicy(StaticPolicy):
+    name = "cpu-moe"
+    summary = "llama.cpp --cpu-moe: no expert on the GPU, every expert runs on the CPU"
+
+    def slots_for(self, ctx: PolicyContext) -> np.ndarray:
+        return np.zeros(ctx.n_layer, np.int32)
+
+    def initial_plan(self, ctx, state):
+        return None
+
+
+class GpuAllPolicy(StaticPolicy):
+    name = "gpu-all"
+    summary = "every expert resident (upper bound; ignores the budget)"
+
+    def slots_for(self, ctx: PolicyContext) -> np.ndarray:
+        return np.full(ctx.n_layer, ctx.n_expert, np.int32)
+
+    def initial_plan(self, ctx, state):
+        L, E = ctx.n_layer, ctx.n_expert
+        l, e = np.meshgrid(np.arange(L), np.arange(E), indexing="ij")
+        copies = np.stack([l.ravel(), e.ravel(), e.ravel()], axis=1).astype(np.int32)
+        return ResidencyPlan(copies=copies, evictions=np.zeros((0, 3), np.int32), reason="load")
+
+
+class NCpuMoePolicy(StaticPolicy):
+    name = "n-cpu-moe"
+    summary = ("llama.cpp --n-cpu-moe N: the experts of the first N layers stay on the CPU, later layers "
+               "are fully resident; N chosen so the resident bytes fit the budget")
+
+    def slots_for(self, ctx: PolicyContext) -> np.ndarray:
+        n_res = int(ctx.n_slots.sum()) // ctx.n_expert  # whole layers that fit in the same bytes
+        out = np.zeros(ctx.n_layer, np.int32)
+        if n_res:
+            out[ctx.n_layer - n_res:] = ctx.n_expert
+        return out
+
+    def initial_plan(self, ctx, state):
+        rows = [(l, e, e) for l in range(ctx.n_layer) if state.n_slots[l] for e in range(ctx.n_expert)]
+        return ResidencyPlan(copies=np.array(rows, np.int32).reshape(-1, 3),
+                             evictions=np.zeros((0, 3), np.int32), reason="load")
+
+
+class StaticHotPolicy(StaticPolicy):
+    name = "static-hot"
+    summary = "per-layer top experts by calibrated frequency, placed once (KTransformers hot experts)"
+    # initial_plan: Policy's default (calibrated top experts of each layer)

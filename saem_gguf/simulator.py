@@ -1,0 +1,382 @@
+"""Trace-driven simulator: replays routing traces under each policy x ECR x batch size and
+reports the cache metrics of the cache-aware router paper and an estimated decode throughput.
+
+Replay model: sequences are served in batches of B that decode in lockstep (one step decodes
+one token of every unfinished sequence of the batch; batches run one after another and the
+cache carries over). Only decode tokens are replayed; a prompt's routing is known before
+decoding (what SAEM ranks for a request's first placement). Stage events are causal: by
+default the stage detector (saem_gguf.stage) runs over each sequence's text and routing and a
+boundary it reports after token t is acted on before token t + 1 is decoded; alternatively the
+trace's recorded stage starts are used, each known once its cue text has been generated.
+Metrics are defined in docs/POLICIES.md.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from saem_gguf.costmodel import CostModel, HardwareProfile, ModelShape, find_model_shape, get_hw
+from saem_gguf.errors import SaemError
+from saem_gguf.policies import DEFAULT_POLICIES, make_policy
+from saem_gguf.policies.base import (
+    A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_CPU_TOKENS, A_DEMAND, A_EVICT, A_GPU_RUNS, A_HIT, A_HIT_CPU,
+    A_LAYER_STEPS, A_PLANS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, Accounting, PolicyContext,
+    RoutingBlock, budget_slots,
+)
+from saem_gguf.trace import TraceSet, validate_traces
+
+DEFAULT_ECRS: tuple[float, ...] = (3.125, 6.25, 12.5, 25.0, 50.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Traces -> blocks
+
+
+def sequence_cues(ts: TraceSet) -> list[list | None]:
+    """Per sequence, the cue text written at each stage start (None = implicit boundary), when
+    the trace records it (synthetic traces do, in meta["boundary_cues"]); else None."""
+    cues = ts.meta.get("boundary_cues") if isinstance(ts.meta, dict) else None
+    if not isinstance(cues, list) or len(cues) != len(ts.sequences):
+        return [None] * len(ts.sequences)
+    return [c if isinstance(c, list) else None for c in cues]
+
+
+def _event_delay(pieces: list[bytes], p: int, cue: str | None) -> int:
+    """Tokens from a stage start until its cue has been generated (at least 1)."""
+    if not cue:
+        return 1
+    need = len(cue.encode("utf-8"))
+    got = 0
+    j = p
+    while j < len(pieces) and got < need:
+        got += len(pieces[j])
+        j += 1
+    return max(1, j - p)
+
+
+EVENT_MODES = ("detector", "cued", "all", "none")
+
+
+def detector_events(ts: TraceSet, cues: str = "general") -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Per sequence, the tokens after which the stage detector (saem_gguf.stage) reports a
+    boundary, run causally over the text and routing as the engine would: (cue events only,
+    cue + implicit routing-shift events in combined mode). None when the stage detector is not
+    available. A boundary reported at token t is known before token t + 1 is decoded."""
+    try:
+        from saem_gguf.stage import CueSet, DetectorConfig, StageDetector
+    except ImportError:  # pragma: no cover - the package ships it
+        return None
+    sig = ts.signature
+    cue_set = CueSet.load(cues)
+    out = []
+    for sq in ts.sequences:
+        got = []
+        for implicit in (False, True):
+            det = StageDetector(1, cue_set, DetectorConfig(use_implicit=implicit), n_layer=sig.n_layer,
+                                n_expert=sig.n_expert, top_k=sig.n_expert_used)
+            det.reset(0, 0)
+            slot = np.zeros(1, np.int64)
+            toks = []
+            for t in range(sq.n_tokens):
+                toks += [e.token for e in det.feed(slot, sq.pieces[t:t + 1], sq.experts[t:t + 1])]
+            got.append(np.array(sorted(set(toks)), np.int64))
+        out.append((got[0], got[1]))
+    return out
+
+
+def trace_events(ts: TraceSet, mode: str, cues: list | None = None) -> list[np.ndarray]:
+    """Per sequence, the tokens after which a recorded stage start is known (``cued``: those
+    with a text cue when the trace says which, ``all``: every recorded one): a stage start at
+    token p with a cue of n pieces is known after token p + n - 1."""
+    cues = sequence_cues(ts) if cues is None else cues
+    out = []
+    for i, sq in enumerate(ts.sequences):
+        toks = []
+        for j, p in enumerate(np.asarray(sq.stage_starts).tolist()[1:], start=1):
+            cue = None
+            if cues[i] is not None and j < len(cues[i]):
+                cue = cues[i][j]
+                if mode == "cued" and cue is None:
+                    continue  # no text cue: only an implicit detector can see this one
+            toks.append(p + _event_delay(sq.pieces, p, cue) - 1)
+        out.append(np.array(toks, np.int64))
+    return out
+
+
+def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | None = None,
+                 detected: list | None = None) -> list[RoutingBlock]:
+    """Group ``ts``'s sequences into lockstep batches of ``batch`` (the last may be smaller).
+
+    ``events``: ``detector`` (run the stage detector over the text; ``detected`` may pass
+    ``detector_events(ts)`` precomputed), ``cued`` (recorded stage starts that carry a text cue,
+    when the trace says which; all otherwise), ``all`` (every recorded stage start) or ``none``.
+    With ``detector`` the blocks also carry the combined cue + implicit events."""
+    if batch < 1:
+        raise SaemError("batch size must be >= 1")
+    if events not in EVENT_MODES:
+        raise SaemError(f"events must be one of {', '.join(EVENT_MODES)}, got {events!r}")
+    sig = ts.signature
+    L, E, K = sig.n_layer, sig.n_expert, sig.n_expert_used
+    implicit_toks = None
+    if events == "detector":
+        detected = detected if detected is not None else detector_events(ts)
+        if detected is None:
+            raise SaemError("the stage detector (saem_gguf.stage) is not available: use --events cued")
+        known = [d[0] for d in detected]
+        implicit_toks = [d[1] for d in detected]
+    elif events == "none":
+        known = [np.zeros(0, np.int64) for _ in ts.sequences]
+    else:
+        known = trace_events(ts, events, cues)
+    blocks: list[RoutingBlock] = []
+    step0 = 0
+    seqs = ts.sequences
+
+    def to_steps(group, n_dec, per_seq):
+        ev: dict[int, list[int]] = {}
+        for b, i in enumerate(group):
+            p0 = seqs[i].prompt_len
+            for tok in per_seq[i].tolist():
+                step = tok + 1 - p0  # known after token tok -> before the decode step of tok + 1
+                if 0 < step < n_dec[b]:
+                    ev.setdefault(step, []).append(b)
+        steps = sorted(ev)
+        return np.array(steps, np.int32), [np.array(ev[s], np.int32) for s in steps]
+
+    for g0 in range(0, len(seqs), batch):
+        group = list(range(g0, min(len(seqs), g0 + batch)))
+        n_dec = [seqs[i].n_tokens - seqs[i].prompt_len for i in group]
+        S = max(n_dec) if n_dec else 0
+        if S <= 0:
+            continue
+        routing = np.full((S, len(group), L, K), -1, np.int16)
+        prefill = np.zeros((L, E))
+        prefill_tokens = 0
+        for b, i in enumerate(group):
+            sq = seqs[i]
+            p0 = sq.prompt_len
+            routing[: n_dec[b], b] = sq.experts[p0:]
+            if p0:
+                prefill_tokens += p0
+                pr = sq.experts[:p0].astype(np.int64)
+                for l in range(L):
+                    prefill[l] += np.bincount(pr[:, l, :].ravel(), minlength=E)
+        ev_steps, ev_rows = to_steps(group, n_dec, known)
+        imp_steps = to_steps(group, n_dec, implicit_toks)[0] if implicit_toks is not None else None
+        blocks.append(RoutingBlock(routing=routing, event_steps=ev_steps, event_rows=ev_rows,
+                                   prefill_counts=prefill if prefill_tokens else None,
+                                   prefill_tokens=prefill_tokens, step0=step0, implicit_event_steps=imp_steps))
+        step0 += S
+    return blocks
+
+
+def calibration_counts(ts: TraceSet | None, n_layer: int, n_expert: int) -> np.ndarray:
+    """Token-level routing counts [L, E] over every token of ``ts`` (zeros when None)."""
+    out = np.zeros((n_layer, n_expert))
+    if ts is None:
+        return out
+    for sq in ts.sequences:
+        ex = sq.experts.astype(np.int64)
+        for l in range(n_layer):
+            out[l] += np.bincount(ex[:, l, :].ravel(), minlength=n_expert)
+    return out
+
+
+def split_calibration(ts: TraceSet, frac: float) -> tuple[TraceSet, TraceSet | None]:
+    """(replayed, calibration): the last ceil(frac * n) sequences calibrate, the rest replay
+    (held out, like the paper's calibration set). frac 0 -> no calibration."""
+    n = len(ts.sequences)
+    k = int(np.ceil(frac * n)) if frac > 0 else 0
+    if k == 0:
+        return ts, None
+    if k >= n:
+        raise SaemError(f"calibration fraction {frac} leaves no sequence to replay ({n} sequences)")
+    cues = sequence_cues(ts)
+    meta_r = dict(ts.meta)
+    meta_r["boundary_cues"] = cues[: n - k]
+    rep = TraceSet(signature=ts.signature, sequences=ts.sequences[: n - k], source=ts.source, meta=meta_r)
+    cal = TraceSet(signature=ts.signature, sequences=ts.sequences[n - k:], source=ts.source, meta={})
+    return rep, cal
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclass
+class SimConfig:
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    ecrs: tuple[float, ...] = DEFAULT_ECRS  # percent
+    batches: tuple[int, ...] = (1,)
+    events: str = "detector"
+    cues: str = "general"  # cue set of the stage detector (events="detector")
+
+
+def metrics(acc: np.ndarray, clock: np.ndarray, cost: CostModel) -> dict:
+    """The reported metrics from a run's counters (definitions: docs/POLICIES.md)."""
+    A = max(acc[A_ACCESS], 1.0)
+    tok = max(acc[A_TOKENS], 1.0)
+    t = float(clock[0])
+    return {
+        "hit_rate": acc[A_HIT] / A,
+        "adj_hit_rate": (acc[A_HIT] - acc[A_PROACTIVE]) / A,
+        "load_mb_per_token": acc[A_BYTES] / 1e6 / tok,
+        "bytes": float(acc[A_BYTES]),
+        "transfers": int(acc[A_DEMAND] + acc[A_PROACTIVE]),
+        "demand_transfers": int(acc[A_DEMAND]),
+        "proactive_transfers": int(acc[A_PROACTIVE]),
+        "temp_transfers": int(acc[A_TEMP]),
+        "async_loads": int(acc[A_ASYNC]),
+        "evictions": int(acc[A_EVICT]),
+        "cpu_expert_tokens": int(acc[A_CPU_TOKENS]),
+        "cpu_expert_runs": int(acc[A_CPU_RUNS]),
+        "gpu_expert_runs": int(acc[A_GPU_RUNS]),
+        "hits_run_on_cpu": int(acc[A_HIT_CPU]),
+        "cpu_share": acc[A_CPU_TOKENS] / A,
+        "placements": int(acc[A_PLANS]),
+        "accesses": int(acc[A_ACCESS]),
+        "tokens": int(acc[A_TOKENS]),
+        "steps": int(acc[A_STEPS]),
+        "stall_s": float(acc[A_STALL]),
+        "time_s": t,
+        "tok_s": acc[A_TOKENS] / t if t > 0 else 0.0,
+        "layer_steps": int(acc[A_LAYER_STEPS]),
+    }
+
+
+def run_policy(name: str, blocks: list[RoutingBlock], ctx: PolicyContext, policy_kwargs: dict | None = None) -> dict:
+    """Replay every block under one policy; returns metrics plus wall time."""
+    pol = make_policy(name, **(policy_kwargs or {}))
+    state = pol.start(ctx)
+    acct = Accounting()
+    t0 = time.perf_counter()
+    for blk in blocks:
+        pol.begin_group(blk, state, acct)
+        pol.run_steps(blk, 0, blk.n_steps, state, acct)
+    wall = time.perf_counter() - t0
+    m = metrics(acct.counters, acct.clock, ctx.cost)
+    m["wall_s"] = wall
+    m["slots_per_layer_used"] = float(state.n_slots.mean())
+    return m
+
+
+@dataclass
+class SimResult:
+    rows: list[dict] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    def select(self, **kw) -> list[dict]:
+        return [r for r in self.rows if all(r.get(k) == v for k, v in kw.items())]
+
+    def to_json(self) -> dict:
+        return {"info": self.info, "rows": self.rows}
+
+    def table(self, columns: tuple[str, ...] = ("hit_rate", "adj_hit_rate", "load_mb_per_token", "cpu_share",
+                                                 "tok_s")) -> str:
+        """Readable table: one block per batch size, one row per policy, ECRs across."""
+        out = []
+        heads = {"hit_rate": "hit %", "adj_hit_rate": "adj hit %", "load_mb_per_token": "MB/tok",
+                 "cpu_share": "CPU %", "tok_s": "tok/s"}
+        batches = sorted({r["batch"] for r in self.rows})
+        ecrs = sorted({r["ecr"] for r in self.rows})
+        pols = list(dict.fromkeys(r["policy"] for r in self.rows))
+        for B in batches:
+            out.append(f"batch {B}")
+            for col in columns:
+                h = f"  {heads.get(col, col):<14}" + "".join(f"{f'ECR {e:g}%':>11}" for e in ecrs)
+                out.append(h)
+                for p in pols:
+                    cells = []
+                    for e in ecrs:
+                        rr = self.select(batch=B, ecr=e, policy=p)
+                        if not rr:
+                            cells.append(f"{'-':>11}")
+                            continue
+                        v = rr[0][col]
+                        if col in ("hit_rate", "adj_hit_rate", "cpu_share"):
+                            cells.append(f"{100 * v:>11.2f}")
+                        elif col == "tok_s":
+                            cells.append(f"{v:>11.1f}")
+                        else:
+                            cells.append(f"{v:>11.1f}")
+                    out.append(f"    {p:<12}" + "".join(cells))
+            # SAEM against the best baseline at each ECR
+            base = [p for p in pols if p not in ("gpu-all", "oracle") and not p.startswith("saem")]
+            if "saem" in pols and base:
+                cells = []
+                for e in ecrs:
+                    s = self.select(batch=B, ecr=e, policy="saem")
+                    bs = [r for p in base for r in self.select(batch=B, ecr=e, policy=p)]
+                    if not s or not bs:
+                        cells.append(f"{'-':>11}")
+                        continue
+                    best = max(bs, key=lambda r: r["tok_s"])
+                    cells.append(f"{s[0]['tok_s'] / best['tok_s']:>10.2f}x")
+                out.append(f"  {'saem/best tok/s':<14}" + "".join(cells))
+            out.append("")
+        return "\n".join(out)
+
+
+def default_cost(ts: TraceSet, hw: HardwareProfile | str = "rtx4090-ddr5", model: str | ModelShape | None = None,
+                 quant: str | None = None) -> CostModel:
+    """A cost model for ``ts``: an explicit model preset/shape, else the preset whose routing
+    shape matches the trace, else the signature's expert size."""
+    if isinstance(hw, str):
+        hw = get_hw(hw)
+    sig = ts.signature
+    shape: ModelShape | None
+    if isinstance(model, ModelShape):
+        shape = model
+    elif model:
+        from saem_gguf.costmodel import MODEL_PRESETS
+
+        if model not in MODEL_PRESETS:
+            raise SaemError(f"unknown model preset {model!r} (known: {', '.join(MODEL_PRESETS)})")
+        shape = MODEL_PRESETS[model]
+    else:
+        shape = find_model_shape(sig.n_layer, sig.n_expert, sig.n_expert_used)
+    if shape is not None:
+        if quant:
+            import dataclasses
+
+            shape = dataclasses.replace(shape, qtype=quant, qtype_down=None)
+        return CostModel.from_shape(shape, hw)
+    if sig.expert_bytes > 0:
+        return CostModel.from_expert_bytes(sig.expert_bytes, hw)
+    raise SaemError(f"no model shape for routing {sig.n_layer}x{sig.n_expert} top-{sig.n_expert_used}: "
+                    "pass --model PRESET or record expert_bytes in the trace signature")
+
+
+def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | None = None,
+             progress=None, policy_kwargs: dict | None = None) -> SimResult:
+    """Replay ``ts`` under every policy x ECR x batch of ``cfg``. ``calib`` gives the
+    calibration counts (static-hot, initial placements, priors). ``progress(n)`` is called
+    after each run."""
+    validate_traces(ts)
+    sig = ts.signature
+    L, E, K = sig.n_layer, sig.n_expert, sig.n_expert_used
+    calib_counts = calibration_counts(calib, L, E)
+    res = SimResult(info={
+        "signature": {"arch": sig.arch, "n_layer": L, "n_expert": E, "n_expert_used": K, "name": sig.name},
+        "sequences": len(ts.sequences), "calibration_sequences": len(calib.sequences) if calib else 0,
+        "cost": cost.describe(), "events": cfg.events, "source": ts.source,
+    })
+    cues = sequence_cues(ts)
+    detected = detector_events(ts, cfg.cues) if cfg.events == "detector" else None
+    for B in cfg.batches:
+        blocks = build_blocks(ts, B, cfg.events, cues, detected)
+        n_events = int(sum(b.event_steps.size for b in blocks))
+        for ecr in cfg.ecrs:
+            S = budget_slots(ecr, E)
+            for name in cfg.policies:
+                ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, S, np.int32), cost=cost,
+                                    calib_counts=calib_counts, batch=B)
+                m = run_policy(name, blocks, ctx, (policy_kwargs or {}).get(name))
+                res.rows.append({"policy": name, "ecr": float(ecr), "batch": int(B), "slots": S,
+                                 "events": n_events, **m})
+                if progress is not None:
+                    progress(1)
+    return res

@@ -1,0 +1,97 @@
+"""Cost model: bytes per expert from ggml block sizes, the roofline times, the CPU-vs-transfer
+rule, presets and the measure path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from saem_gguf.costmodel import (
+    HW_PRESETS, MODEL_PRESETS, CostModel, expert_bytes, find_model_shape, get_hw, measure_cpu,
+    t_cpu, t_gpu, t_xfer, tensor_bytes,
+)
+from saem_gguf.errors import SaemError
+from saem_gguf.planner import cpu_wins
+
+
+def test_expert_bytes_by_quant_type():
+    # Q4_K: 256-element blocks of 144 bytes. gate/up rows have n_embd elements, down rows n_ff.
+    assert tensor_bytes(2048, 768, "Q4_K") == 768 * (2048 // 256) * 144
+    assert expert_bytes(2048, 768, "Q4_K") == 2 * 768 * 8 * 144 + 2048 * 3 * 144 == 2_654_208
+    assert expert_bytes(2048, 768, "F16") == 3 * 2048 * 768 * 2
+    assert expert_bytes(2048, 768, "BF16") == 3 * 2048 * 768 * 2
+    assert expert_bytes(2048, 768, "Q8_0") == 3 * 2048 * 768 // 32 * 34
+    # mixed types (Q4_K_M stores some down projections in Q6_K: 210 bytes per 256)
+    assert expert_bytes(2048, 768, "Q4_K", "Q6_K") == 2 * 768 * 8 * 144 + 2048 * 3 * 210
+    assert MODEL_PRESETS["qwen3-30b-a3b"].expert_bytes() == 2_654_208
+
+
+def test_bad_quant_inputs():
+    with pytest.raises(SaemError, match="unknown quant type"):
+        expert_bytes(2048, 768, "Q4_Z")
+    with pytest.raises(SaemError, match="not a multiple"):
+        expert_bytes(2048, 100, "Q4_K")  # down rows of 100 elements cannot hold 256-blocks
+
+
+def _cost(hw="rtx4090-ddr5"):
+    return CostModel.from_shape(MODEL_PRESETS["qwen3-30b-a3b"], HW_PRESETS[hw])
+
+
+def test_roofline_times_match_formulas():
+    c = _cost()
+    hw = c.hw
+    b = c.expert_bytes
+    f = c.expert_flops
+    for n in (1, 4, 64, 512):
+        assert c.gpu_time(n) == pytest.approx(hw.gpu_launch_s + max(b / hw.gpu_mem_bw, n * f / hw.gpu_flops))
+        assert c.cpu_time(n) == pytest.approx(hw.cpu_expert_overhead_s + max(b / hw.cpu_mem_bw, n * f / hw.cpu_flops))
+    assert c.transfer_time() == pytest.approx(hw.h2d_latency_s + b / hw.h2d_bw)
+    assert t_gpu(3, c.array) == pytest.approx(c.gpu_time(3))
+    assert t_cpu(3, c.array) == pytest.approx(c.cpu_time(3))
+    assert t_xfer(c.array) == pytest.approx(c.transfer_time())
+
+
+@pytest.mark.parametrize("hw", sorted(HW_PRESETS))
+def test_cpu_wins_at_few_tokens(hw):
+    c = _cost(hw)
+    assert cpu_wins(1, 0.0, c.array)  # the paper: CPU execution wins when few tokens use the expert
+    n = c.crossover_tokens()
+    assert n > 1
+    assert not cpu_wins(n, 0.0, c.array) and cpu_wins(n - 1, 0.0, c.array)
+    # a busy link only helps the CPU
+    assert cpu_wins(n, 1.0, c.array)
+
+
+def test_presets_and_hw_specs(tmp_path):
+    assert get_hw("h200-server").gpu_mem_bw > get_hw("rtx3060-ddr4").gpu_mem_bw
+    with pytest.raises(SaemError, match="unknown hardware"):
+        get_hw("abacus")
+    p = tmp_path / "hw.json"
+    import dataclasses
+
+    p.write_text(json.dumps(dataclasses.asdict(HW_PRESETS["rtx3060-ddr4"].replace(name="mine", h2d_bw=5e9))))
+    hw = get_hw(str(p))
+    assert hw.name == "mine" and hw.h2d_bw == 5e9
+    p.write_text("{}")
+    with pytest.raises(SaemError, match="not a hardware profile"):
+        get_hw(str(p))
+    assert find_model_shape(48, 128, 8).name == "qwen3-30b-a3b"
+    assert find_model_shape(3, 5, 2) is None
+
+
+def test_cost_model_rejects_nonsense():
+    with pytest.raises(SaemError):
+        CostModel.from_expert_bytes(0, HW_PRESETS["rtx4090-ddr5"])
+    with pytest.raises(SaemError, match="h2d_bw"):
+        CostModel.from_expert_bytes(1000, HW_PRESETS["rtx4090-ddr5"].replace(h2d_bw=0))
+
+
+def test_measure_fills_cpu_side():
+    base = HW_PRESETS["rtx4090-ddr5"]
+    hw = measure_cpu(base, quick=True)
+    assert hw.cpu_mem_bw > 1e8 and hw.cpu_cores >= 1 and hw.cpu_flops_per_core > 1e6
+    assert hw.gpu_mem_bw == base.gpu_mem_bw and hw.h2d_bw == base.h2d_bw  # GPU side untouched
+    assert hw.name.startswith("measured+")
+    assert np.isfinite(CostModel.from_shape(MODEL_PRESETS["qwen3-30b-a3b"], hw).cpu_time(1))

@@ -1,0 +1,224 @@
+"""Simulator: batching and events from traces, metrics equal to hand-computed values, the
+paper-level invariants on synthetic traces, and the `simulate` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from saem_gguf.cli.main import main
+from saem_gguf.costmodel import HW_PRESETS, CostModel
+from saem_gguf.policies.base import Accounting, PolicyContext
+from saem_gguf.simulator import (
+    SimConfig, build_blocks, calibration_counts, default_cost, run_policy, simulate, split_calibration,
+)
+from saem_gguf.trace import ModelSignature, SequenceTrace, TraceSet, save_traces
+
+EB = 1_000_000
+SIG = ModelSignature(arch="qwen3moe", n_layer=1, n_expert=4, n_expert_used=1, expert_bytes=EB, name="tiny")
+
+
+def _seq(experts, starts=(0,), prompt=0, pieces=None):
+    ex = np.asarray(experts, np.int16).reshape(-1, 1, 1)
+    T = ex.shape[0]
+    return SequenceTrace(token_ids=np.arange(T, dtype=np.int32), pieces=pieces or [b"x"] * T, experts=ex,
+                         stage_starts=np.array(starts, np.int32), prompt_len=prompt)
+
+
+def _cost():
+    return CostModel.from_expert_bytes(EB, HW_PRESETS["rtx4090-ddr5"])
+
+
+def test_build_blocks_lockstep_events_prefill():
+    pieces = [b"p", b"p", b"Wa", b"it", b",", b"x", b"x", b"x"]
+    a = _seq([1, 1, 2, 2, 2, 3, 3, 3], starts=(0, 2, 5), prompt=2, pieces=pieces)
+    b = _seq([0, 0, 0], starts=(0, 1), pieces=[b"x", b"Hmm,", b"x"])
+    ts = TraceSet(signature=SIG, sequences=[a, b], meta={"boundary_cues": [[None, "Wait", None], [None, "Hmm"]]})
+    (blk,) = build_blocks(ts, 2, "all")
+    assert blk.routing.shape == (6, 2, 1, 1)  # a has 6 decode tokens, b 3
+    assert blk.routing[:, 1, 0, 0].tolist() == [0, 0, 0, -1, -1, -1]
+    assert blk.n_tok.tolist() == [2, 2, 2, 1, 1, 1]
+    # a: "Wait" spans 2 pieces from token 2 -> known before decode step 2-2+2=2; the implicit one
+    # at token 5 fires one token later (step 4); b: "Hmm," is one piece -> step 2
+    assert blk.event_steps.tolist() == [2, 4]
+    assert [r.tolist() for r in blk.event_rows] == [[0, 1], [0]]
+    assert blk.prefill_tokens == 2 and blk.prefill_counts[0].tolist() == [0, 2, 0, 0]
+    (blk,) = build_blocks(ts, 2, "cued")
+    assert blk.event_steps.tolist() == [2]
+    (blk,) = build_blocks(ts, 2, "none")
+    assert blk.event_steps.size == 0
+    blocks = build_blocks(ts, 1)
+    assert [x.step0 for x in blocks] == [0, 6] and [x.n_steps for x in blocks] == [6, 3]
+
+
+def test_metrics_hand_computed():
+    # two sequences, batch 2: steps route {0,1}, {0,2}, {0} (second row finished)
+    ts = TraceSet(signature=SIG, sequences=[_seq([0, 0, 0]), _seq([1, 2])])
+    blocks = build_blocks(ts, 2)
+    cost = _cost()
+    calib = np.array([[3.0, 1.0, 0.0, 0.0]])
+    ctx = PolicyContext(n_layer=1, n_expert=4, top_k=1, n_slots=np.array([1]), cost=cost, calib_counts=calib, batch=2)
+    m = run_policy("static-hot", blocks, ctx)  # expert 0 resident: 3 of 5 accesses hit
+    assert m["hit_rate"] == pytest.approx(3 / 5) and m["adj_hit_rate"] == pytest.approx(3 / 5)
+    assert m["load_mb_per_token"] == 0 and m["transfers"] == 0 and m["cpu_expert_tokens"] == 2
+    assert m["tokens"] == 5 and m["steps"] == 3
+    assert m["tok_s"] == pytest.approx(5 / m["time_s"])
+    m = run_policy("lru", blocks, ctx)  # 1 slot: 0 hit, 1 load (evicts 0), 0 load, 2 load, 0 load
+    # step 0: 0 hit; 1 miss -> loads over 0. step 1: 0 miss -> load, 2 miss -> load. step 2: 0 miss -> load
+    assert m["hit_rate"] == pytest.approx(1 / 5)
+    assert m["transfers"] == 4 and m["bytes"] == 4 * EB
+    assert m["load_mb_per_token"] == pytest.approx(4 * EB / 1e6 / 5)
+    # SAEM: one proactive copy at a boundary is charged against hits in the adjusted hit rate
+    seq = _seq([1, 1, 1, 1, 2, 2, 2, 2], starts=(0, 4), pieces=[b"x"] * 4 + [b"Wait"] + [b"x"] * 3)
+    ts2 = TraceSet(signature=SIG, sequences=[seq], meta={"boundary_cues": [[None, "Wait"]]})
+    blocks2 = build_blocks(ts2, 1)
+    ctx2 = PolicyContext(n_layer=1, n_expert=4, top_k=1, n_slots=np.array([1]), cost=cost, calib_counts=calib)
+    from saem_gguf.policies.saem import SaemConfig
+
+    m = run_policy("saem", blocks2, ctx2, {"config": SaemConfig(min_gap_steps=2, warmup_steps=0, refresh_steps=0)})
+    # calib places 0; the cue is known before step 5 and places 1 (stage A) -> steps 5..7 use 2: no hit
+    assert m["hit_rate"] == 0 and m["proactive_transfers"] == 1 and m["adj_hit_rate"] == pytest.approx(-1 / 8)
+    assert m["load_mb_per_token"] == pytest.approx(EB / 1e6 / 8)
+
+
+def test_calibration_split_and_counts():
+    ts = TraceSet(signature=SIG, sequences=[_seq([0, 1]), _seq([2, 2]), _seq([3])],
+                  meta={"boundary_cues": [[None], [None], [None]]})
+    rep, cal = split_calibration(ts, 0.34)
+    assert len(rep.sequences) == 1 and len(cal.sequences) == 2
+    assert rep.meta["boundary_cues"] == [[None]]
+    assert calibration_counts(cal, 1, 4)[0].tolist() == [0, 0, 2, 1]
+    assert split_calibration(ts, 0)[1] is None
+
+
+@pytest.fixture(scope="module")
+def synth():
+    synthetic = pytest.importorskip("saem_gguf.synthetic")
+    cfg = synthetic.SyntheticConfig(n_layer=4, n_expert=16, top_k=2, n_sequences=4, stage_len_scale=0.25, seed=5)
+    ts = synthetic.make_stage_traces(cfg)
+    import dataclasses
+
+    cal = synthetic.make_stage_traces(dataclasses.replace(cfg, n_sequences=2, seed=99))
+    return ts, cal, synthetic
+
+
+def test_simulate_synthetic_invariants(synth, tmp_path):
+    ts, cal, _ = synth
+    cost = default_cost(ts, "rtx4090-ddr5", "qwen3-30b-a3b")
+    from saem_gguf.policies import POLICIES
+
+    res = simulate(ts, SimConfig(policies=tuple(POLICIES), ecrs=(12.5, 50.0), batches=(1, 3)), cost, calib=cal)
+    assert len(res.rows) == len(POLICIES) * 4
+    for B in (1, 3):
+        for e in (12.5, 50.0):
+            row = {r["policy"]: r for r in res.select(batch=B, ecr=e)}
+            assert row["gpu-all"]["hit_rate"] == 1.0 and row["gpu-all"]["bytes"] == 0
+            assert row["cpu-moe"]["bytes"] == 0 and row["cpu-moe"]["hit_rate"] == 0
+            assert row["cpu-moe"]["cpu_expert_tokens"] == row["cpu-moe"]["accesses"]
+            assert row["oracle"]["hit_rate"] >= row["saem"]["hit_rate"]
+            assert row["gpu-all"]["tok_s"] >= max(r["tok_s"] for r in row.values())
+            for r in row.values():
+                assert r["adj_hit_rate"] <= r["hit_rate"] <= 1.0
+                assert r["tokens"] == row["gpu-all"]["tokens"]
+    json.dumps(res.to_json())
+    text = res.table()
+    assert "saem/best" in text and "oracle" in text
+    from saem_gguf.plots import plot_results
+
+    png = tmp_path / "p.png"
+    plot_results(res, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_implicit_boundaries_fire_without_cues(synth):
+    _, _, synthetic = synth
+    import dataclasses
+
+    cfg = synthetic.SyntheticConfig(n_layer=4, n_expert=16, top_k=2, n_sequences=2, stage_len_scale=0.5, seed=7,
+                                    cue_prob=0.0, n_stages=6, coherence=0.0, skew=1.5)
+    ts = synthetic.make_stage_traces(cfg)
+    assert all(c is None for cues in ts.meta["boundary_cues"] for c in cues)
+    blocks = build_blocks(ts, 1)
+    assert all(b.event_steps.size == 0 for b in blocks)  # no cue: no explicit event
+    from saem_gguf.policies import make_policy
+
+    ctx = PolicyContext(n_layer=4, n_expert=16, top_k=2, n_slots=np.full(4, 4), cost=default_cost(ts, model="qwen3-30b-a3b"),
+                        calib_counts=None)
+    pol = make_policy("saem-implicit")
+    state = pol.start(ctx)
+    acct = Accounting()
+    for b in blocks:
+        pol.begin_group(b, state, acct)
+        pol.run_steps(b, 0, b.n_steps, state, acct)
+    assert sum(r == "implicit" for _, r in pol.boundaries) >= 2
+    del dataclasses
+
+
+def test_detector_events(synth):
+    _, _, synthetic = synth
+    cfg = synthetic.SyntheticConfig(n_layer=48, n_expert=128, top_k=8, n_sequences=2, stage_len_scale=0.6, seed=3,
+                                    cue_prob=0.5, n_stages=6)
+    ts = synthetic.make_stage_traces(cfg)
+    blocks = build_blocks(ts, 1, "detector")
+    cued = build_blocks(ts, 1, "cued")
+    n_cue = sum(b.event_steps.size for b in blocks)
+    n_all = sum(b.implicit_event_steps.size for b in blocks)
+    assert n_cue >= 1 and n_all > n_cue  # the routing-shift detector finds cue-less boundaries too
+    for b, c in zip(blocks, cued):
+        assert set(b.event_steps.tolist()) <= set(b.implicit_event_steps.tolist())
+        # the matcher fires on the token that completes the cue, as the recorded starts say
+        assert set(b.event_steps.tolist()) == set(c.event_steps.tolist())
+    from saem_gguf.policies import make_policy
+
+    ctx = PolicyContext(n_layer=48, n_expert=128, top_k=8, n_slots=np.full(48, 16), cost=default_cost(ts),
+                        calib_counts=None)
+    pol = make_policy("saem-implicit")
+    state = pol.start(ctx)
+    acct = Accounting()
+    for b in blocks:
+        pol.begin_group(b, state, acct)
+        pol.run_steps(b, 0, b.n_steps, state, acct)
+    reasons = [r for _, r in pol.boundaries]
+    assert "implicit" in reasons and "cue" in reasons
+
+
+def test_cli_simulate_synthetic(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    png = tmp_path / "r.png"
+    rc = main(["simulate", "--synthetic", "--layers", "4", "--experts", "16", "--top-k", "2", "--seqs", "2",
+               "--calib-seqs", "1", "--stage-scale", "0.2", "--ecr", "12.5,50", "--batch", "1,2", "--model",
+               "qwen3-30b-a3b", "--policies", "cpu-moe,lru,saem,oracle,gpu-all", "--json", str(out), "--plot",
+               str(png), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 5 * 2 * 2 and png.exists()
+    assert capsys.readouterr().out == ""  # --quiet
+
+
+def test_cli_simulate_trace_file_and_errors(tmp_path, capsys):
+    synthetic = pytest.importorskip("saem_gguf.synthetic")
+    ts = synthetic.make_stage_traces(synthetic.SyntheticConfig(n_layer=2, n_expert=8, top_k=2, n_sequences=3,
+                                                               stage_len_scale=0.15, seed=1))
+    p = tmp_path / "t.npz"
+    save_traces(ts, str(p))
+    rc = main(["simulate", "--trace", str(p), "--model", "qwen3-30b-a3b", "--ecr", "25", "--policies",
+               "static-hot,saem", "--hw", "h200-server"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "static-hot" in out and "h200-server" in out and "1 calibration sequences" in out
+    other = tmp_path / "o.npz"
+    ts2 = synthetic.make_stage_traces(synthetic.SyntheticConfig(n_layer=3, n_expert=8, top_k=2, n_sequences=1,
+                                                                stage_len_scale=0.15, seed=1))
+    save_traces(ts2, str(other))
+    rc = main(["simulate", "--trace", str(p), "--calib-trace", str(other), "--model", "qwen3-30b-a3b", "--quiet"])
+    assert rc == 1 and "model mismatch" in capsys.readouterr().err
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"garbage")
+    assert main(["simulate", "--trace", str(bad), "--quiet"]) == 1
+    assert "not a saem trace" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(p), "--policies", "mru", "--quiet"]) == 1
+    assert "unknown policy" in capsys.readouterr().err
+    # no model shape known for a 2x8 top-2 trace without expert_bytes
+    assert main(["simulate", "--trace", str(p), "--quiet"]) == 1
+    assert "--model" in capsys.readouterr().err
