@@ -76,3 +76,22 @@ def test_planted_routing_sends_groups_to_their_experts():
     assert verify and all(W.token_group[i] == 2 for i in verify)
     # each layer routes a group to a different expert set
     assert not np.array_equal(W.group_experts(0, 2), W.group_experts(1, 2))
+
+
+def test_expert_pool_copies_experts_and_stage_plant_groups_words(tmp_path):
+    from gguf import GGUFReader
+
+    from saem_gguf.testmodels import STAGE_PLANT
+
+    spec = ModelSpec(arch="qwen3moe", expert_type="q4_0", n_expert=16, n_expert_used=2,
+                     expert_pool=3, planted=STAGE_PLANT, seed=4)
+    path = write_model(spec, tmp_path / "pool.gguf")
+    t = next(x for x in GGUFReader(path).tensors if x.name == "blk.0.ffn_up_exps.weight")
+    rows = {bytes(np.asarray(t.data[e]).tobytes()) for e in range(spec.n_expert)}
+    assert len(rows) == 3  # 16 experts, 3 distinct
+    W = Weights(spec, load_vocab())
+    vocab = load_vocab()
+    check = [i for i, s in enumerate(vocab.tokens) if s.replace("Ġ", "").lower() in ("verify", "check")]
+    total = [i for i, s in enumerate(vocab.tokens) if s.replace("Ġ", "").lower() in ("final", "result", "total")]
+    assert {int(W.token_group[i]) for i in check} == {1}
+    assert {int(W.token_group[i]) for i in total} == {3}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from saem_gguf.budget import format_size
 from saem_gguf.errors import SaemError
-from saem_gguf.testmodels import ARCHS, EXPERT_TYPES, ModelSpec, ensure_model, write_model
+from saem_gguf.testmodels import ARCHS, EXPERT_TYPES, STAGE_PLANT, ModelSpec, ensure_model, write_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--dense", action="store_true", help="a dense model (no experts)")
+    p.add_argument("--stage-routing", action="store_true",
+                   help="plant reasoning-stage vocabulary (compute / check / another way / conclude) "
+                        "on separate expert groups, so routing shifts at stage boundaries")
+    p.add_argument("--expert-pool", type=int, default=0,
+                   help="experts are copies of N distinct random ones (fast big models; 0 = all distinct)")
+    p.add_argument("--head-dim", type=int, default=None, help="attention head size (embd / heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="output .gguf (default: the model cache, printed)")
@@ -37,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         spec = ModelSpec(arch=args.arch, expert_type=args.expert_type, n_layer=args.layers,
                          n_embd=args.embd, n_ff_exp=args.ff, n_expert=args.experts,
                          n_expert_used=args.top_k, n_head=args.heads, n_head_kv=args.kv_heads,
-                         head_dim=args.embd // args.heads, dense=args.dense, seed=args.seed)
+                         head_dim=args.head_dim or args.embd // args.heads, dense=args.dense,
+                         seed=args.seed, expert_pool=args.expert_pool, planted=STAGE_PLANT if args.stage_routing else ())
     except ValueError as e:
         raise SaemError(str(e)) from None
     path = write_model(spec, args.output) if args.output else ensure_model(spec)

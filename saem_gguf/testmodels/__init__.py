@@ -5,9 +5,9 @@
 """
 
 from saem_gguf.testmodels.archs import ARCHS, get_arch
-from saem_gguf.testmodels.spec import EXPERT_TYPES, ModelSpec
+from saem_gguf.testmodels.spec import EXPERT_TYPES, STAGE_PLANT, ModelSpec
 from saem_gguf.testmodels.weights import Weights
 from saem_gguf.testmodels.writer import ensure_model, write_gguf, write_model
 
-__all__ = ["ARCHS", "EXPERT_TYPES", "ModelSpec", "Weights", "ensure_model", "get_arch",
+__all__ = ["ARCHS", "EXPERT_TYPES", "STAGE_PLANT", "ModelSpec", "Weights", "ensure_model", "get_arch",
            "write_gguf", "write_model"]

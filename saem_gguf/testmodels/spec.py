@@ -8,6 +8,15 @@ from dataclasses import asdict, dataclass, field
 
 EXPERT_TYPES = ("f16", "q8_0", "q4_0", "q4_k")
 
+# Stage vocabulary of reasoning text (computing, checking, trying another way, concluding), each
+# pinned to its own token group, so that routing on such text changes at stage boundaries.
+STAGE_PLANT: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("compute", "first", "add", "sum", "subtract", "multiply", "tens", "ones", "carry", "borrow"), 0),
+    (("check", "verify", "wait", "hold", "again", "matches", "correct", "confirm"), 1),
+    (("alternatively", "another", "instead", "way", "try", "count", "split"), 2),
+    (("therefore", "answer", "so", "final", "result", "left", "total"), 3),
+)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -32,6 +41,9 @@ class ModelSpec:
     planted: tuple[tuple[tuple[str, ...], int], ...] = ()
     routing_strength: float = 8.0  # router logit margin; large = routing follows the text
     dense: bool = False  # no experts at all (a dense model, for error paths)
+    # >0: experts are copies of this many distinct random experts (big benchmark models are then
+    # quick to write; routing lives in the router, so it is unaffected)
+    expert_pool: int = 0
     name: str = ""
     extra: tuple[tuple[str, str], ...] = field(default=())  # arch-specific knobs, as strings
 

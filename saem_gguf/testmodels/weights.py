@@ -9,6 +9,8 @@ its group's experts, in every layer (through a per-layer permutation), whatever 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from saem_gguf.testmodels.spec import ModelSpec
@@ -72,10 +74,23 @@ class Weights:
                                               / np.sqrt(spec.n_embd))
         return w + self.normal(spec.n_expert, spec.n_embd, scale=0.05)
 
-    def experts(self) -> dict[str, np.ndarray]:
+    def experts(self) -> dict[str, np.ndarray | PooledExperts]:
         s = self.spec
-        return {
-            "ffn_gate_exps": self.normal(s.n_expert, s.n_ff_exp, s.n_embd),
-            "ffn_up_exps": self.normal(s.n_expert, s.n_ff_exp, s.n_embd),
-            "ffn_down_exps": self.normal(s.n_expert, s.n_embd, s.n_ff_exp, scale=RESIDUAL_SCALE * 4),
+        n = s.expert_pool if 0 < s.expert_pool < s.n_expert else s.n_expert
+        mats = {
+            "ffn_gate_exps": self.normal(n, s.n_ff_exp, s.n_embd),
+            "ffn_up_exps": self.normal(n, s.n_ff_exp, s.n_embd),
+            "ffn_down_exps": self.normal(n, s.n_embd, s.n_ff_exp, scale=RESIDUAL_SCALE * 4),
         }
+        if n == s.n_expert:
+            return mats
+        index = self.rng.integers(0, n, size=s.n_expert)
+        return {k: PooledExperts(v, index) for k, v in mats.items()}
+
+
+@dataclass(frozen=True)
+class PooledExperts:
+    """An expert tensor whose experts are ``pool[index[e]]`` (quantized once per pool entry)."""
+
+    pool: np.ndarray  # [n_pool, rows, cols]
+    index: np.ndarray  # [n_expert]

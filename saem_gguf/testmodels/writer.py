@@ -15,7 +15,7 @@ from saem_gguf.testmodels.archs import get_arch
 from saem_gguf.testmodels.quant import quantize
 from saem_gguf.testmodels.spec import ModelSpec
 from saem_gguf.testmodels.vocab import CHATML_TEMPLATE, Vocab, load_vocab
-from saem_gguf.testmodels.weights import Weights
+from saem_gguf.testmodels.weights import PooledExperts, Weights
 
 GENERATOR_VERSION = 2  # bump when the bytes written for a given spec change
 
@@ -57,7 +57,12 @@ def write_gguf(path: Path, spec: ModelSpec, vocab: Vocab,
         _write_metadata(w, spec, arch, vocab, name or spec.name or f"saem-test-{spec.arch}",
                         description, chat_template)
         for tname, arr, kind in tensors:
-            data, qt = quantize(arr, spec.expert_type if kind == "expert" else kind)
+            qkind = spec.expert_type if kind == "expert" else kind
+            if isinstance(arr, PooledExperts):
+                data, qt = quantize(arr.pool, qkind)
+                data = np.ascontiguousarray(data[arr.index])
+            else:
+                data, qt = quantize(arr, qkind)
             if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 w.add_tensor(tname, data)
             else:
