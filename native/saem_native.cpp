@@ -5,7 +5,7 @@
 #endif
 
 extern "C" const char * saem_native_version(void) {
-    return "saem-native 0.1.0 (llama.cpp " SAEM_LLAMA_COMMIT ")";
+    return "saem-native 0.2.0 (llama.cpp " SAEM_LLAMA_COMMIT ")";
 }
 
 extern "C" int32_t saem_native_abi_version(void) {

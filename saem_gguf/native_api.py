@@ -2,16 +2,187 @@
 
 The functions live in the patched libllama itself; the handle is the one llama-cpp-python loaded
 (``llama_cpp.llama_cpp._lib``), so there is exactly one copy of the library in the process.
+
+Every function takes the same arguments as its C counterpart, except that array arguments are
+Python sequences / returned lists and the ``ctx`` argument may be a ``llama_context`` pointer (as
+returned by ``llama_cpp.llama_init_from_model``) or a ``llama_cpp.Llama`` object. A negative C
+status is raised as a :class:`NativeError` subclass carrying the C message; nothing returns codes.
+
+See docs/NATIVE.md for the mechanism (expert slots, slot maps, copies, counters).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
-from saem_gguf.errors import BuildError
+from saem_gguf.errors import BuildError, SaemError
 from saem_gguf.llama_lib import load_llama_cpp
 
-ABI_VERSION = 1  # SAEM_NATIVE_ABI_VERSION
+ABI_VERSION = 2  # SAEM_NATIVE_ABI_VERSION
+
+# status codes (saem_native.h)
+SAEM_OK = 0
+SAEM_E_INVALID_ARG = -1
+SAEM_E_LAYER = -2
+SAEM_E_EXPERT = -3
+SAEM_E_SLOT = -4
+SAEM_E_NO_CACHE = -5
+SAEM_E_NOT_MOE = -6
+SAEM_E_UNSUPPORTED = -7
+SAEM_E_NOT_HOST = -8
+SAEM_E_MAP = -9
+SAEM_E_ALLOC = -10
+SAEM_E_BACKEND = -11
+SAEM_E_INTERNAL = -12
+
+# counting modes
+SAEM_COUNT_OFF = 0
+SAEM_COUNT_ON = 1
+SAEM_COUNT_IDS = 2
+
+# saem_moe_get_counts(which)
+COUNTS_LAST = 0
+COUNTS_TOTAL = 1
+
+
+class NativeError(SaemError):
+    """A saem_moe_* call failed; ``code`` is the SAEM_E_* status, ``func`` the C function."""
+
+    def __init__(self, code: int, func: str, message: str) -> None:
+        super().__init__(message or f"{func} failed with status {code}")
+        self.code = code
+        self.func = func
+
+
+class NativeArgumentError(NativeError, ValueError):
+    """Bad argument: NULL/length/mode (SAEM_E_INVALID_ARG), layer/expert/slot out of range, bad map."""
+
+
+class CacheNotInitialisedError(NativeError):
+    """saem_moe_cache_init() has not been called on this context (SAEM_E_NO_CACHE)."""
+
+
+class NotMoEError(NativeError):
+    """The model, or this layer, has no experts (SAEM_E_NOT_MOE)."""
+
+
+class UnsupportedModelError(NativeError):
+    """Architecture or tensor layout the expert cache does not support (SAEM_E_UNSUPPORTED)."""
+
+
+class NotHostMemoryError(NativeError):
+    """Expert tensors are not in plain host memory: repacked or on a device (SAEM_E_NOT_HOST)."""
+
+
+class DeviceMemoryError(NativeError, MemoryError):
+    """The slots could not be allocated (SAEM_E_ALLOC)."""
+
+
+class BackendError(NativeError):
+    """Backend failure (SAEM_E_BACKEND) or an unexpected internal error (SAEM_E_INTERNAL)."""
+
+
+_ERRORS: dict[int, type[NativeError]] = {
+    SAEM_E_INVALID_ARG: NativeArgumentError,
+    SAEM_E_LAYER: NativeArgumentError,
+    SAEM_E_EXPERT: NativeArgumentError,
+    SAEM_E_SLOT: NativeArgumentError,
+    SAEM_E_MAP: NativeArgumentError,
+    SAEM_E_NO_CACHE: CacheNotInitialisedError,
+    SAEM_E_NOT_MOE: NotMoEError,
+    SAEM_E_UNSUPPORTED: UnsupportedModelError,
+    SAEM_E_NOT_HOST: NotHostMemoryError,
+    SAEM_E_ALLOC: DeviceMemoryError,
+    SAEM_E_BACKEND: BackendError,
+    SAEM_E_INTERNAL: BackendError,
+}
+
+
+class saem_moe_layer_info(ctypes.Structure):
+    """struct saem_moe_layer_info (saem_native.h)."""
+
+    _fields_ = [
+        ("il", ctypes.c_int32),
+        ("n_expert", ctypes.c_int32),
+        ("n_expert_used", ctypes.c_int32),
+        ("n_slots", ctypes.c_int32),
+        ("n_resident", ctypes.c_int32),
+        ("n_mats", ctypes.c_int32),
+        ("fused_gate_up", ctypes.c_int32),
+        ("host_copyable", ctypes.c_int32),
+        ("host_pinned", ctypes.c_int32),
+        ("device_is_host", ctypes.c_int32),
+        ("type", ctypes.c_int32 * 3),
+        ("mat_nbytes", ctypes.c_uint64 * 3),
+        ("expert_nbytes", ctypes.c_uint64),
+        ("aux_nbytes", ctypes.c_uint64),
+        ("device", ctypes.c_char * 64),
+    ]
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """Python view of struct saem_moe_layer_info."""
+
+    il: int
+    n_expert: int
+    n_expert_used: int
+    n_slots: int
+    n_resident: int
+    n_mats: int
+    fused_gate_up: bool
+    host_copyable: bool
+    host_pinned: bool
+    device_is_host: bool
+    types: tuple[int, ...]  # ggml_type per expert matrix
+    mat_nbytes: tuple[int, ...]  # bytes of one expert per matrix
+    expert_nbytes: int  # bytes one copy moves
+    aux_nbytes: int
+    device: str
+
+
+class llama_model_tensor_buft_override(ctypes.Structure):
+    """struct llama_model_tensor_buft_override (llama.h); llama-cpp-python does not define it."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+_P_I32 = ctypes.POINTER(ctypes.c_int32)
+_P_I64 = ctypes.POINTER(ctypes.c_int64)
+_CTX = ctypes.c_void_p
+
+# name -> (argtypes, restype)
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "saem_native_version": ([], ctypes.c_char_p),
+    "saem_native_abi_version": ([], ctypes.c_int32),
+    "saem_last_error": ([], ctypes.c_char_p),
+    "saem_expert_host_buft": ([ctypes.c_int32, _P_I32], ctypes.c_void_p),
+    "saem_expert_tensor_regex": ([], ctypes.c_char_p),
+    "saem_moe_n_layers": ([_CTX], ctypes.c_int32),
+    "saem_moe_get_layer_info": ([_CTX, ctypes.c_int32, ctypes.POINTER(saem_moe_layer_info)], ctypes.c_int32),
+    "saem_moe_cache_init": ([_CTX, _P_I32, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_cache_is_init": ([_CTX], ctypes.c_int32),
+    "saem_moe_set_slot_map": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_get_slot_map": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_get_slot_owner": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_copy_expert": ([_CTX, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_copy_expert_async": ([_CTX, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
+                                   ctypes.c_int32),
+    "saem_moe_copy_query": ([_CTX], ctypes.c_int32),
+    "saem_moe_copy_sync": ([_CTX], ctypes.c_int32),
+    "saem_moe_set_counting": ([_CTX, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_get_counting": ([_CTX], ctypes.c_int32),
+    "saem_moe_get_counts": ([_CTX, ctypes.c_int32, ctypes.c_int32, _P_I64, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_reset_counts": ([_CTX], ctypes.c_int32),
+    "saem_moe_counted_tokens": ([_CTX], ctypes.c_int64),
+    "saem_moe_get_last_ids": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, _P_I32, _P_I32], ctypes.c_int32),
+    "saem_moe_set_stock_min_batch": ([_CTX, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_get_stock_min_batch": ([_CTX], ctypes.c_int32),
+}
+
+_bound: dict[str, Callable[..., Any]] = {}
 
 
 def _lib() -> ctypes.CDLL:
@@ -21,17 +192,246 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-# const char * saem_native_version(void);
+def _fn(name: str) -> Callable[..., Any]:
+    f = _bound.get(name)
+    if f is None:
+        lib = _lib()
+        try:
+            f = getattr(lib, name)
+        except AttributeError as e:
+            raise BuildError(f"the loaded libllama lacks {name}: rebuild (`python -m saem_gguf build`)") from e
+        f.argtypes, f.restype = _SIGNATURES[name]
+        _bound[name] = f
+    return f
+
+
+def _check(name: str, rc: int) -> int:
+    if rc < 0:
+        msg = _fn("saem_last_error")()
+        raise _ERRORS.get(rc, BackendError)(int(rc), name, msg.decode(errors="replace") if msg else "")
+    return int(rc)
+
+
+def _ctx(ctx: Any) -> ctypes.c_void_p:
+    """A llama_context pointer from a pointer, an int or a llama_cpp.Llama."""
+    inner = getattr(ctx, "_ctx", None)  # llama_cpp.Llama -> LlamaContext
+    if inner is not None:
+        ctx = inner.ctx
+    if ctx is None:
+        raise NativeArgumentError(SAEM_E_INVALID_ARG, "ctx", "ctx is None (closed Llama?)")
+    if isinstance(ctx, int):
+        return ctypes.c_void_p(ctx)
+    return ctypes.cast(ctx, ctypes.c_void_p)
+
+
+def _i32_array(values: Sequence[int], what: str) -> ctypes.Array:
+    try:
+        return (ctypes.c_int32 * len(values))(*[int(v) for v in values])
+    except (TypeError, ValueError, OverflowError) as e:
+        raise NativeArgumentError(SAEM_E_INVALID_ARG, what, f"{what}: {e}") from e
+
+
+def _call(name: str, *args: Any) -> int:
+    return _check(name, _fn(name)(*args))
+
+
+# ---------------------------------------------------------------------------------------------
+# version
+
+
 def saem_native_version() -> str:
-    f = _lib().saem_native_version
-    f.restype = ctypes.c_char_p
-    f.argtypes = []
-    return f().decode()
+    """const char * saem_native_version(void);"""
+    return _fn("saem_native_version")().decode()
 
 
-# int32_t saem_native_abi_version(void);
 def saem_native_abi_version() -> int:
-    f = _lib().saem_native_abi_version
-    f.restype = ctypes.c_int32
-    f.argtypes = []
-    return int(f())
+    """int32_t saem_native_abi_version(void);"""
+    return int(_fn("saem_native_abi_version")())
+
+
+def saem_last_error() -> str:
+    """const char * saem_last_error(void);  -- message of the last failing call on this thread."""
+    msg = _fn("saem_last_error")()
+    return msg.decode(errors="replace") if msg else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# model loading helpers
+
+
+def saem_expert_host_buft(want_pinned: bool) -> tuple[int, bool]:
+    """void * saem_expert_host_buft(int32_t want_pinned, int32_t * is_pinned);
+
+    Returns (buffer type pointer, is_pinned)."""
+    pinned = ctypes.c_int32(0)
+    p = _fn("saem_expert_host_buft")(1 if want_pinned else 0, ctypes.byref(pinned))
+    return int(p), bool(pinned.value)
+
+
+def saem_expert_tensor_regex() -> str:
+    """const char * saem_expert_tensor_regex(void);"""
+    return _fn("saem_expert_tensor_regex")().decode()
+
+
+def keep_experts_on_host(model_params: Any, *, pinned: bool = True) -> Any:
+    """Set ``model_params`` (a ``llama_cpp.llama_model_params``) so every expert tensor stays in host
+    memory the cache can copy from: a tensor-buffer override to :func:`saem_expert_host_buft`
+    (pinned host memory of the first GPU when ``pinned`` and a GPU exists, else the CPU buffer),
+    ``use_extra_bufts = False`` (no repacking: repacked experts cannot be copied) and, for pinned
+    memory, ``load_mode = LLAMA_LOAD_MODE_NONE`` (mmap would bypass the pinned buffer).
+
+    Returns the override array: keep it alive until the model is loaded."""
+    buft, is_pinned = saem_expert_host_buft(pinned)
+    arr = (llama_model_tensor_buft_override * 2)()
+    arr[0].pattern = saem_expert_tensor_regex().encode()
+    arr[0].buft = buft
+    arr[1].pattern = None
+    arr[1].buft = None
+    model_params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+    model_params.use_extra_bufts = False
+    if is_pinned:
+        model_params.load_mode = 0  # LLAMA_LOAD_MODE_NONE
+    return arr
+
+
+# ---------------------------------------------------------------------------------------------
+# layers and cache
+
+
+def saem_moe_n_layers(ctx: Any) -> int:
+    """int32_t saem_moe_n_layers(const struct llama_context * ctx);"""
+    return _call("saem_moe_n_layers", _ctx(ctx))
+
+
+def saem_moe_get_layer_info(ctx: Any, il: int) -> LayerInfo:
+    """int32_t saem_moe_get_layer_info(const struct llama_context * ctx, int32_t il,
+    struct saem_moe_layer_info * out);"""
+    out = saem_moe_layer_info()
+    _call("saem_moe_get_layer_info", _ctx(ctx), int(il), ctypes.byref(out))
+    n = out.n_mats
+    return LayerInfo(
+        il=out.il, n_expert=out.n_expert, n_expert_used=out.n_expert_used, n_slots=out.n_slots,
+        n_resident=out.n_resident, n_mats=n, fused_gate_up=bool(out.fused_gate_up),
+        host_copyable=bool(out.host_copyable), host_pinned=bool(out.host_pinned),
+        device_is_host=bool(out.device_is_host), types=tuple(out.type[:n]),
+        mat_nbytes=tuple(int(x) for x in out.mat_nbytes[:n]), expert_nbytes=int(out.expert_nbytes),
+        aux_nbytes=int(out.aux_nbytes), device=out.device.decode(errors="replace"))
+
+
+def saem_moe_cache_init(ctx: Any, n_slots: Sequence[int]) -> None:
+    """int32_t saem_moe_cache_init(struct llama_context * ctx, const int32_t * n_slots, int32_t n_layers);
+
+    ``n_slots`` has one entry per layer (0 allowed; all zero frees the cache)."""
+    arr = _i32_array(n_slots, "n_slots")
+    _call("saem_moe_cache_init", _ctx(ctx), arr, len(arr))
+
+
+def saem_moe_cache_is_init(ctx: Any) -> bool:
+    """int32_t saem_moe_cache_is_init(const struct llama_context * ctx);"""
+    return bool(_call("saem_moe_cache_is_init", _ctx(ctx)))
+
+
+def saem_moe_set_slot_map(ctx: Any, il: int, expert_to_slot: Sequence[int]) -> None:
+    """int32_t saem_moe_set_slot_map(struct llama_context * ctx, int32_t il,
+    const int32_t * expert_to_slot, int32_t n_expert);   -- -1 = compute on the host"""
+    arr = _i32_array(expert_to_slot, "expert_to_slot")
+    _call("saem_moe_set_slot_map", _ctx(ctx), int(il), arr, len(arr))
+
+
+def saem_moe_get_slot_map(ctx: Any, il: int) -> list[int]:
+    """int32_t saem_moe_get_slot_map(const struct llama_context * ctx, int32_t il,
+    int32_t * expert_to_slot, int32_t n_expert);"""
+    n = saem_moe_get_layer_info(ctx, il).n_expert
+    arr = (ctypes.c_int32 * max(n, 1))()
+    _call("saem_moe_get_slot_map", _ctx(ctx), int(il), arr, n)
+    return list(arr[:n])
+
+
+def saem_moe_get_slot_owner(ctx: Any, il: int) -> list[int]:
+    """int32_t saem_moe_get_slot_owner(const struct llama_context * ctx, int32_t il,
+    int32_t * slot_to_expert, int32_t n_slots);   -- -1 = empty slot"""
+    n = saem_moe_get_layer_info(ctx, il).n_slots
+    arr = (ctypes.c_int32 * max(n, 1))()
+    _call("saem_moe_get_slot_owner", _ctx(ctx), int(il), arr, n)
+    return list(arr[:n])
+
+
+def saem_moe_copy_expert(ctx: Any, il: int, expert: int, slot: int, update_map: bool = True) -> None:
+    """int32_t saem_moe_copy_expert(struct llama_context * ctx, int32_t il, int32_t expert,
+    int32_t slot, int32_t update_map);   -- synchronous"""
+    _call("saem_moe_copy_expert", _ctx(ctx), int(il), int(expert), int(slot), 1 if update_map else 0)
+
+
+def saem_moe_copy_expert_async(ctx: Any, il: int, expert: int, slot: int, update_map: bool = True) -> None:
+    """int32_t saem_moe_copy_expert_async(struct llama_context * ctx, int32_t il, int32_t expert,
+    int32_t slot, int32_t update_map);   -- copy stream + event; the next decode waits on the device"""
+    _call("saem_moe_copy_expert_async", _ctx(ctx), int(il), int(expert), int(slot), 1 if update_map else 0)
+
+
+def saem_moe_copy_query(ctx: Any) -> bool:
+    """int32_t saem_moe_copy_query(struct llama_context * ctx);   -- True when all copies are done"""
+    return bool(_call("saem_moe_copy_query", _ctx(ctx)))
+
+
+def saem_moe_copy_sync(ctx: Any) -> None:
+    """int32_t saem_moe_copy_sync(struct llama_context * ctx);   -- block until all copies are done"""
+    _call("saem_moe_copy_sync", _ctx(ctx))
+
+
+# ---------------------------------------------------------------------------------------------
+# routing counters
+
+
+def saem_moe_set_counting(ctx: Any, mode: int) -> None:
+    """int32_t saem_moe_set_counting(struct llama_context * ctx, int32_t mode);
+    -- SAEM_COUNT_OFF / SAEM_COUNT_ON / SAEM_COUNT_IDS"""
+    _call("saem_moe_set_counting", _ctx(ctx), int(mode))
+
+
+def saem_moe_get_counting(ctx: Any) -> int:
+    """int32_t saem_moe_get_counting(const struct llama_context * ctx);"""
+    return _call("saem_moe_get_counting", _ctx(ctx))
+
+
+def saem_moe_get_counts(ctx: Any, il: int, which: int = COUNTS_TOTAL) -> list[int]:
+    """int32_t saem_moe_get_counts(const struct llama_context * ctx, int32_t il, int32_t which,
+    int64_t * counts, int32_t n_expert);   -- which: COUNTS_LAST (0) or COUNTS_TOTAL (1)"""
+    n = saem_moe_get_layer_info(ctx, il).n_expert
+    arr = (ctypes.c_int64 * max(n, 1))()
+    _call("saem_moe_get_counts", _ctx(ctx), int(il), int(which), arr, n)
+    return list(arr[:n])
+
+
+def saem_moe_reset_counts(ctx: Any) -> None:
+    """int32_t saem_moe_reset_counts(struct llama_context * ctx);"""
+    _call("saem_moe_reset_counts", _ctx(ctx))
+
+
+def saem_moe_counted_tokens(ctx: Any) -> int:
+    """int64_t saem_moe_counted_tokens(const struct llama_context * ctx);"""
+    return _call("saem_moe_counted_tokens", _ctx(ctx))
+
+
+def saem_moe_get_last_ids(ctx: Any, il: int) -> list[list[int]]:
+    """int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int32_t * ids,
+    int32_t cap, int32_t * n_tokens, int32_t * n_used);
+
+    Returns the top-k expert ids of the last ubatch, one list of n_expert_used ids per token."""
+    c = _ctx(ctx)
+    nt, nu = ctypes.c_int32(0), ctypes.c_int32(0)
+    n = _call("saem_moe_get_last_ids", c, int(il), None, 0, ctypes.byref(nt), ctypes.byref(nu))
+    arr = (ctypes.c_int32 * max(n, 1))()
+    _call("saem_moe_get_last_ids", c, int(il), arr, n, ctypes.byref(nt), ctypes.byref(nu))
+    k = nu.value
+    return [list(arr[t * k:(t + 1) * k]) for t in range(nt.value)]
+
+
+def saem_moe_set_stock_min_batch(ctx: Any, n: int) -> None:
+    """int32_t saem_moe_set_stock_min_batch(struct llama_context * ctx, int32_t n);
+    -- ubatches of >= n tokens use the stock graph"""
+    _call("saem_moe_set_stock_min_batch", _ctx(ctx), int(n))
+
+
+def saem_moe_get_stock_min_batch(ctx: Any) -> int:
+    """int32_t saem_moe_get_stock_min_batch(const struct llama_context * ctx);"""
+    return _call("saem_moe_get_stock_min_batch", _ctx(ctx))

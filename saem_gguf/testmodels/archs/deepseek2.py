@@ -41,6 +41,8 @@ class Deepseek2(ArchDef):
 
     def layer(self, add, W, il) -> None:
         s = W.spec
+        if s.dense:
+            raise ValueError(f"no dense {self.name} test model (use arch llama for a dense model)")
         if s.n_head_kv != s.n_head:
             raise ValueError("deepseek2 test models need n_head_kv == n_head (MHA after kv_b)")
         n_qk = s.head_dim + QK_ROPE

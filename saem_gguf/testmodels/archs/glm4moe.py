@@ -23,6 +23,8 @@ class Glm4Moe(ArchDef):
 
     def layer(self, add, W, il) -> None:
         s = W.spec
+        if s.dense:
+            raise ValueError(f"no dense {self.name} test model (use arch llama for a dense model)")
         attention(add, W, il, bias=True, qk_norm=True)
         add(blk(il, "post_attention_norm.weight"), W.norm_weight(s.n_embd), "f32")  # the FFN norm
         if il < s.n_dense_lead:

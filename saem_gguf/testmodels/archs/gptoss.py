@@ -18,6 +18,8 @@ class GptOss(ArchDef):
 
     def layer(self, add, W, il) -> None:
         s = W.spec
+        if s.dense:
+            raise ValueError(f"no dense {self.name} test model (use arch llama for a dense model)")
         attention(add, W, il, bias=True)
         add(blk(il, "attn_output.bias"), W.normal(s.n_embd, scale=0.1), "f32")
         add(blk(il, "attn_sinks.weight"), W.normal(s.n_head, scale=1.0), "f32")

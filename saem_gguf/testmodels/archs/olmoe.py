@@ -16,6 +16,8 @@ class Olmoe(ArchDef):
 
     def layer(self, add, W, il) -> None:
         s = W.spec
+        if s.dense:
+            raise ValueError(f"no dense {self.name} test model (use arch llama for a dense model)")
         if s.n_head_kv != s.n_head or s.n_head * s.head_dim != s.n_embd:
             raise ValueError("olmoe test models need n_head_kv == n_head and n_head * head_dim == n_embd")
         add(blk(il, "attn_norm.weight"), W.norm_weight(s.n_embd), "f32")

@@ -1,0 +1,656 @@
+// saem_gguf expert cache: layer discovery, slot allocation, host -> slot copies, events, counters.
+// See docs/NATIVE.md for the design.
+
+#include "moe_cache.h"
+
+#include "llama-context.h"
+#include "llama-model.h"
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+//
+// llama_context access (saem_ctx_access is a friend of llama_context)
+//
+
+saem_moe_cache *& saem_ctx_access::cache(llama_context & c) { return c.saem; }
+const llama_model & saem_ctx_access::model(const llama_context & c) { return c.model; }
+ggml_backend_sched_t saem_ctx_access::sched(const llama_context & c) { return c.sched.get(); }
+void saem_ctx_access::need_reserve(llama_context & c) { c.sched_need_reserve = true; }
+void saem_ctx_access::synchronize(llama_context & c) { c.synchronize(); }
+
+ggml_backend_t saem_ctx_access::backend_for(const llama_context & c, ggml_backend_dev_t dev) {
+    for (const auto & b : c.backends) {
+        if (ggml_backend_get_device(b.get()) == dev) {
+            return b.get();
+        }
+    }
+    return nullptr;
+}
+
+saem_moe_cache * saem_get_cache(const llama_context * ctx) {
+    return saem_ctx_access::cache(const_cast<llama_context &>(*ctx));
+}
+
+saem_moe_cache * saem_get_or_create_cache(llama_context * ctx) {
+    saem_moe_cache *& c = saem_ctx_access::cache(*ctx);
+    if (!c) {
+        c = new saem_moe_cache(ctx);
+        // the cache may add graph nodes: let the next decode re-reserve with a larger node budget
+        saem_ctx_access::need_reserve(*ctx);
+    }
+    return c;
+}
+
+//
+// architectures: the graph hook is generic (every arch goes through build_moe_ffn), but only the
+// ones below were verified bit-exact by tests/test_native_*.py; others are refused at cache init.
+//
+
+bool saem_arch_supported(const llama_model & model, std::string & why) {
+    const std::string arch_name = llm_arch_name(model.arch);
+    // SAEM_MOE_ARCH_DENY=name[,name..]: treat these as unsupported (exercises the refusal path)
+    if (const char * deny = getenv("SAEM_MOE_ARCH_DENY")) {
+        const std::string list = std::string(",") + deny + ",";
+        if (list.find("," + arch_name + ",") != std::string::npos) {
+            why = "architecture '" + arch_name + "' is not supported by the expert cache (SAEM_MOE_ARCH_DENY)";
+            return false;
+        }
+    }
+    switch (model.arch) {
+        case LLM_ARCH_LLAMA:      // Mixtral-style
+        case LLM_ARCH_QWEN2MOE:   // + shared expert (outside build_moe_ffn, untouched)
+        case LLM_ARCH_QWEN3MOE:
+        case LLM_ARCH_OLMOE:
+        case LLM_ARCH_DEEPSEEK2:  // fused gate_up when present, exp_probs_b, group-limited routing
+        case LLM_ARCH_OPENAI_MOE: // gpt-oss: biases, softmax-weight routing, swiglu_oai
+        case LLM_ARCH_GLM4_MOE:
+            return true;
+        default:
+            break;
+    }
+    const char * env = getenv("SAEM_MOE_ALLOW_ANY_ARCH");
+    if (env && atoi(env) != 0) {
+        return true;
+    }
+    why = "architecture '" + arch_name +
+          "' is not supported by the expert cache yet (verified: llama, qwen2moe, qwen3moe, olmoe, "
+          "deepseek2, gpt-oss, glm4moe; SAEM_MOE_ALLOW_ANY_ARCH=1 overrides, unverified)";
+    return false;
+}
+
+//
+// saem_layer
+//
+
+size_t saem_layer::expert_nbytes() const {
+    size_t n = 0;
+    for (int k = 0; k < n_mats; ++k) {
+        n += h_mat[k]->nb[2];
+    }
+    return n;
+}
+
+//
+// saem_moe_cache
+//
+
+static void scan_layer(const llama_model & model, int il, saem_layer & L) {
+    const llama_layer & ml = model.layers[il];
+    L.il = il;
+    L.h_up      = ml.ffn_up_exps;
+    L.h_gate    = ml.ffn_gate_exps;
+    L.h_gate_up = ml.ffn_gate_up_exps;
+    L.h_down    = ml.ffn_down_exps;
+    L.h_up_b      = ml.ffn_up_exps_b;
+    L.h_gate_b    = ml.ffn_gate_exps_b;
+    L.h_gate_up_b = ml.ffn_gate_up_exps_b;
+    L.h_down_b    = ml.ffn_down_exps_b;
+    L.h_up_s   = ml.ffn_up_exps_s;
+    L.h_gate_s = ml.ffn_gate_exps_s;
+    L.h_down_s = ml.ffn_down_exps_s;
+
+    if (!L.h_down || (!L.h_up && !L.h_gate_up)) {
+        L.n_expert = 0;
+        L.n_used   = 0;
+        L.n_mats   = 0;
+        return;
+    }
+    L.n_expert = (int) L.h_down->ne[2];
+    L.n_used   = (int) model.hparams.n_expert_used(il);
+    L.fused    = L.h_gate_up != nullptr;
+    L.n_mats   = 0;
+    if (L.fused) {
+        L.h_mat[L.n_mats++] = L.h_gate_up;
+    } else {
+        L.h_mat[L.n_mats++] = L.h_up;
+        if (L.h_gate) {
+            L.h_mat[L.n_mats++] = L.h_gate;
+        }
+    }
+    L.h_mat[L.n_mats++] = L.h_down;
+}
+
+saem_moe_cache::saem_moe_cache(llama_context * lctx) : lctx(lctx) {
+    const llama_model & model = saem_ctx_access::model(*lctx);
+    layers.resize(model.layers.size());
+    for (size_t il = 0; il < layers.size(); ++il) {
+        saem_layer & L = layers[il];
+        scan_layer(model, (int) il, L);
+        L.cnt_last .assign(L.n_expert, 0);
+        L.cnt_total.assign(L.n_expert, 0);
+        L.slot_of  .assign(L.n_expert, -1);
+        L.map_host .resize(L.n_expert);
+        L.map_dev  .resize(L.n_expert);
+        L.rebuild_maps();
+    }
+    const char * env = getenv("GGML_OP_OFFLOAD_MIN_BATCH");
+    if (env && atoi(env) > 0) {
+        stock_min_batch = atoi(env);
+    }
+}
+
+saem_moe_cache::~saem_moe_cache() {
+    free_slots();
+}
+
+saem_layer & saem_moe_cache::layer(int il) {
+    if (il < 0 || il >= (int) layers.size()) {
+        throw saem_error(SAEM_E_LAYER, "layer " + std::to_string(il) + " out of range [0, " + std::to_string(layers.size()) + ")");
+    }
+    return layers[il];
+}
+
+const saem_layer & saem_moe_cache::layer(int il) const {
+    return const_cast<saem_moe_cache *>(this)->layer(il);
+}
+
+void saem_layer::rebuild_maps() {
+    n_resident = 0;
+    for (int e = 0; e < n_expert; ++e) {
+        if (slot_of[e] >= 0) {
+            n_resident++;
+        }
+    }
+    if (n_slots == 0 || n_resident == 0) {
+        mode = SAEM_MODE_STOCK;
+    } else if (n_resident == n_expert) {
+        mode = SAEM_MODE_ALL_DEV;
+    } else {
+        mode = SAEM_MODE_MIXED;
+    }
+}
+
+// fill the graph-input maps of a layer (needs to know whether its device has a zero slot)
+static void fill_input_maps(saem_layer & L, bool zero_slot) {
+    const int32_t none_dev = zero_slot ? L.n_slots : -1; // zero slot on a GPU, skip flag on the CPU
+    for (int e = 0; e < L.n_expert; ++e) {
+        const int32_t s = L.slot_of[e];
+        L.map_dev [e] = s >= 0 ? s  : none_dev;
+        L.map_host[e] = s >= 0 ? -1 : e;
+    }
+}
+
+void saem_moe_cache::free_slots() {
+    // nothing may still read the slots or write them
+    for (auto & d : devs) {
+        if (d.copy_backend) {
+            ggml_backend_synchronize(d.copy_backend);
+        }
+    }
+    for (auto & d : devs) {
+        if (d.ev_copy)    { ggml_backend_event_free(d.ev_copy); }
+        if (d.ev_compute) { ggml_backend_event_free(d.ev_compute); }
+        if (d.copy_backend) { ggml_backend_free(d.copy_backend); }
+        if (d.buf) { ggml_backend_buffer_free(d.buf); }
+        if (d.ctx) { ggml_free(d.ctx); }
+    }
+    devs.clear();
+    for (auto & L : layers) {
+        L.n_slots = 0;
+        L.dev_idx = -1;
+        for (auto & t : L.d_mat) { t = nullptr; }
+        L.d_up_b = L.d_gate_b = L.d_gate_up_b = L.d_down_b = nullptr;
+        L.d_up_s = L.d_gate_s = L.d_down_s = nullptr;
+        L.owner.clear();
+        std::fill(L.slot_of.begin(), L.slot_of.end(), -1);
+        L.rebuild_maps();
+        fill_input_maps(L, false);
+    }
+    initialised = false;
+}
+
+static bool host_copyable(const ggml_tensor * t, std::string & why) {
+    if (!t) {
+        return true;
+    }
+    if (!t->buffer || !t->data) {
+        why = std::string("tensor ") + t->name + " is not allocated";
+        return false;
+    }
+    if (!ggml_backend_buffer_is_host(t->buffer)) {
+        why = std::string("tensor ") + t->name + " is in buffer '" + ggml_backend_buffer_name(t->buffer) +
+              "', not plain host memory (a repacked CPU_* buffer: load the model with use_extra_bufts=false; "
+              "a device buffer: keep the expert tensors on the host with saem_expert_host_buft() overrides)";
+        return false;
+    }
+    if (!ggml_is_contiguous(t)) {
+        why = std::string("tensor ") + t->name + " is not contiguous";
+        return false;
+    }
+    return true;
+}
+
+static bool layer_host_copyable(const saem_layer & L, std::string & why) {
+    const ggml_tensor * ts[] = { L.h_up, L.h_gate, L.h_gate_up, L.h_down, L.h_up_b, L.h_gate_b,
+                                 L.h_gate_up_b, L.h_down_b, L.h_up_s, L.h_gate_s, L.h_down_s };
+    for (const ggml_tensor * t : ts) {
+        if (!host_copyable(t, why)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool buft_is_pinned(ggml_backend_buffer_type_t buft) {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t d = ggml_backend_dev_get(i);
+        const auto type = ggml_backend_dev_type(d);
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            if (ggml_backend_dev_host_buffer_type(d) == buft) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+void saem_describe_layer(const llama_context * ctx, int il, saem_moe_layer_info & out) {
+    const llama_model & model = saem_ctx_access::model(*ctx);
+    if (il < 0 || il >= (int) model.layers.size()) {
+        throw saem_error(SAEM_E_LAYER, "layer " + std::to_string(il) + " out of range [0, " + std::to_string(model.layers.size()) + ")");
+    }
+    saem_layer tmp;
+    const saem_moe_cache * c = saem_get_cache(ctx);
+    const saem_layer * L = nullptr;
+    if (c) {
+        L = &c->layers[il];
+    } else {
+        scan_layer(model, il, tmp);
+        L = &tmp;
+    }
+    memset(&out, 0, sizeof(out));
+    out.il            = il;
+    out.n_expert      = L->n_expert;
+    out.n_expert_used = L->n_used;
+    out.n_slots       = L->n_slots;
+    out.n_resident    = L->n_resident;
+    out.n_mats        = L->n_mats;
+    out.fused_gate_up = L->fused ? 1 : 0;
+    for (int k = 0; k < SAEM_MAT_MAX; ++k) {
+        out.type[k] = k < L->n_mats ? (int32_t) L->h_mat[k]->type : -1;
+        out.mat_nbytes[k] = k < L->n_mats ? (uint64_t) L->h_mat[k]->nb[2] : 0;
+    }
+    out.expert_nbytes = L->n_expert ? L->expert_nbytes() : 0;
+    const ggml_tensor * aux[] = { L->h_up_b, L->h_gate_b, L->h_gate_up_b, L->h_down_b, L->h_up_s, L->h_gate_s, L->h_down_s };
+    for (const ggml_tensor * t : aux) {
+        out.aux_nbytes += t ? ggml_nbytes(t) : 0;
+    }
+    std::string why;
+    out.host_copyable = L->n_expert > 0 && layer_host_copyable(*L, why) ? 1 : 0;
+    out.host_pinned   = out.host_copyable && buft_is_pinned(ggml_backend_buffer_get_type(L->h_down->buffer)) ? 1 : 0;
+    ggml_backend_dev_t dev = model.dev_layer(il);
+    out.device_is_host = dev ? (ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev)) ? 1 : 0) : 1;
+    snprintf(out.device, sizeof(out.device), "%s", dev ? ggml_backend_dev_name(dev) : "CPU");
+}
+
+void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {
+    const llama_model & model = saem_ctx_access::model(*lctx);
+
+    if (n_layers != (int32_t) layers.size()) {
+        throw saem_error(SAEM_E_INVALID_ARG, "n_slots has " + std::to_string(n_layers) + " entries, the model has " +
+                std::to_string(layers.size()) + " layers");
+    }
+    bool any_moe   = false;
+    bool any_slots = false;
+    for (int il = 0; il < n_layers; ++il) {
+        const saem_layer & L = layers[il];
+        any_moe = any_moe || L.n_expert > 0;
+        if (n_slots[il] < 0) {
+            throw saem_error(SAEM_E_SLOT, "layer " + std::to_string(il) + ": negative slot count");
+        }
+        if (n_slots[il] > 0 && L.n_expert == 0) {
+            throw saem_error(SAEM_E_NOT_MOE, "layer " + std::to_string(il) + " has no experts, it takes 0 slots");
+        }
+        if (n_slots[il] > L.n_expert) {
+            throw saem_error(SAEM_E_SLOT, "layer " + std::to_string(il) + ": " + std::to_string(n_slots[il]) +
+                    " slots for " + std::to_string(L.n_expert) + " experts");
+        }
+        any_slots = any_slots || n_slots[il] > 0;
+    }
+    if (!any_moe) {
+        throw saem_error(SAEM_E_NOT_MOE, std::string("model (") + llm_arch_name(model.arch) + ") has no expert layers");
+    }
+    if (any_slots) {
+        std::string why;
+        if (!saem_arch_supported(model, why)) {
+            throw saem_error(SAEM_E_UNSUPPORTED, why);
+        }
+        for (int il = 0; il < n_layers; ++il) {
+            if (n_slots[il] > 0 && !layer_host_copyable(layers[il], why)) {
+                throw saem_error(SAEM_E_NOT_HOST, "layer " + std::to_string(il) + ": " + why);
+            }
+        }
+    }
+
+    // nothing in flight may use the old slots
+    saem_ctx_access::synchronize(*lctx);
+    free_slots();
+    topo_version++;
+
+    if (!any_slots) {
+        return;
+    }
+
+    // group the layers by device, one tensor context + buffer per device
+    for (int il = 0; il < n_layers; ++il) {
+        if (n_slots[il] == 0) {
+            continue;
+        }
+        ggml_backend_dev_t dev = model.dev_layer(il);
+        if (!dev) {
+            dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        }
+        int idx = -1;
+        for (size_t i = 0; i < devs.size(); ++i) {
+            if (devs[i].dev == dev) {
+                idx = (int) i;
+            }
+        }
+        if (idx < 0) {
+            saem_device d;
+            d.dev     = dev;
+            d.buft    = ggml_backend_dev_buffer_type(dev);
+            d.is_host = ggml_backend_buft_is_host(d.buft);
+            // test hook: SAEM_MOE_ZERO_SLOT=1 (zero slot) / =2 (+ aux copies): the GPU scheme on the CPU
+            const char * zs = getenv("SAEM_MOE_ZERO_SLOT");
+            const int zsv = zs ? atoi(zs) : 0;
+            d.zero_slot = !d.is_host || zsv >= 1;
+            d.copy_aux  = !d.is_host || zsv >= 2;
+            ggml_init_params ip = {
+                /*.mem_size   =*/ ggml_tensor_overhead() * 16 * layers.size(),
+                /*.mem_buffer =*/ nullptr,
+                /*.no_alloc   =*/ true,
+            };
+            d.ctx = ggml_init(ip);
+            if (!d.ctx) {
+                free_slots();
+                throw saem_error(SAEM_E_ALLOC, "ggml_init failed");
+            }
+            devs.push_back(d);
+            idx = (int) devs.size() - 1;
+        }
+        saem_layer & L = layers[il];
+        L.dev_idx = idx;
+        L.n_slots = n_slots[il];
+    }
+
+    for (auto & L : layers) {
+        if (L.n_slots == 0) {
+            continue;
+        }
+        saem_device & d = devs[L.dev_idx];
+        const int64_t n_alloc = L.n_slots + (d.zero_slot ? 1 : 0); // + the zero slot
+        for (int k = 0; k < L.n_mats; ++k) {
+            const ggml_tensor * h = L.h_mat[k];
+            L.d_mat[k] = ggml_new_tensor_3d(d.ctx, h->type, h->ne[0], h->ne[1], n_alloc);
+            ggml_format_name(L.d_mat[k], "saem.blk.%d.slots.%d", L.il, k);
+        }
+        auto dup = [&](ggml_tensor * h) -> ggml_tensor * {
+            if (!h) {
+                return nullptr;
+            }
+            if (!d.copy_aux) {
+                return h; // the CPU reads the model's own tensor
+            }
+            ggml_tensor * t = ggml_dup_tensor(d.ctx, h);
+            ggml_format_name(t, "saem.%s", h->name);
+            return t;
+        };
+        L.d_up_b = dup(L.h_up_b); L.d_gate_b = dup(L.h_gate_b); L.d_gate_up_b = dup(L.h_gate_up_b); L.d_down_b = dup(L.h_down_b);
+        L.d_up_s = dup(L.h_up_s); L.d_gate_s = dup(L.h_gate_s); L.d_down_s = dup(L.h_down_s);
+        L.owner.assign(L.n_slots, -1);
+        std::fill(L.slot_of.begin(), L.slot_of.end(), -1);
+        L.rebuild_maps();
+        fill_input_maps(L, d.zero_slot);
+    }
+
+    for (auto & d : devs) {
+        d.buf = ggml_backend_alloc_ctx_tensors_from_buft(d.ctx, d.buft);
+        if (!d.buf) {
+            const std::string name = ggml_backend_buft_name(d.buft);
+            free_slots();
+            throw saem_error(SAEM_E_ALLOC, "failed to allocate the expert slots in " + name);
+        }
+        ggml_backend_buffer_set_usage(d.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(d.buf, 0); // the zero slot (and any padding) must be all zeros
+        ggml_backend_dev_props props;
+        ggml_backend_dev_get_props(d.dev, &props);
+        if (!d.is_host && props.caps.async && props.caps.events) {
+            d.copy_backend = ggml_backend_dev_init(d.dev, nullptr);
+            d.ev_copy      = ggml_backend_event_new(d.dev);
+            d.ev_compute   = ggml_backend_event_new(d.dev);
+            if (!d.copy_backend || !d.ev_copy || !d.ev_compute) {
+                // no async support: copies will be synchronous
+                if (d.ev_copy)    { ggml_backend_event_free(d.ev_copy);    d.ev_copy = nullptr; }
+                if (d.ev_compute) { ggml_backend_event_free(d.ev_compute); d.ev_compute = nullptr; }
+                if (d.copy_backend) { ggml_backend_free(d.copy_backend); d.copy_backend = nullptr; }
+            }
+        }
+    }
+
+    // whole copies of the per-expert biases / scales on the device
+    for (auto & L : layers) {
+        if (L.n_slots == 0 || !devs[L.dev_idx].copy_aux) {
+            continue;
+        }
+        const std::pair<ggml_tensor *, ggml_tensor *> aux[] = {
+            { L.d_up_b, L.h_up_b }, { L.d_gate_b, L.h_gate_b }, { L.d_gate_up_b, L.h_gate_up_b }, { L.d_down_b, L.h_down_b },
+            { L.d_up_s, L.h_up_s }, { L.d_gate_s, L.h_gate_s }, { L.d_down_s, L.h_down_s },
+        };
+        for (const auto & [dt, ht] : aux) {
+            if (dt) {
+                ggml_backend_tensor_set(dt, ht->data, 0, ggml_nbytes(ht));
+            }
+        }
+    }
+
+    initialised = true;
+    topo_version++;
+}
+
+void saem_moe_cache::layer_modes_changed() {
+    topo_version++;
+}
+
+static void check_slot_args(const saem_moe_cache & c, const saem_layer & L, int e, int s) {
+    if (!c.initialised) {
+        throw saem_error(SAEM_E_NO_CACHE, "the expert cache is not initialised (saem_moe_cache_init)");
+    }
+    if (L.n_expert == 0) {
+        throw saem_error(SAEM_E_NOT_MOE, "layer " + std::to_string(L.il) + " has no experts");
+    }
+    if (e < 0 || e >= L.n_expert) {
+        throw saem_error(SAEM_E_EXPERT, "layer " + std::to_string(L.il) + ": expert " + std::to_string(e) +
+                " out of range [0, " + std::to_string(L.n_expert) + ")");
+    }
+    if (s < 0 || s >= L.n_slots) {
+        throw saem_error(SAEM_E_SLOT, "layer " + std::to_string(L.il) + ": slot " + std::to_string(s) +
+                " out of range [0, " + std::to_string(L.n_slots) + ")");
+    }
+}
+
+void saem_moe_cache::copy_expert(int il, int e, int s, bool update_map, bool async) {
+    saem_layer & L = layer(il);
+    check_slot_args(*this, L, e, s);
+    saem_device & d = devs[L.dev_idx];
+
+    const saem_layer_mode old_mode = L.mode;
+
+    // whoever is mapped to the slot goes back to the host now: its weights are being replaced
+    for (int e2 = 0; e2 < L.n_expert; ++e2) {
+        if (L.slot_of[e2] == s) {
+            L.slot_of[e2] = -1;
+        }
+    }
+
+    if (d.is_host) {
+        // CPU slots: decode is synchronous on the CPU, nothing can be reading the slot now
+        for (int k = 0; k < L.n_mats; ++k) {
+            const ggml_tensor * h = L.h_mat[k];
+            ggml_backend_tensor_set(L.d_mat[k], (const char *) h->data + (size_t) e * h->nb[2], (size_t) s * h->nb[2], h->nb[2]);
+        }
+    } else if (async && d.copy_backend) {
+        // do not overwrite the slot while the last submitted graph may still read it
+        if (d.ev_compute_valid) {
+            ggml_backend_event_wait(d.copy_backend, d.ev_compute);
+        }
+        for (int k = 0; k < L.n_mats; ++k) {
+            const ggml_tensor * h = L.h_mat[k];
+            ggml_backend_tensor_set_async(d.copy_backend, L.d_mat[k], (const char *) h->data + (size_t) e * h->nb[2],
+                    (size_t) s * h->nb[2], h->nb[2]);
+        }
+        ggml_backend_event_record(d.ev_copy, d.copy_backend);
+        d.copy_pending  = true;
+        d.copy_unsynced = true;
+    } else {
+        // synchronous: wait for in-flight graphs and async copies, then copy
+        ggml_backend_t cb = saem_ctx_access::backend_for(*lctx, d.dev);
+        if (cb) {
+            ggml_backend_synchronize(cb);
+        }
+        if (d.copy_backend) {
+            ggml_backend_synchronize(d.copy_backend);
+            d.copy_unsynced = false;
+        }
+        for (int k = 0; k < L.n_mats; ++k) {
+            const ggml_tensor * h = L.h_mat[k];
+            ggml_backend_tensor_set(L.d_mat[k], (const char *) h->data + (size_t) e * h->nb[2], (size_t) s * h->nb[2], h->nb[2]);
+        }
+    }
+
+    L.owner[s] = e;
+    if (update_map) {
+        L.slot_of[e] = s;
+    }
+    L.rebuild_maps();
+    fill_input_maps(L, d.zero_slot);
+    if (L.mode != old_mode) {
+        layer_modes_changed();
+    }
+}
+
+bool saem_moe_cache::copy_query() {
+    bool done = true;
+    for (auto & d : devs) {
+        if (d.copy_unsynced && d.ev_copy) {
+            if (ggml_backend_event_query(d.ev_copy)) {
+                d.copy_unsynced = false;
+            } else {
+                done = false;
+            }
+        }
+    }
+    return done;
+}
+
+void saem_moe_cache::copy_sync() {
+    for (auto & d : devs) {
+        if (d.copy_unsynced && d.ev_copy) {
+            ggml_backend_event_synchronize(d.ev_copy);
+        }
+        d.copy_unsynced = false;
+    }
+}
+
+void saem_moe_cache::set_map(int il, const int32_t * e2s) {
+    saem_layer & L = layer(il);
+    if (!initialised) {
+        throw saem_error(SAEM_E_NO_CACHE, "the expert cache is not initialised (saem_moe_cache_init)");
+    }
+    if (L.n_expert == 0) {
+        throw saem_error(SAEM_E_NOT_MOE, "layer " + std::to_string(il) + " has no experts");
+    }
+    std::vector<int32_t> used(L.n_slots, -1);
+    for (int e = 0; e < L.n_expert; ++e) {
+        const int32_t s = e2s[e];
+        if (s == -1) {
+            continue;
+        }
+        if (s < 0 || s >= L.n_slots) {
+            throw saem_error(SAEM_E_SLOT, "layer " + std::to_string(il) + ": expert " + std::to_string(e) + " -> slot " +
+                    std::to_string(s) + " out of range [-1, " + std::to_string(L.n_slots) + ")");
+        }
+        if (used[s] >= 0) {
+            throw saem_error(SAEM_E_MAP, "layer " + std::to_string(il) + ": slot " + std::to_string(s) + " mapped by experts " +
+                    std::to_string(used[s]) + " and " + std::to_string(e));
+        }
+        if (L.owner[s] != e) {
+            throw saem_error(SAEM_E_MAP, "layer " + std::to_string(il) + ": slot " + std::to_string(s) + " holds expert " +
+                    std::to_string(L.owner[s]) + ", not " + std::to_string(e) + " (copy it first)");
+        }
+        used[s] = e;
+    }
+    const saem_layer_mode old_mode = L.mode;
+    std::copy(e2s, e2s + L.n_expert, L.slot_of.begin());
+    L.rebuild_maps();
+    fill_input_maps(L, L.dev_idx >= 0 && devs[L.dev_idx].zero_slot);
+    if (L.mode != old_mode) {
+        layer_modes_changed();
+    }
+}
+
+void saem_moe_cache::wait_copies_on_compute() {
+    for (auto & d : devs) {
+        if (d.copy_pending && d.ev_copy) {
+            ggml_backend_t cb = saem_ctx_access::backend_for(*lctx, d.dev);
+            if (cb) {
+                ggml_backend_event_wait(cb, d.ev_copy); // device-side wait, the host goes on
+            } else {
+                ggml_backend_event_synchronize(d.ev_copy);
+            }
+        }
+        d.copy_pending = false;
+    }
+}
+
+void saem_moe_cache::record_compute() {
+    for (auto & d : devs) {
+        if (d.ev_compute) {
+            ggml_backend_t cb = saem_ctx_access::backend_for(*lctx, d.dev);
+            if (cb) {
+                ggml_backend_event_record(d.ev_compute, cb);
+                d.ev_compute_valid = true;
+            }
+        }
+    }
+}
+
+//
+// hooks called by the patched llama_context
+//
+
+void saem_moe_before_compute(saem_moe_cache * c) {
+    if (c) {
+        c->wait_copies_on_compute();
+    }
+}
+
+void saem_moe_cache_free(saem_moe_cache * c) {
+    delete c;
+}

@@ -1,0 +1,78 @@
+"""Routing counters read from a graph output (no eval callback) equal the top-k ids that the eval
+callback sees in the same run - with and without a cache, for prompt and decode ubatches."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from native_helpers import (NATIVE_ARCHS, PROMPT, Runner, TopkObserver, layer_infos, random_fill,
+                            spec)
+from saem_gguf import native_api as na
+from saem_gguf.testmodels import ensure_model
+
+
+def _hist(ids: np.ndarray, n_expert: int) -> list[int]:
+    return np.bincount(ids.reshape(-1), minlength=n_expert).tolist()
+
+
+@pytest.mark.parametrize("arch", NATIVE_ARCHS)
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_counts_match_eval_callback(arch, with_cache):
+    obs = TopkObserver()
+    path = ensure_model(spec(arch, "q8_0", n_expert=16, n_expert_used=4, n_layer=3))
+    with Runner(path, observer=obs, n_ubatch=8, n_batch=64) as r:
+        ctx = r.ctx
+        infos = [i for i in layer_infos(ctx) if i.n_expert > 0]
+        assert na.saem_moe_get_counting(ctx) == na.SAEM_COUNT_OFF
+        na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
+        if with_cache:
+            slots = [i.n_expert // 2 for i in layer_infos(ctx)]
+            na.saem_moe_cache_init(ctx, slots)
+            random_fill(ctx, random.Random(7), slots, p_map=0.8)
+        prompt = r.tokenize(PROMPT)
+        r.reset()
+        r.decode(prompt)  # several ubatches of 8 tokens
+        n_ub = (len(prompt) + 7) // 8
+        for i in infos:
+            seen = obs.ids[i.il]
+            assert len(seen) == n_ub
+            last = seen[-1]
+            assert na.saem_moe_get_counts(ctx, i.il, na.COUNTS_LAST) == _hist(last, i.n_expert)
+            assert na.saem_moe_get_last_ids(ctx, i.il) == last.tolist()
+            total = np.concatenate(seen)
+            assert na.saem_moe_get_counts(ctx, i.il, na.COUNTS_TOTAL) == _hist(total, i.n_expert)
+        assert na.saem_moe_counted_tokens(ctx) == len(prompt)
+
+        # decode steps accumulate; reset clears
+        na.saem_moe_reset_counts(ctx)
+        assert na.saem_moe_counted_tokens(ctx) == 0
+        obs.ids.clear()
+        for t in prompt[:5]:
+            r.decode([t])
+        for i in infos:
+            total = np.concatenate(obs.ids[i.il])
+            assert total.shape == (5, i.n_expert_used)
+            assert na.saem_moe_get_counts(ctx, i.il, na.COUNTS_TOTAL) == _hist(total, i.n_expert)
+            assert na.saem_moe_get_counts(ctx, i.il, na.COUNTS_LAST) == _hist(obs.ids[i.il][-1], i.n_expert)
+        assert na.saem_moe_counted_tokens(ctx) == 5
+
+
+def test_counting_does_not_change_logits_and_can_be_switched_off():
+    path = ensure_model(spec("qwen2moe", "q4_0"))
+    with Runner(path) as r:
+        prompt = r.tokenize(PROMPT)
+        toks0, logits0 = r.greedy(prompt, 4)
+        na.saem_moe_set_counting(r.ctx, na.SAEM_COUNT_ON)
+        toks1, logits1 = r.greedy(prompt, 4)
+        assert toks0 == toks1 and all(np.array_equal(a, b) for a, b in zip(logits0, logits1))
+        il = next(i.il for i in layer_infos(r.ctx) if i.n_expert > 0)
+        total = na.saem_moe_get_counts(r.ctx, il, na.COUNTS_TOTAL)
+        assert sum(total) == (len(prompt) + 4) * 2
+        with pytest.raises(na.NativeArgumentError, match="SAEM_COUNT_IDS"):
+            na.saem_moe_get_last_ids(r.ctx, il)  # ids are kept only in mode 2
+        na.saem_moe_set_counting(r.ctx, na.SAEM_COUNT_OFF)
+        r.decode([prompt[0]])
+        assert na.saem_moe_get_counts(r.ctx, il, na.COUNTS_TOTAL) == total  # no longer counting
