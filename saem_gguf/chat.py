@@ -1,0 +1,143 @@
+"""The interactive chat loop: multi-turn with the model's chat template, streaming, slash commands.
+
+Ctrl-C while the model answers stops that answer (what was said so far stays in the history);
+Ctrl-C at the prompt only reminds how to quit; Ctrl-D or /quit ends. When stdin is not a terminal
+each input line is one user turn, so the chat can be scripted.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from saem_gguf.engine import Engine
+
+HELP = "/stats  placement statistics   /reset  new conversation   /quit  exit   /help  this"
+
+
+@dataclass
+class ChatSession:
+    engine: Engine
+    system: str | None = None
+    n_predict: int = 512
+    temp: float = 0.0
+    show_stages: bool = False
+    out: TextIO = sys.stdout
+    messages: list[dict] = field(default_factory=list)
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt_text(self) -> str:
+        from saem_gguf.cli.generate_cmd import chat_prompt
+
+        return chat_prompt(self.engine, self.messages)
+
+    def answer(self, user: str) -> str:
+        """Stream the model's answer to ``user``; returns it (partial if interrupted)."""
+        import time
+
+        self.messages.append({"role": "user", "content": user})
+        prompt = self.prompt_text()
+        eng = self.engine
+        ev_seen = len(eng.placement.stats.events) if eng.placement else 0
+        text = bytearray()
+        shown = 0
+        t0 = None
+        n = 0
+        interrupted = False
+        try:
+            for _tok, piece in eng.stream(prompt, self.n_predict, self.temp, reuse_prefix=True):
+                if t0 is None:
+                    t0 = time.perf_counter()
+                n += 1
+                if self.show_stages and eng.placement and len(eng.placement.stats.events) > ev_seen:
+                    for e in eng.placement.stats.events[ev_seen:]:
+                        self._write(f"\x1b[2m⟦{e.source}: {e.cue or 'routing shift'}⟧\x1b[0m"
+                                    if self.out.isatty() else f"⟦{e.source}: {e.cue or 'routing shift'}⟧")
+                    ev_seen = len(eng.placement.stats.events)
+                text += piece
+                # print only complete UTF-8 characters
+                safe = text[shown:].decode("utf-8", errors="ignore") if _complete(text[shown:]) else ""
+                if safe:
+                    self._write(safe)
+                    shown = len(text)
+        except KeyboardInterrupt:
+            interrupted = True
+        if t0 is not None:
+            self.decode_seconds += time.perf_counter() - t0
+            self.decode_tokens += n
+        reply = text.decode("utf-8", errors="replace")
+        if shown < len(text):
+            self._write(text[shown:].decode("utf-8", errors="replace"))
+        self._write("\n" + ("[interrupted]\n" if interrupted else ""))
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply
+
+    def stats_text(self) -> str:
+        s = self.engine.stats()
+        tps = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+        lines = [f"policy {s['policy']}", f"decode {self.decode_tokens} tokens, {tps:.1f} tokens/s"]
+        if "hit_rate" in s:
+            lines += [f"expert cache: {s['slots_per_layer']} slots/layer (ECR {s['ecr']:.1%})",
+                      f"hit rate {s['hit_rate']:.1%} ({s['hits']}/{s['expert_accesses']} expert uses)",
+                      f"moved {s['bytes_moved'] / 1e6:.2f} MB in {s['copies']} copies "
+                      f"({s['mb_moved_per_token']:.3f} MB/token)",
+                      f"stage boundaries {s['boundaries']}, placement updates {s['plans']}"]
+        return "\n".join(lines)
+
+    def _write(self, s: str) -> None:
+        self.out.write(s)
+        self.out.flush()
+
+    def handle(self, line: str) -> bool:
+        """One line of user input; False when the session should end."""
+        cmd = line.strip()
+        if not cmd:
+            return True
+        if cmd in ("/quit", "/exit"):
+            return False
+        if cmd == "/stats":
+            self._write(self.stats_text() + "\n")
+        elif cmd == "/reset":
+            self.reset()
+            self._write("[new conversation]\n")
+        elif cmd == "/help":
+            self._write(HELP + "\n")
+        elif cmd.startswith("/"):
+            self._write(f"unknown command {cmd}; {HELP}\n")
+        else:
+            self.answer(line.rstrip("\n"))
+        return True
+
+
+def _complete(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def run_repl(session: ChatSession, inp: TextIO = sys.stdin) -> None:
+    interactive = inp.isatty()
+    if interactive:
+        print(f"chat with {session.engine.path.name} — {HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ") if interactive else inp.readline()
+        except KeyboardInterrupt:
+            print("\n(/quit or Ctrl-D to exit)", file=sys.stderr)
+            continue
+        except EOFError:
+            break
+        if not interactive and line == "":
+            break
+        if not session.handle(line):
+            break

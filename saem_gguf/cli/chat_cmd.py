@@ -1,0 +1,32 @@
+"""`chat [-m MODEL]`: interactive, streaming chat (the embedded default model without -m)."""
+
+from __future__ import annotations
+
+import argparse
+
+from saem_gguf.chat import ChatSession, run_repl
+from saem_gguf.cli.common import add_model_args, add_placement_args, add_sampling_args
+from saem_gguf.cli.engine_args import open_engine
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive chat (default: the embedded model)",
+                       description="Chat with a MoE GGUF using stage-aware expert placement. Commands: "
+                                   "/stats, /reset, /quit. Ctrl-C stops the current answer. When stdin "
+                                   "is not a terminal, each line is one user turn.")
+    add_model_args(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--show-stages", action="store_true", help="mark stage boundaries in the output")
+    add_sampling_args(p, n_predict=512)
+    add_placement_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    eng = open_engine(args)
+    try:
+        run_repl(ChatSession(eng, system=args.system, n_predict=args.n_predict, temp=args.temp,
+                             show_stages=args.show_stages))
+    finally:
+        eng.close()
+    return 0

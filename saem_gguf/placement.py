@@ -1,0 +1,170 @@
+"""The engine's placement loop: routing out of llama.cpp -> stage detector -> policy -> native cache.
+
+One ``Placement`` per loaded model. The engine calls ``on_prompt`` after each prefill ubatch and
+``on_token`` after each decoded token; both read the routing from the native counters (no eval
+callback). A policy decision's residency changes become native copies (async where the build has
+a device) and slot-map updates, which take effect at the next decode. Hits, CPU runs and bytes
+are counted from what really happened: the map in force during the decode and the copies issued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from saem_gguf import native_api as na
+from saem_gguf.errors import SaemError
+from saem_gguf.policies import make_policy
+from saem_gguf.policies.base import Accounting, CacheState, PolicyContext, RoutingBlock
+from saem_gguf.stage.detector import StageDetector, StageEvent
+
+
+# Policies whose misses wait for a load mid-step: the native layer offers no such wait, so the
+# engine runs the variant whose miss computes in place on the CPU and loads for the next tokens.
+ENGINE_VARIANT = {"lru": "lru-cpu", "lfu": "lfu-cpu", "temporal": "temporal-cpu"}
+
+
+@dataclass
+class PlacementStats:
+    tokens: int = 0  # decoded tokens observed
+    prompt_tokens: int = 0
+    accesses: int = 0  # (token, layer, k) expert uses while decoding
+    hits: int = 0  # of those, served from a resident slot
+    copies: int = 0
+    bytes_moved: int = 0
+    boundaries: int = 0
+    plans: int = 0  # placement updates that changed residency
+    events: list[StageEvent] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+                "expert_accesses": self.accesses, "hits": self.hits,
+                "hit_rate": round(self.hit_rate, 6), "copies": self.copies,
+                "bytes_moved": self.bytes_moved,
+                "mb_moved_per_token": round(self.bytes_moved / 1e6 / max(self.tokens, 1), 6),
+                "boundaries": self.boundaries, "plans": self.plans}
+
+
+class Placement:
+    """Drives one policy over the native expert cache of one llama context (batch of one)."""
+
+    def __init__(self, ctx, policy_name: str, slots_per_layer: int, cost, detector: StageDetector,
+                 calib_counts: np.ndarray | None = None, record: bool = False) -> None:
+        self.ctx = ctx
+        n_layers = na.saem_moe_n_layers(ctx)
+        infos = [na.saem_moe_get_layer_info(ctx, il) for il in range(n_layers)]
+        self.moe_layers = [i.il for i in infos if i.n_expert > 0]
+        if not self.moe_layers:
+            raise SaemError("the model has no MoE layers")
+        first = infos[self.moe_layers[0]]
+        self.n_expert, self.top_k = first.n_expert, first.n_expert_used
+        self.expert_nbytes = [int(infos[il].expert_nbytes) for il in self.moe_layers]
+        L = len(self.moe_layers)
+        n_slots = np.zeros(n_layers, np.int32)
+        n_slots[self.moe_layers] = slots_per_layer
+        self.policy = make_policy(ENGINE_VARIANT.get(policy_name, policy_name))
+        pctx = PolicyContext(n_layer=L, n_expert=self.n_expert, top_k=self.top_k,
+                             n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
+                             calib_counts=calib_counts)
+        self.state: CacheState = self.policy.start(pctx)
+        # the policy may use fewer/more slots than the budget (n-cpu-moe, gpu-all)
+        n_slots[self.moe_layers] = self.state.n_slots
+        na.saem_moe_cache_init(ctx, n_slots.tolist())
+        na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
+        self.acct = Accounting()
+        self.detector = detector
+        self.stats = PlacementStats()
+        self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
+        self._sync_to(self.state.slot_of, count=False)
+        self._step = 0
+        self._pending_event = False
+        self.record = record
+        self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
+
+    # --- routing in ------------------------------------------------------------------------
+    def _last_routing(self) -> np.ndarray:
+        """int16 [n_tokens, L, K]: the last ubatch's top-k experts of every MoE layer.
+
+        llama.cpp computes the last layer only for tokens whose logits are wanted (the prompt's
+        last token), so a layer may report fewer tokens: its rows align to the ubatch's end and
+        the rest stay -1."""
+        per_layer = [na.saem_moe_get_last_ids(self.ctx, il) for il in self.moe_layers]
+        n = max(len(ids) for ids in per_layer)
+        out = np.full((n, len(per_layer), self.top_k), -1, np.int16)
+        for l, ids in enumerate(per_layer):
+            if ids:
+                out[n - len(ids):, l, :] = ids
+        return out
+
+    def on_prompt(self, n_tokens: int) -> None:
+        """After a prefill ubatch: its routing seeds the first placement."""
+        routing = self._last_routing()
+        if self.record:
+            self.trace_experts.append(routing)
+        self.stats.prompt_tokens += n_tokens
+        counts = np.zeros((routing.shape[1], self.n_expert))
+        for l in range(routing.shape[1]):
+            ids = routing[:, l, :].ravel()
+            counts[l] = np.bincount(ids[ids >= 0], minlength=self.n_expert)
+        block = RoutingBlock(routing=np.zeros((0, 1, routing.shape[1], self.top_k), np.int16),
+                             event_steps=np.zeros(0, np.int32), prefill_counts=counts,
+                             prefill_tokens=n_tokens, step0=self._step)
+        self.policy.begin_group(block, self.state, self.acct)
+        self._sync_to(self.state.slot_of)
+        # the prompt ends a stage: the first decode step plans from it
+        self._pending_event = True
+
+    def on_token(self, piece: bytes) -> list[StageEvent]:
+        """After decoding one token whose text is ``piece``."""
+        routing = self._last_routing()  # [1, L, K]
+        if self.record:
+            self.trace_experts.append(routing)
+        self._count_hits(routing[0])
+        events = self.detector.feed([0], [piece], routing if self.detector.tracks_routing else None)
+        self.stats.events.extend(events)
+        self.stats.boundaries += len(events)
+        # run_steps on a one-step block, as Policy.step does, but without decoding the decision
+        # log: the engine needs only the resulting map (Policy.step costs ~1.5 ms more per token)
+        block = RoutingBlock.single(routing, self._pending_event, self._step)
+        self.policy.run_steps(block, 0, 1, self.state, self.acct)
+        self._pending_event = bool(events)
+        self._step += 1
+        self.stats.tokens += 1
+        self._sync_to(self.state.slot_of)
+        return events
+
+    def _count_hits(self, routing_lk: np.ndarray) -> None:
+        rows = np.arange(routing_lk.shape[0])[:, None]
+        resident = self._native[rows, routing_lk] >= 0
+        self.stats.accesses += int(routing_lk.size)
+        self.stats.hits += int(resident.sum())
+
+    # --- residency out ---------------------------------------------------------------------
+    def _sync_to(self, target: np.ndarray, count: bool = True) -> None:
+        """Make the native cache hold ``target`` (int32 [L, E], expert -> slot or -1)."""
+        changed = False
+        for l, il in enumerate(self.moe_layers):
+            want, have = target[l], self._native[l]
+            if np.array_equal(want, have):
+                continue
+            changed = True
+            # experts that must be (re)loaded: newly resident, or moved to another slot
+            for e in np.nonzero((want >= 0) & (want != have))[0]:
+                na.saem_moe_copy_expert_async(self.ctx, il, int(e), int(want[e]), False)
+                if count:
+                    self.stats.copies += 1
+                    self.stats.bytes_moved += self.expert_nbytes[l]
+            na.saem_moe_set_slot_map(self.ctx, il, want.tolist())
+            self._native[l] = want
+        if changed and count:
+            self.stats.plans += 1
+
+    def reset_sequence(self) -> None:
+        """A new conversation: stage state restarts, residency stays (it is still a good guess)."""
+        self.detector.reset(0)
+        self._pending_event = False

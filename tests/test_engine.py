@@ -1,0 +1,114 @@
+"""The engine end to end on real generated models: placement never changes results, and the
+commands behave for a user (scripted chat, --json, clear errors)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_cli, spec_for
+from saem_gguf.engine import Engine, EngineConfig
+from saem_gguf.testmodels import ensure_model
+
+PROMPT = "First, compute 12 + 7. Wait, let me verify the sum. Alternatively, count up from 12."
+POLICIES = ["cpu-moe", "n-cpu-moe", "static-hot", "lru", "lfu", "temporal", "saem", "saem-implicit",
+            "gpu-all"]
+
+
+def greedy(eng: Engine, n: int = 20) -> tuple[list[int], np.ndarray]:
+    res = eng.generate(PROMPT, n, 0.0)
+    last = np.array(eng.llm.scores[eng.llm.n_tokens - 1], copy=True)
+    return res.tokens, last
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(llama_cpp):
+    return ensure_model(spec_for("qwen3moe", "q4_0", n_expert=16, n_expert_used=4, n_layer=3, seed=2))
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_path):
+    eng = Engine(EngineConfig(model=qwen3_path, n_ctx=256, policy="cpu-moe", ecr=0.0, n_threads=2))
+    try:
+        return greedy(eng)
+    finally:
+        eng.close()
+
+
+FAST = [("saem", 0.25), ("lru", 0.125), ("static-hot", 0.5), ("gpu-all", 0.25)]
+FULL = [pytest.param(p, e, marks=pytest.mark.slow) for p in POLICIES for e in (0.125, 0.5)
+        if (p, e) not in FAST]
+
+
+@pytest.mark.parametrize("policy,ecr", FAST + FULL)
+def test_greedy_output_identical_for_every_policy_and_ecr(qwen3_path, reference, policy, ecr):
+    eng = Engine(EngineConfig(model=qwen3_path, n_ctx=256, policy=policy, ecr=ecr, n_threads=2))
+    try:
+        toks, last = greedy(eng)
+        st = eng.stats()
+    finally:
+        eng.close()
+    assert toks == reference[0]
+    assert np.array_equal(last, reference[1])  # bit-exact logits on CPU
+    assert st["tokens"] > 0 and st["expert_accesses"] == st["tokens"] * 3 * 4
+    if policy == "gpu-all":
+        assert st["hit_rate"] == 1.0
+
+
+def test_policy_switch_in_one_process_keeps_results(qwen3_path, reference):
+    eng = Engine(EngineConfig(model=qwen3_path, n_ctx=256, policy="saem", ecr=0.25, n_threads=2))
+    try:
+        for pol, slots in (("lru", 2), ("saem", 8), ("cpu-moe", 0), ("gpu-all", 16)):
+            eng.set_placement(pol, slots)
+            assert greedy(eng)[0] == reference[0]
+    finally:
+        eng.close()
+
+
+def test_dense_model_runs_with_management_off(llama_cpp):
+    path = ensure_model(spec_for("llama", "f16", dense=True))
+    r = run_cli("generate", "-m", str(path), "-p", "Hello", "-n", "4", "--policy", "saem", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["experts"]["policy"] == "off"
+    assert "dense model: expert management is off" in r.stderr
+
+
+def test_generate_json(qwen3_path):
+    r = run_cli("generate", "-m", str(qwen3_path), "-p", PROMPT, "-n", "8", "--json", "--policy", "saem",
+                "--ecr", "25%")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert len(d["tokens"]) == 8 and d["n_prompt"] > 5
+    assert d["experts"]["policy"] == "saem" and d["experts"]["slots_per_layer"] == 4
+    assert {"prompt_s", "decode_s", "tokens_per_s"} <= set(d["timings"])
+
+
+def test_chat_scripted_from_stdin(qwen3_path):
+    script = "What is 2 + 3?\n/stats\n/reset\nAnd 4 + 4?\n/quit\n"
+    r = subprocess.run([sys.executable, "-m", "saem_gguf", "chat", "-m", str(qwen3_path), "-n", "6",
+                        "--quiet"], input=script, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "hit rate" in r.stdout and "policy saem" in r.stdout
+    assert "[new conversation]" in r.stdout
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "-m", "/nonexistent/model.gguf", "-p", "x"], "no such file"),
+    (["generate", "-p", "x", "--ecr", "2"], "out of range"),
+    (["chat", "--policy", "oracle", "-m", "MODEL"], "oracle"),
+])
+def test_clear_errors(qwen3_path, argv, needle):
+    argv = [str(qwen3_path) if a == "MODEL" else a for a in argv]
+    r = run_cli(*argv)
+    assert r.returncode in (1, 2), r
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_non_numeric_flag_is_a_usage_error():
+    r = run_cli("generate", "-p", "x", "-c", "lots")
+    assert r.returncode == 2 and "invalid" in r.stderr and "Traceback" not in r.stderr
