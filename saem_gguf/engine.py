@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TextIO
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class EngineConfig:
     seed: int = 0
     verbose: bool = False
     record: bool = False  # keep a routing trace of what is decoded
+    progress: bool = True  # a loading progress bar (on a terminal)
 
 
 @dataclass
@@ -71,10 +73,20 @@ def _make_llama_class(llama_cpp):
         before loading, and this property's setter amends those params on the way in."""
 
         def __init__(self, *args, saem_hook: Callable[[list[int]], None] | None = None,
-                     saem_experts_on_host: bool = False, **kw):
+                     saem_experts_on_host: bool = False, saem_progress: TextIO | None = None, **kw):
             self._saem_hook = None
             self._saem_on_host = saem_experts_on_host
-            super().__init__(*args, **kw)
+            self._saem_bar = None
+            if saem_progress is not None:
+                from tqdm import tqdm
+
+                self._saem_bar = tqdm(total=100, desc="loading", unit="%", file=saem_progress,
+                                      bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+            try:
+                super().__init__(*args, **kw)
+            finally:
+                if self._saem_bar is not None:
+                    self._saem_bar.close()
             self._saem_hook = saem_hook
 
         @property
@@ -88,6 +100,17 @@ def _make_llama_class(llama_cpp):
 
                 # keep the override array alive as long as the model
                 self._saem_buft_override = na.keep_experts_on_host(params, pinned=True)
+            if self._saem_bar is not None:
+                bar = self._saem_bar
+
+                def progress(p: float, _ud) -> bool:
+                    bar.n = int(p * 100)
+                    bar.refresh()
+                    return True
+
+                # kept on self: the C side calls it for as long as the model loads
+                self._saem_progress_cb = llama_cpp.llama_progress_callback(progress)
+                params.progress_callback = self._saem_progress_cb
             self._saem_model_params = params
 
         def eval(self, tokens):
@@ -128,6 +151,8 @@ class Engine:
         slots = self._slots_per_layer()
         n_threads = cfg.n_threads or max(1, len(self.numa_plan.cpus))
         Cls = _make_llama_class(llama_cpp)
+        # the bar writes to a duplicate of fd 2, taken before llama.cpp's log silences fd 2
+        bar_out = os.fdopen(os.dup(2), "w") if cfg.progress and sys.stderr.isatty() else None
         try:
             with _quiet_stderr(not cfg.verbose):
                 self.llm = Cls(
@@ -140,9 +165,13 @@ class Engine:
                     # first-touch puts the weights on the pinned node when they are read, not mapped
                     use_mmap=self.numa_plan.node is None,
                     numa=self.numa_plan.llama_strategy, saem_hook=None,
+                    saem_progress=bar_out,
                     saem_experts_on_host=slots is not None)
         except ValueError as e:
             raise SaemError(f"llama.cpp could not load {self.path}: {e}") from None
+        finally:
+            if bar_out is not None:
+                bar_out.close()
         self._in_prompt = False
         self._seq_prompt_tokens = 0
         self._pieces: list[bytes] = []
@@ -238,7 +267,8 @@ class Engine:
             p.on_token(piece)
 
     def piece(self, token: int) -> bytes:
-        return self.llm._model.token_to_piece(token, special=True)
+        # not LlamaModel.token_to_piece: it returns its whole 32-byte buffer, NULs included
+        return self.llm._model.detokenize([token], special=True)
 
     # --- generation --------------------------------------------------------------------------
     def stream(self, prompt: str | list[int], n_predict: int = 256, temp: float = 0.0,

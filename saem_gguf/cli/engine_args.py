@@ -12,7 +12,8 @@ def engine_config(args: argparse.Namespace, **over) -> EngineConfig:
     kw = dict(model=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
               n_gpu_layers=args.n_gpu_layers, numa=args.numa, policy=getattr(args, "policy", "saem"),
               ecr=getattr(args, "ecr", None), vram_budget=getattr(args, "vram_budget", None),
-              profile=getattr(args, "profile", None), seed=args.seed, verbose=args.verbose)
+              profile=getattr(args, "profile", None), seed=args.seed, verbose=args.verbose,
+              progress=not getattr(args, "quiet", False))
     kw.update(over)
     return EngineConfig(**kw)
 
@@ -26,6 +27,4 @@ def open_engine(args: argparse.Namespace, **over) -> Engine:
         if not quiet and (verbose or not msg.startswith("NUMA")):
             print(f"[saem] {msg}", file=sys.stderr)
 
-    if not quiet:
-        print("[saem] loading model...", file=sys.stderr)
     return Engine(engine_config(args, **over), log=log)
