@@ -112,3 +112,19 @@ def test_clear_errors(qwen3_path, argv, needle):
 def test_non_numeric_flag_is_a_usage_error():
     r = run_cli("generate", "-p", "x", "-c", "lots")
     assert r.returncode == 2 and "invalid" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_pieces_are_the_exact_text_and_cues_across_tokens_are_seen(qwen3_path):
+    eng = Engine(EngineConfig(model=qwen3_path, n_ctx=512, policy="saem", ecr=0.25, n_threads=2))
+    try:
+        toks = eng.llm.tokenize(PROMPT.encode(), add_bos=False)
+        assert b"".join(eng.piece(t) for t in toks) == PROMPT.encode()
+        steps = " ".join(f"{a} + {a} = {2 * a}." for a in range(10, 15))
+        text = f"First, add the numbers. {steps}\nWait, let me verify the last one. {steps}\n" \
+               f"Therefore, the answer is 78."
+        res = eng.replay("<|im_start|>user\nAdd.<|im_end|>\n<|im_start|>assistant\n<think>\n", text)
+        cues = [e.cue for e in res.events if e.source == "cue"]
+        assert "Wait" in cues and "Therefore" in cues, res.events
+        assert eng.stats()["boundaries"] >= 2
+    finally:
+        eng.close()
