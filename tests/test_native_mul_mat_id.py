@@ -7,9 +7,11 @@ import os
 import subprocess
 from pathlib import Path
 
+from saem_gguf.llama_lib import load_llama_cpp
 
-def test_mul_mat_id_skip_negative_ids(llama_cpp):
-    lib_dir = Path(llama_cpp.llama_cpp._base_path)
+
+def test_mul_mat_id_skip_negative_ids():
+    lib_dir = Path(load_llama_cpp().llama_cpp._base_path)
     exe = lib_dir.parent / "bin" / "saem-test-mul-mat-id"
     assert exe.exists(), f"{exe} missing: the build installs it (SAEM_BUILD_TESTS=ON)"
     env = {**os.environ, "LD_LIBRARY_PATH": f"{lib_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
