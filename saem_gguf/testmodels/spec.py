@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 EXPERT_TYPES = ("f16", "q8_0", "q4_0", "q4_k")
@@ -62,12 +63,25 @@ class ModelSpec:
         return max(1, self.n_expert // self.n_expert_used)
 
     def key(self) -> str:
-        """Stable id of the spec (and of the generator version), for the file cache."""
+        """Stable id of the spec and of the generator's code, for the file cache: editing an
+        architecture module or the writer invalidates the cached files it made."""
         from saem_gguf.testmodels.writer import GENERATOR_VERSION
 
-        blob = json.dumps({"v": GENERATOR_VERSION, **asdict(self)}, sort_keys=True)
+        blob = json.dumps({"v": GENERATOR_VERSION, "code": _generator_code_hash(self.arch),
+                           **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def filename(self) -> str:
         kind = "dense" if self.dense else f"{self.n_expert}x{self.n_expert_used}-{self.expert_type}"
         return f"{self.name or self.arch}-L{self.n_layer}-{kind}-{self.key()}.gguf"
+
+
+def _generator_code_hash(arch: str) -> str:
+    here = Path(__file__).resolve().parent
+    files = [here / n for n in ("weights.py", "writer.py", "quant.py", "vocab.py", "archs/base.py")]
+    files.append(here / "archs" / f"{arch.replace('-', '')}.py")
+    h = hashlib.sha256()
+    for f in files:
+        if f.exists():
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
