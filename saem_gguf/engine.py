@@ -245,7 +245,9 @@ class Engine:
                                 "not match the model")
             return StageDetector.from_profile(prof, 1), calib
         cues = CueSet.load(FAMILY_CUES.get(info.architecture, "general"))
-        return StageDetector(1, cues, DetectorConfig(), n_layer=len(info.moe_layers),
+        # the embedded model's stages are short (median ~19 tokens, docs/DEFAULT_MODEL.md)
+        cfg = DetectorConfig(min_stage_tokens=12) if self.cfg.model is None else DetectorConfig()
+        return StageDetector(1, cues, cfg, n_layer=len(info.moe_layers),
                              n_expert=info.n_expert, top_k=info.n_expert_used), None
 
     # --- the hook ----------------------------------------------------------------------------

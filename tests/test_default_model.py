@@ -1,0 +1,167 @@
+"""The embedded default model (saem_gguf/data/default-model.gguf): file, tokenizer, numerics,
+behaviour on held-out problems, and stage coherence of its own routing. No PyTorch needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from saem_gguf.defaultmodel import bpe, corpus, evaluate, reference
+from saem_gguf.errors import SaemError
+
+# llama.cpp vs the float64 NumPy reference over the same dequantized weights. llama.cpp's CPU
+# matmuls quantize activations (to Q8_0 for the Q8_0 experts, to F16 for the F16 matrices) and
+# keep the KV cache in F16, so logits differ by a small fraction of their spread (~3). Where the
+# router's k-th and (k+1)-th experts nearly tie (margins of 1e-5..1e-4 in probability are
+# common with top-4 of 32), that noise can swap the expert, which moves that position's logits
+# by up to ~1: so the bounds are on the mean and the 95th percentile, plus a loose maximum. A
+# wrong formula (RoPE layout, norm, gating) shifts every position by about the logit spread.
+LOGIT_MEAN_ATOL = 0.03  # mean |llama.cpp - reference| over all positions and vocabulary entries
+LOGIT_P95_ATOL = 0.15  # 95th percentile over positions of the per-position max |difference|
+LOGIT_MAX_ATOL = 3.0  # the largest |difference| anywhere (expert swaps at near ties: up to 1.36 seen)
+N_HELDOUT = 24
+# Greedy replies, so deterministic for one build; measured 11/24 = 0.46 on this draw and
+# 112/200 = 0.56 with `python -m saem_gguf.defaultmodel.evaluate -n 200` (docs/DEFAULT_MODEL.md).
+# The floor leaves room for other CPUs' arithmetic breaking near-ties differently.
+MIN_ACCURACY = 0.35
+
+
+@pytest.fixture(scope="module")
+def model_file():
+    from saem_gguf.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def weights(model_file):
+    return reference.load_weights(model_file)
+
+
+@pytest.fixture(scope="module")
+def tok(model_file):
+    return bpe.Tokenizer.from_gguf(model_file)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_cpp, model_file):
+    return llama_cpp.Llama(model_path=str(model_file), n_ctx=1024, n_batch=512, logits_all=True,
+                           verbose=False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def replies(model_file, llm):
+    return evaluate.run_replies(model_file, corpus.heldout_examples(N_HELDOUT, seed=2024), llm=llm)
+
+
+# --- the file ---------------------------------------------------------------------------------
+
+def test_default_model_ships_in_package(model_file, weights):
+    from gguf import GGUFReader
+
+    assert model_file.name == "default-model.gguf"
+    assert model_file.stat().st_size < 25_000_000
+    r = GGUFReader(str(model_file))
+    assert r.fields["general.architecture"].contents() == "qwen3moe"
+    assert "im_start" in r.fields["tokenizer.chat_template"].contents()
+    assert r.fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] in ("Q8_0", "Q4_0")
+    assert weights.n_expert >= 16 and 2 <= weights.n_expert_used <= 4 and 4 <= weights.n_layer <= 8
+
+
+def test_missing_default_model_is_a_clear_error(monkeypatch):
+    import saem_gguf.default_model as dm
+
+    monkeypatch.setattr(dm, "DEFAULT_MODEL_FILE", "no-such-model.gguf")
+    with pytest.raises(SaemError, match="default model is missing"):
+        dm.default_model_path()
+
+
+def test_inference_modules_do_not_import_torch():
+    code = ("import sys; import saem_gguf.default_model, saem_gguf.defaultmodel.corpus, "
+            "saem_gguf.defaultmodel.bpe, saem_gguf.defaultmodel.reference, saem_gguf.defaultmodel.evaluate; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- corpus and tokenizer ---------------------------------------------------------------------
+
+def test_corpus_is_deterministic_and_heldout_is_disjoint():
+    a = corpus.training_examples(300, seed=0)
+    b = corpus.training_examples(300, seed=0)
+    assert [e.text for e in a] == [e.text for e in b]
+    for e in a:
+        split_key = e.key if e.kind not in ("mul", "word_mul") else None
+        if split_key is not None:
+            assert not corpus.is_heldout(e.kind, split_key)
+    for e in corpus.heldout_examples(100):
+        if e.kind not in ("mul", "word_mul"):
+            assert corpus.is_heldout(e.kind, e.key)
+        assert e.text.endswith(f"</think>\n\nAnswer: {e.answer}<|im_end|>")
+
+
+def test_corpus_stages_use_their_own_vocabulary():
+    words: dict[str, set[str]] = {}
+    for e in corpus.training_examples(400, seed=1):
+        for kind, text in e.stages:
+            words.setdefault(kind, set()).update(w.strip(".,:?").lower() for w in text.split())
+    assert {"carry", "ones", "tens"} <= words["compute"]
+    assert {"matches", "adding", "subtracting"} <= words["verify"]
+    assert {"split", "round"} <= words["alternative"]
+    assert "answer" in words["conclude"] and "carry" not in words["verify"]
+
+
+def test_bpe_roundtrip_small():
+    texts = [e.text for e in corpus.training_examples(50, seed=3)]
+    t = bpe.train_bpe(texts, vocab_size=400)
+    assert t.size % 64 == 0
+    for s in texts[:10]:
+        assert t.decode(t.encode(s)) == s
+
+
+def test_tokenizer_matches_llama_cpp(tok, llm):
+    for e in corpus.heldout_examples(20, seed=7):
+        assert llm.tokenize(e.text.encode(), add_bos=False, special=True) == tok.encode(e.text), e.text
+
+
+# --- numerics ---------------------------------------------------------------------------------
+
+def test_llama_cpp_logits_match_numpy_reference(tok, llm, weights):
+    ex = corpus.heldout_examples(3, seed=11)
+    ids = tok.encode(ex[0].text + ex[1].text)  # two conversations: ~300 positions
+    llm.reset()
+    llm.eval(ids)
+    got = np.array(llm.scores[:len(ids)], np.float64)
+    want, _ = reference.forward(weights, ids)
+    diff = np.abs(got - want)
+    per_pos = diff.max(axis=1)
+    assert diff.mean() < LOGIT_MEAN_ATOL, f"mean |diff| {diff.mean():.5f}"
+    assert np.percentile(per_pos, 95) < LOGIT_P95_ATOL, f"p95 {np.percentile(per_pos, 95):.4f}"
+    assert diff.max() < LOGIT_MAX_ATOL, f"max |diff| {diff.max():.4f}"
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.97
+
+
+# --- behaviour --------------------------------------------------------------------------------
+
+def test_answers_heldout_problems_with_staged_reasoning(replies):
+    for r in replies:
+        assert r.has_think, r.text
+        assert r.think_cues, r.text
+        assert r.answer is not None, r.text
+    acc = sum(r.correct for r in replies) / len(replies)
+    assert acc >= MIN_ACCURACY, f"held-out accuracy {acc:.2f}"
+
+
+def test_own_generations_are_stage_coherent(replies, weights):
+    """TCseq (saem_gguf.stage.coherence, capacity 0.25) of the model's own replies is above every
+    one of 20 permutations of the same routing rows (within each reply, and pooled across
+    replies) and above the same tokens shuffled and re-routed."""
+    res = evaluate.coherence(weights, replies, capacity_ratio=0.25, n_perm=20, n_text_perm=1)
+    real = res["real"]["overall"]
+    assert res["n_sequences"] >= N_HELDOUT // 2
+    for base in ("rows", "pooled", "text"):
+        assert real > res[base]["max"], (base, res)
