@@ -21,7 +21,12 @@ POLICIES = ["cpu-moe", "n-cpu-moe", "static-hot", "lru", "lfu", "temporal", "sae
 
 def greedy(eng: Engine, n: int = 20) -> tuple[list[int], np.ndarray]:
     res = eng.generate(PROMPT, n, 0.0)
-    last = np.array(eng.llm.scores[eng.llm.n_tokens - 1], copy=True)
+    # the logits of the last decode, read from the context: without logits_all llama-cpp-python
+    # (0.3.x) never fills Llama.scores, an uninitialised np.ndarray (comparing it was a flake)
+    llama_cpp = eng._llama_cpp
+    ptr = llama_cpp.llama_get_logits_ith(eng.llm.ctx, -1)
+    assert ptr, "no logits for the last decode"
+    last = np.ctypeslib.as_array(ptr, shape=(eng.llm.n_vocab(),)).copy()
     return res.tokens, last
 
 
