@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default="cpu-moe,lru,static-hot,saem",
                    help=f"comma-separated ({', '.join(POLICIES)}); the first is the baseline")
     p.add_argument("--ecr", default="0.125,0.25,0.5", help="comma-separated ratios (0..1 or NN%%)")
+    p.add_argument("--profile", default=None, metavar="PROFILE.json",
+                   help="calibration profile (cues, thresholds, expert counts for static-hot)")
     p.add_argument("-p", "--n-prompt", type=int, default=None,
                    help="use one synthetic prompt of this many tokens instead of the prompt set")
     p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens generated per prompt (64)")
