@@ -306,7 +306,6 @@ class Engine:
         t0 = time.perf_counter()
         out_toks: list[int] = []
         out = bytearray()
-        n_prompt = len(prompt) if isinstance(prompt, list) else None
         t_first = None
         ev0 = len(self.placement.stats.events) if self.placement else 0
         for tok, piece in self.stream(prompt, n_predict, temp):
@@ -317,11 +316,10 @@ class Engine:
             if on_piece:
                 on_piece(piece)
         t1 = time.perf_counter()
-        if n_prompt is None:
-            n_prompt = len(self.llm.tokenize(prompt.encode(), add_bos=False, special=True))
         events = self.placement.stats.events[ev0:] if self.placement else []
         t_first = t_first or t1
-        return GenerationResult(out.decode("utf-8", errors="replace"), out_toks, n_prompt,
+        # stream() evaluated the whole prompt (no prefix reuse), so this is its token count
+        return GenerationResult(out.decode("utf-8", errors="replace"), out_toks, self._seq_prompt_tokens,
                                 t_first - t0, t1 - t_first, list(events))
 
     def replay(self, prompt: str, continuation: str) -> GenerationResult:
