@@ -7,6 +7,7 @@ each input line is one user turn, so the chat can be scripted.
 
 from __future__ import annotations
 
+import codecs
 import sys
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -35,9 +36,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def prompt_text(self) -> str:
-        from saem_gguf.cli.generate_cmd import chat_prompt
-
-        return chat_prompt(self.engine, self.messages)
+        return self.engine.chat_prompt(self.messages)
 
     def answer(self, user: str) -> str:
         """Stream the model's answer to ``user``; returns it (partial if interrupted)."""
@@ -48,7 +47,8 @@ class ChatSession:
         eng = self.engine
         ev_seen = len(eng.placement.stats.events) if eng.placement else 0
         text = bytearray()
-        shown = 0
+        # pieces may end inside a UTF-8 character: the decoder holds such bytes back
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         t0 = None
         n = 0
         interrupted = False
@@ -63,20 +63,16 @@ class ChatSession:
                                     if self.out.isatty() else f"⟦{e.source}: {e.cue or 'routing shift'}⟧")
                     ev_seen = len(eng.placement.stats.events)
                 text += piece
-                # print only complete UTF-8 characters
-                safe = text[shown:].decode("utf-8", errors="ignore") if _complete(text[shown:]) else ""
-                if safe:
-                    self._write(safe)
-                    shown = len(text)
+                out = decoder.decode(piece)
+                if out:
+                    self._write(out)
         except KeyboardInterrupt:
             interrupted = True
         if t0 is not None:
             self.decode_seconds += time.perf_counter() - t0
             self.decode_tokens += n
         reply = text.decode("utf-8", errors="replace")
-        if shown < len(text):
-            self._write(text[shown:].decode("utf-8", errors="replace"))
-        self._write("\n" + ("[interrupted]\n" if interrupted else ""))
+        self._write(decoder.decode(b"", final=True) + "\n" + ("[interrupted]\n" if interrupted else ""))
         self.messages.append({"role": "assistant", "content": reply})
         return reply
 
@@ -115,14 +111,6 @@ class ChatSession:
         else:
             self.answer(line.rstrip("\n"))
         return True
-
-
-def _complete(b: bytes) -> bool:
-    try:
-        b.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
 
 
 def run_repl(session: ChatSession, inp: TextIO = sys.stdin) -> None:

@@ -348,6 +348,16 @@ class Engine:
         events = self.placement.stats.events[ev0:] if self.placement else []
         return GenerationResult(continuation, c_toks, len(p_toks), t1 - t0, t2 - t1, list(events))
 
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The prompt text the model's own chat template makes of ``messages``."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        tpl = self.llm.metadata.get("tokenizer.chat_template")
+        if not tpl:
+            raise SaemError(f"{self.path} has no chat template (tokenizer.chat_template)")
+        fmt = Jinja2ChatFormatter(template=tpl, eos_token="", bos_token="")
+        return fmt(messages=messages).prompt
+
     def reset_sequence(self) -> None:
         self._seq_prompt_tokens = 0
         if self.placement is not None:

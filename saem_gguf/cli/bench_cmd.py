@@ -16,7 +16,6 @@ import time
 from saem_gguf.budget import parse_ecr
 from saem_gguf.cli.common import add_model_args
 from saem_gguf.cli.engine_args import open_engine
-from saem_gguf.cli.generate_cmd import chat_prompt
 from saem_gguf.errors import SaemError
 from saem_gguf.prompts import load_prompts
 
@@ -126,7 +125,7 @@ def _prompts(eng, args) -> list:
         return [eng.llm.detokenize(toks[: args.n_prompt]).decode("utf-8", errors="ignore")]
     prompts = load_prompts(args.prompts)[: max(1, args.max_prompts)]
     if eng.llm.metadata.get("tokenizer.chat_template"):
-        prompts = [chat_prompt(eng, [{"role": "user", "content": p}]) for p in prompts]
+        prompts = [eng.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     return prompts
 
 

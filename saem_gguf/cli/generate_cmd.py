@@ -8,7 +8,6 @@ import sys
 
 from saem_gguf.cli.common import add_model_args, add_placement_args, add_sampling_args
 from saem_gguf.cli.engine_args import open_engine
-from saem_gguf.errors import SaemError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompt = args.prompt
         if args.chat:
-            prompt = chat_prompt(eng, [{"role": "user", "content": prompt}])
+            prompt = eng.chat_prompt([{"role": "user", "content": prompt}])
         stream = None if args.json else (lambda b: (sys.stdout.buffer.write(b), sys.stdout.flush()))
         try:
             res = eng.generate(prompt, args.n_predict, args.temp, on_piece=stream)
@@ -58,13 +57,3 @@ def run(args: argparse.Namespace) -> int:
         eng.close()
     return 0
 
-
-def chat_prompt(eng, messages: list[dict]) -> str:
-    """The prompt text the model's own chat template makes of ``messages``."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    tpl = eng.llm.metadata.get("tokenizer.chat_template")
-    if not tpl:
-        raise SaemError(f"{eng.path} has no chat template (tokenizer.chat_template)")
-    fmt = Jinja2ChatFormatter(template=tpl, eos_token="", bos_token="")
-    return fmt(messages=messages).prompt

@@ -7,7 +7,6 @@ import sys
 
 from saem_gguf.cli.common import add_model_args
 from saem_gguf.cli.engine_args import open_engine
-from saem_gguf.cli.generate_cmd import chat_prompt
 from saem_gguf.errors import SaemError
 from saem_gguf.prompts import load_prompts
 from saem_gguf.trace import TraceSet, save_traces
@@ -32,7 +31,7 @@ def record_traces(eng, prompts: list[str], n_predict: int, raw: bool, quiet: boo
     seqs = []
     for prompt in tqdm(prompts, desc="trace", file=sys.stderr, disable=quiet):
         text = prompt if raw or not eng.llm.metadata.get("tokenizer.chat_template") else \
-            chat_prompt(eng, [{"role": "user", "content": prompt}])
+            eng.chat_prompt([{"role": "user", "content": prompt}])
         eng.generate(text, n_predict, 0.0)
         seqs.append(eng.sequence_trace())
     return TraceSet(eng.signature(), seqs, source="engine",
