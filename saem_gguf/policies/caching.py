@@ -19,13 +19,12 @@ from typing import ClassVar
 import numpy as np
 from numba import njit
 
-from saem_gguf.costmodel import C_BARRIER, C_DENSE_LAYER_S, C_EXPERT_BYTES, C_STEP_S, t_xfer
+from saem_gguf.costmodel import C_DENSE_LAYER_S, t_xfer
 from saem_gguf.policies.base import (
-    A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_CPU_TOKENS, A_DEMAND, A_EVICT, A_GPU_RUNS, A_HIT, A_LAYER_STEPS,
-    A_STALL, A_STEPS, A_TOKENS, K_ASYNC, K_CPU, K_DEMAND, K_EVICT, K_HIT, Accounting, CacheState, Policy,
+    A_ASYNC, A_EVICT, K_ASYNC, K_CPU, K_DEMAND, K_EVICT, K_HIT, Accounting, CacheState, Policy,
     PolicyContext, RoutingBlock, log_put,
 )
-from saem_gguf.policies.replay import active_tokens, gather, layer_end, time_tables
+from saem_gguf.policies.replay import active_tokens, gather, layer_end, step_begin, step_end, time_tables
 
 KIND_LRU = 0
 KIND_LFU = 1
@@ -79,21 +78,14 @@ def run_caching(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, key, 
     uniq = np.empty(E, np.int32)
     miss = np.empty(E, np.int32)
     tx = t_xfer(cost)
-    eb = cost[C_EXPERT_BYTES]
     tg, tc = time_tables(B, cost)
     dense = cost[C_DENSE_LAYER_S]
-    barrier = cost[C_BARRIER] > 0
     for s in range(s0, s1):
         ntok = active_tokens(routing, s)
         if ntok == 0:
             continue
         g = step0 + s
-        now = clock[0]
-        link = clock[1]
-        stall = 0.0
-        if barrier and link > now:  # the step starts once every earlier copy has landed
-            stall = link - now
-            now = link
+        now, link, stall = step_begin(clock, cost)
         n_acc = 0.0
         n_hit = 0.0
         n_cpu_tok = 0.0
@@ -209,21 +201,10 @@ def run_caching(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, key, 
             n_cpu_runs += n_cpu
             for i in range(n):
                 cnt[uniq[i]] = 0
-        clock[0] = now + cost[C_STEP_S]
-        clock[1] = link
-        acc[A_ACCESS] += n_acc
-        acc[A_HIT] += n_hit
-        acc[A_CPU_TOKENS] += n_cpu_tok
-        acc[A_CPU_RUNS] += n_cpu_runs
-        acc[A_GPU_RUNS] += n_gpu_runs
-        acc[A_DEMAND] += n_load
+        step_end(clock, acc, now, link, cost, ntok, L, n_acc, n_hit, n_cpu_tok, n_cpu_runs, n_gpu_runs, n_load,
+                 stall)
         acc[A_ASYNC] += n_async
-        acc[A_BYTES] += n_load * eb
         acc[A_EVICT] += n_evict
-        acc[A_STALL] += stall
-        acc[A_TOKENS] += ntok
-        acc[A_STEPS] += 1
-        acc[A_LAYER_STEPS] += ntok * L
 
 
 class CachingPolicy(Policy):

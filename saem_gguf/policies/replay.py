@@ -115,6 +115,39 @@ def time_tables(B, cost):
 
 
 @njit(cache=True)
+def step_begin(clock, cost):
+    """(now, GPU link free time, stall) at the start of a decode step; with a barrier the step
+    starts once every earlier copy has landed."""
+    now = clock[0]
+    link = clock[1]
+    stall = 0.0
+    if cost[C_BARRIER] > 0 and link > now:
+        stall = link - now
+        now = link
+    return now, link, stall
+
+
+@njit(cache=True)
+def step_end(clock, acc, now, link, cost, ntok, L, n_acc, n_hit, n_cpu_tok, n_cpu_runs, n_gpu_runs, n_copies,
+             stall):
+    """Close a decode step: advance the clock and add the counters every replay kernel keeps
+    (``n_copies`` experts went over the link on demand)."""
+    clock[0] = now + cost[C_STEP_S]
+    clock[1] = link
+    acc[A_ACCESS] += n_acc
+    acc[A_HIT] += n_hit
+    acc[A_CPU_TOKENS] += n_cpu_tok
+    acc[A_CPU_RUNS] += n_cpu_runs
+    acc[A_GPU_RUNS] += n_gpu_runs
+    acc[A_DEMAND] += n_copies
+    acc[A_BYTES] += n_copies * cost[C_EXPERT_BYTES]
+    acc[A_STALL] += stall
+    acc[A_TOKENS] += ntok
+    acc[A_STEPS] += 1
+    acc[A_LAYER_STEPS] += ntok * L
+
+
+@njit(cache=True)
 def run_fixed(routing, s0, s1, step0, slot_of, ready_at, cost, miss_mode, clock, acc, det, log, log_n):
     """Replay steps [s0, s1) with residency fixed. Returns the step after the last one run:
     s1, or earlier when the implicit-boundary detector fires (the caller re-plans there)."""
@@ -123,22 +156,15 @@ def run_fixed(routing, s0, s1, step0, slot_of, ready_at, cost, miss_mode, clock,
     cnt = np.zeros(E, np.int32)
     uniq = np.empty(E, np.int32)
     tx = t_xfer(cost)
-    eb = cost[C_EXPERT_BYTES]
     tg, tc = time_tables(B, cost)
     dense = cost[C_DENSE_LAYER_S]
-    barrier = cost[C_BARRIER] > 0
     # wait-vs-CPU for an in-flight copy and CPU-vs-transfer, both "lower latency wins"
     for s in range(s0, s1):
         ntok = active_tokens(routing, s)
         if ntok == 0:
             continue
         g = step0 + s
-        now = clock[0]
-        link = clock[1]
-        stall = 0.0
-        if barrier and link > now:  # the step starts once every earlier copy has landed
-            stall = link - now
-            now = link
+        now, link, stall = step_begin(clock, cost)
         n_acc = 0.0
         n_hit = 0.0
         n_cpu_tok = 0.0
@@ -198,21 +224,10 @@ def run_fixed(routing, s0, s1, step0, slot_of, ready_at, cost, miss_mode, clock,
                 cnt[uniq[i]] = 0
             n_cpu_runs += n_cpu
             now = layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
-        clock[0] = now + cost[C_STEP_S]
-        clock[1] = link
-        acc[A_ACCESS] += n_acc
-        acc[A_HIT] += n_hit
-        acc[A_CPU_TOKENS] += n_cpu_tok
-        acc[A_CPU_RUNS] += n_cpu_runs
-        acc[A_GPU_RUNS] += n_gpu_runs
+        step_end(clock, acc, now, link, cost, ntok, L, n_acc, n_hit, n_cpu_tok, n_cpu_runs, n_gpu_runs, n_temp,
+                 stall)
         acc[A_HIT_CPU] += n_hit_cpu
         acc[A_TEMP] += n_temp
-        acc[A_DEMAND] += n_temp
-        acc[A_BYTES] += n_temp * eb
-        acc[A_STALL] += stall
-        acc[A_TOKENS] += ntok
-        acc[A_STEPS] += 1
-        acc[A_LAYER_STEPS] += ntok * L
         if det[D_ON] > 0 and n_acc > 0:
             h = n_hit / n_acc
             det[D_STEPS] += 1
