@@ -14,19 +14,24 @@ from saem_gguf.errors import SaemError
 
 # llama.cpp vs the float64 NumPy reference over the same dequantized weights. llama.cpp's CPU
 # matmuls quantize activations (to Q8_0 for the Q8_0 experts, to F16 for the F16 matrices) and
-# keep the KV cache in F16, so logits differ by a small fraction of their spread (~3). Where the
-# router's k-th and (k+1)-th experts nearly tie (margins of 1e-5..1e-4 in probability are
-# common with top-4 of 32), that noise can swap the expert, which moves that position's logits
-# by up to ~1: so the bounds are on the mean and the 95th percentile, plus a loose maximum. A
-# wrong formula (RoPE layout, norm, gating) shifts every position by about the logit spread.
-LOGIT_MEAN_ATOL = 0.03  # mean |llama.cpp - reference| over all positions and vocabulary entries
-LOGIT_P95_ATOL = 0.15  # 95th percentile over positions of the per-position max |difference|
-LOGIT_MAX_ATOL = 3.0  # the largest |difference| anywhere (expert swaps at near ties: up to 1.36 seen)
-N_HELDOUT = 24
-# Greedy replies, so deterministic for one build; measured 11/24 = 0.46 on this draw and
-# 112/200 = 0.56 with `python -m saem_gguf.defaultmodel.evaluate -n 200` (docs/DEFAULT_MODEL.md).
-# The floor leaves room for other CPUs' arithmetic breaking near-ties differently.
-MIN_ACCURACY = 0.35
+# keep the KV cache in F16. Where the router's k-th and (k+1)-th experts nearly tie (margins of
+# 1e-5..1e-4 in probability are common with top-4 of 32), that noise swaps the expert and moves
+# the logits by up to ~2. So the tight bounds compare the two under llama.cpp's own routing (read
+# back through the native counters and forced on the reference); a wrong formula (RoPE layout,
+# norm, gating) shifts every position by about the logit spread (~3.2). Measured on three pairs
+# of held-out conversations: routing agreement 98.0-98.9 % of (token, layer) pairs; under one
+# routing mean |diff| 0.013-0.015, p95 0.068-0.084, max 0.13-0.30, top-1 100 %; each with its own
+# routing mean 0.024-0.029, top-1 99.6-100 %.
+ROUTING_AGREE_MIN = 0.95  # share of (token, layer) pairs where both pick the same expert set
+LOGIT_MEAN_ATOL = 0.03  # under one routing: mean |llama.cpp - reference| over positions and vocabulary
+LOGIT_P95_ATOL = 0.15  # under one routing: 95th percentile over positions of the per-position max
+LOGIT_MAX_ATOL = 0.6  # under one routing: the largest |difference| anywhere
+FREE_MEAN_ATOL = 0.06  # each with its own routing (near-tie swaps included)
+N_HELDOUT = 64
+# Greedy replies, so deterministic for one build; measured 64/64 on this draw and 200/200 with
+# `python -m saem_gguf.defaultmodel.evaluate -n 200` (docs/DEFAULT_MODEL.md). The floor leaves
+# room for other CPUs' arithmetic breaking near-ties differently.
+MIN_ACCURACY = 0.85
 
 
 @pytest.fixture(scope="module")
@@ -131,18 +136,35 @@ def test_tokenizer_matches_llama_cpp(tok, llm):
 # --- numerics ---------------------------------------------------------------------------------
 
 def test_llama_cpp_logits_match_numpy_reference(tok, llm, weights):
+    from saem_gguf import native_api as na
+
     ex = corpus.heldout_examples(3, seed=11)
-    ids = tok.encode(ex[0].text + ex[1].text)  # two conversations: ~300 positions
-    llm.reset()
-    llm.eval(ids)
+    ids = tok.encode(ex[0].text + ex[1].text)  # two conversations: ~350 positions, one ubatch
+    na.saem_moe_set_counting(llm.ctx, na.SAEM_COUNT_IDS)
+    try:
+        llm.reset()
+        llm.eval(ids)
+        routed = np.array([na.saem_moe_get_last_ids(llm.ctx, il) for il in range(weights.n_layer)])
+    finally:
+        na.saem_moe_set_counting(llm.ctx, na.SAEM_COUNT_OFF)
     got = np.array(llm.scores[:len(ids)], np.float64)
-    want, _ = reference.forward(weights, ids)
+    assert routed.shape == (weights.n_layer, len(ids), weights.n_expert_used)
+    routed = routed.transpose(1, 0, 2)
+
+    free, own = reference.forward(weights, ids)
+    agree = np.mean([set(a) == set(b) for a, b in zip(routed.reshape(-1, routed.shape[2]),
+                                                      own.reshape(-1, own.shape[2]))])
+    assert agree >= ROUTING_AGREE_MIN, f"routing agreement {agree:.3f}"
+    assert np.abs(got - free).mean() < FREE_MEAN_ATOL
+    assert (got.argmax(1) == free.argmax(1)).mean() >= 0.97
+
+    want, _ = reference.forward(weights, ids, routing=routed)
     diff = np.abs(got - want)
     per_pos = diff.max(axis=1)
     assert diff.mean() < LOGIT_MEAN_ATOL, f"mean |diff| {diff.mean():.5f}"
     assert np.percentile(per_pos, 95) < LOGIT_P95_ATOL, f"p95 {np.percentile(per_pos, 95):.4f}"
     assert diff.max() < LOGIT_MAX_ATOL, f"max |diff| {diff.max():.4f}"
-    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.97
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.99
 
 
 # --- behaviour --------------------------------------------------------------------------------
@@ -158,10 +180,17 @@ def test_answers_heldout_problems_with_staged_reasoning(replies):
 
 def test_own_generations_are_stage_coherent(replies, weights):
     """TCseq (saem_gguf.stage.coherence, capacity 0.25) of the model's own replies is above every
-    one of 20 permutations of the same routing rows (within each reply, and pooled across
-    replies) and above the same tokens shuffled and re-routed."""
-    res = evaluate.coherence(weights, replies, capacity_ratio=0.25, n_perm=20, n_text_perm=1)
+    one of 20 permutations of the same routing rows, within each reply (the order test: each
+    token keeps the routing of its real context) and pooled across replies. Measured on these 64
+    replies: 0.298 against at most 0.291 and 0.282.
+
+    The shuffled-and-re-routed text baseline of ``evaluate`` is not asserted: re-routing
+    nonsense text concentrates each reply's routing (top-8 share 0.393 against 0.365 for the
+    real replies), which lifts its TCseq (0.316) above the real one for a reason unrelated to
+    order (docs/DEFAULT_MODEL.md)."""
+    res = evaluate.coherence(weights, replies, capacity_ratio=0.25, n_perm=20, n_text_perm=0)
     real = res["real"]["overall"]
     assert res["n_sequences"] >= N_HELDOUT // 2
-    for base in ("rows", "pooled", "text"):
+    assert "text" not in res
+    for base in ("rows", "pooled"):
         assert real > res[base]["max"], (base, res)

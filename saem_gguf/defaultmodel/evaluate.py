@@ -12,6 +12,13 @@ same tokens shuffled three ways (same stage bounds each time; several permutatio
 * ``rows``:   each sequence's per-token routing rows permuted (order within the reply destroyed),
 * ``text``:   each reply's tokens permuted and re-routed by the model (prompt kept),
 * ``pooled``: routing rows pooled over all replies, permuted, and dealt back.
+
+``rows`` is the order test proper: every token keeps the routing it had in its real context. The
+``text`` baseline also changes the routing itself: in shuffled text the model routes by token
+identity more than by context, so a reply's routing concentrates on fewer experts and every
+TCseq over it rises, whatever the order. ``concentration`` reports that confound: the mean share
+of a reply's routing slots on its own top-C experts (C = the TCseq cache), for the real replies
+and for the shuffled, re-routed ones.
 """
 
 from __future__ import annotations
@@ -78,6 +85,14 @@ class Reply:
         return [c for c in self.cues if c not in ("<think>", "</think>")]
 
 
+# stage kind of each qwen3 cue, as the corpus uses them (corpus.py); the first stage is "compute"
+CUE_KIND = {"Wait": "pause", "But wait": "pause", "Hmm": "pause", "Hold on": "pause", "Okay, so": "pause",
+            "Alternatively": "alternative", "Another way": "alternative", "Instead": "alternative",
+            "Let me verify": "verify", "Let me check": "verify", "Let me double-check": "verify",
+            "Let me recheck": "verify", "Therefore": "conclude", "So the answer": "conclude",
+            "</think>": "answer"}
+
+
 def stage_bounds(tok: Tokenizer, ids: list[int]) -> tuple[np.ndarray, list[str]]:
     from saem_gguf.stage.cues import load_cues
     from saem_gguf.stage.matcher import find_cues
@@ -113,13 +128,24 @@ def routing_of(weights: reference.GGUFWeights, prompt_ids: list[int], gen_ids: l
     return r[len(prompt_ids):]
 
 
+def top_share(routes: list[np.ndarray], n_expert: int, cap: int) -> float:
+    """Mean over replies and layers of the share of routing slots on the reply's top-``cap``
+    experts (routes: [T, L, k] expert ids per reply)."""
+    shares = []
+    for r in routes:
+        for layer in range(r.shape[1]):
+            h = np.bincount(r[:, layer].ravel(), minlength=n_expert)
+            shares.append(np.sort(h)[::-1][:cap].sum() / max(1, h.sum()))
+    return float(np.mean(shares)) if shares else float("nan")
+
+
 def coherence(weights: reference.GGUFWeights, replies: list[Reply], capacity_ratio: float = 0.25,
               n_perm: int = 20, n_text_perm: int = 2, seed: int = 0) -> dict:
     """TCseq of the replies' own routing, and of the same tokens shuffled (``n_perm``
     permutations for the ``rows`` and ``pooled`` baselines, ``n_text_perm`` re-routed text
     shuffles): each baseline's mean, std and max over its permutations, and how many standard
     deviations the real TCseq lies above the mean."""
-    from saem_gguf.stage.coherence import tcseq
+    from saem_gguf.stage.coherence import capacity_of, tcseq
 
     rng = np.random.default_rng(seed)
     E = weights.n_expert
@@ -140,20 +166,61 @@ def coherence(weights: reference.GGUFWeights, replies: list[Reply], capacity_rat
             segs.append((pool[at:at + len(ex)], b))
             at += len(ex)
         base["pooled"].append(score(segs))
+    text_routes: list[np.ndarray] = []
     for _ in range(n_text_perm):
         segs = []
         for r in use:
             perm = rng.permutation(len(r.gen_ids))
             segs.append((routing_of(weights, r.prompt_ids, [r.gen_ids[i] for i in perm]), r.bounds))
+        text_routes += [x for x, _ in segs]
         base["text"].append(score(segs))
-    res: dict = {"real": real.to_dict(), "n_sequences": len(use), "capacity_ratio": capacity_ratio}
+    cap = capacity_of(E, capacity_ratio)
+    res: dict = {"real": real.to_dict(), "n_sequences": len(use), "capacity_ratio": capacity_ratio,
+                 "concentration": {"real": round(top_share(routes, E, cap), 4),
+                                   "text": round(top_share(text_routes, E, cap), 4)}}
     for name, vals in base.items():
+        if not vals:
+            continue
         v = np.array(vals)
         sd = float(v.std(ddof=1)) if len(v) > 1 else float("nan")
         res[name] = {"mean": round(float(v.mean()), 6), "std": round(sd, 6), "max": round(float(v.max()), 6),
                      "n_perm": len(v),
                      "z": round((real.overall - v.mean()) / sd, 2) if sd and np.isfinite(sd) and sd > 0 else None}
     return res
+
+
+def stage_kinds(tok: Tokenizer, ids: list[int]) -> list[str]:
+    """The kind of every stage of ``stage_bounds`` (by the cue that opens it)."""
+    from saem_gguf.stage.cues import load_cues
+    from saem_gguf.stage.matcher import find_cues
+
+    cues = load_cues(CUE_SET)
+    first: dict[int, str] = {}
+    for c, t in find_cues(cues, [tok.piece(i) for i in ids]):
+        if 0 < t < len(ids):
+            first.setdefault(t, CUE_KIND.get(cues[c].text, "other"))
+    return ["compute"] + [first[t] for t in sorted(first)]
+
+
+def kind_overlap(tok: Tokenizer, weights: reference.GGUFWeights, replies: list[Reply], top: int = 8) -> dict:
+    """How much the stage kinds share their experts: per kind and layer the ``top`` most-used
+    experts over all replies' stages of that kind; for each pair of kinds the mean over layers
+    of the size of the intersection (``top`` = the same experts, 0 = disjoint)."""
+    L, E = weights.n_layer, weights.n_expert
+    hist: dict[str, np.ndarray] = {}
+    for r in replies:
+        route = routing_of(weights, r.prompt_ids, r.gen_ids)
+        for kind, a, b in zip(stage_kinds(tok, r.gen_ids), r.bounds[:-1], r.bounds[1:]):
+            h = hist.setdefault(kind, np.zeros((L, E), np.int64))
+            for layer in range(L):
+                h[layer] += np.bincount(route[a:b, layer].ravel(), minlength=E)
+    tops = {k: [set(np.argsort(-h[layer], kind="stable")[:top].tolist()) for layer in range(L)]
+            for k, h in hist.items()}
+    kinds = sorted(tops)
+    pairs = {f"{a}-{b}": round(float(np.mean([len(tops[a][layer] & tops[b][layer]) for layer in range(L)])), 2)
+             for i, a in enumerate(kinds) for b in kinds[i + 1:]}
+    return {"top": top, "tokens": {k: int(hist[k][0].sum() // weights.n_expert_used) for k in kinds},
+            "shared": pairs}
 
 
 def summarise(replies: list[Reply]) -> dict:
@@ -193,10 +260,12 @@ def main(argv=None) -> int:
     replies = run_replies(path, corpus.heldout_examples(a.n, seed=a.seed))
     t_gen = time.time() - t0
     summ = summarise(replies)
-    coh = coherence(reference.load_weights(path), replies, a.capacity)
+    weights = reference.load_weights(path)
+    coh = coherence(weights, replies, a.capacity)
+    kinds = kind_overlap(Tokenizer.from_gguf(path), weights, replies)
     for r in replies[:a.show]:
         print(f"--- {r.example.question}  (expected {r.example.answer})\n{r.text}")
-    out = {"model": str(path), "heldout_seed": a.seed, **summ, "tcseq": coh,
+    out = {"model": str(path), "heldout_seed": a.seed, **summ, "tcseq": coh, "stage_kinds": kinds,
            "generation_seconds": round(t_gen, 1)}
     print(json.dumps(out, indent=2))
     if a.json:

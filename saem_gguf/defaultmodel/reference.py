@@ -87,17 +87,27 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def forward(w: GGUFWeights, tokens, margins: bool = False):
+def forward(w: GGUFWeights, tokens, margins: bool = False, routing: np.ndarray | None = None):
     """Logits [T, n_vocab] (float64) for every position, and the routing [T, n_layer, k]
     (expert ids, highest router probability first). With ``margins``, also [T, n_layer]: the
     router probability of the k-th chosen expert minus that of the best unchosen one (a tiny
-    margin is a near tie, which other arithmetic may break the other way)."""
+    margin is a near tie, which other arithmetic may break the other way).
+
+    ``routing`` ([T, n_layer, k] expert ids, e.g. what llama.cpp chose) forces the experts each
+    token runs through instead of this forward's top-k; their gate weights are still this
+    forward's router probabilities, renormalised. Comparing logits under one routing removes
+    near-tie expert swaps from the comparison."""
     ids = np.asarray(tokens, np.int64)
     T = ids.shape[0]
     H, Hkv, Dh, E, K = w.n_head, w.n_head_kv, w.head_dim, w.n_expert, w.n_expert_used
     pos = np.arange(T)
     x = w.t("token_embd.weight")[ids]
     causal = np.triu(np.full((T, T), -np.inf), 1)
+    forced = None
+    if routing is not None:
+        forced = np.asarray(routing, np.int64)
+        if forced.shape != (T, w.n_layer, K) or forced.min() < 0 or forced.max() >= E:
+            raise ValueError(f"routing must be [{T}, {w.n_layer}, {K}] expert ids < {E}, got {forced.shape}")
     routing = np.empty((T, w.n_layer, K), np.int64)
     margin = np.full((T, w.n_layer), np.inf)
     rep = H // Hkv
@@ -122,7 +132,7 @@ def forward(w: GGUFWeights, tokens, margins: bool = False):
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         order = np.argsort(-probs, axis=-1, kind="stable")
-        sel = order[:, :K]
+        sel = order[:, :K] if forced is None else forced[:, il]
         routing[:, il] = sel
         if K < E:
             margin[:, il] = (np.take_along_axis(probs, order[:, K - 1:K], -1)
