@@ -8,6 +8,9 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -319,6 +322,66 @@ int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int3
             std::copy(L.last_ids.begin(), L.last_ids.begin() + std::min(cap, n), ids);
         }
         return n;
+    });
+}
+
+int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used) {
+    return guarded(__func__, [&]() -> int32_t {
+        CHECK_CTX(ctx);
+        if (cap < 0) {
+            throw saem_error(SAEM_E_INVALID_ARG, "cap < 0");
+        }
+        const saem_moe_cache * c = saem_get_cache(ctx);
+        if (!c || c->counting != SAEM_COUNT_IDS) {
+            throw saem_error(SAEM_E_INVALID_ARG, "top-k ids are kept only with counting mode SAEM_COUNT_IDS (2)");
+        }
+        int32_t nt = 0, nl = 0, nu = 0;
+        for (const saem_layer & L : c->layers) {
+            if (L.n_expert == 0) {
+                continue;
+            }
+            if (L.n_expert > INT16_MAX) {
+                throw saem_error(SAEM_E_UNSUPPORTED, "expert ids do not fit int16");
+            }
+            nl++;
+            nu = std::max(nu, L.n_used);
+            if (!L.last_ids.empty()) {
+                nt = std::max(nt, L.last_n_tokens);
+            }
+        }
+        if (nl == 0) {
+            throw saem_error(SAEM_E_NOT_MOE, "the model has no expert layers");
+        }
+        const int64_t need = (int64_t) nt * nl * nu;
+        if (need > INT32_MAX) {
+            throw saem_error(SAEM_E_INVALID_ARG, "the routing of this ubatch does not fit one call");
+        }
+        if (n_tokens) { *n_tokens = nt; }
+        if (n_layers) { *n_layers = nl; }
+        if (n_used)   { *n_used   = nu; }
+        if (need == 0 || cap < need) {
+            return (int32_t) need;  // sizing call, or a buffer too small: nothing written
+        }
+        CHECK_PTR(out);
+        std::fill(out, out + need, (int16_t) -1);
+        int32_t l = 0;
+        for (const saem_layer & L : c->layers) {
+            if (L.n_expert == 0) {
+                continue;
+            }
+            const int32_t lt = L.last_ids.empty() ? 0 : L.last_n_tokens;
+            const int32_t lu = lt > 0 ? (int32_t) L.last_ids.size() / lt : 0;
+            for (int32_t t = 0; t < lt; t++) {
+                // a layer that computed fewer tokens (the last one: only rows whose logits are
+                // wanted) fills the ubatch's last rows
+                int16_t * row = out + ((int64_t) (nt - lt + t) * nl + l) * nu;
+                for (int32_t k = 0; k < lu; k++) {
+                    row[k] = (int16_t) L.last_ids[(size_t) t * lu + k];
+                }
+            }
+            l++;
+        }
+        return (int32_t) need;
     });
 }
 

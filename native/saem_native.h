@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define SAEM_NATIVE_ABI_VERSION 2
+#define SAEM_NATIVE_ABI_VERSION 3
 
 #if defined(_WIN32)
 #    define SAEM_API __declspec(dllexport)
@@ -154,6 +154,14 @@ SAEM_API int64_t saem_moe_counted_tokens(const struct llama_context * ctx);
 // token-major ([n_tokens][n_expert_used]), sets *n_tokens and *n_used (may be NULL); returns the
 // number of ints the full ids need (call with cap 0 to size the buffer).
 SAEM_API int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int32_t * ids, int32_t cap, int32_t * n_tokens, int32_t * n_used);
+
+// Top-k expert ids of the last ubatch for every MoE layer at once (mode SAEM_COUNT_IDS): int16,
+// token-major [n_tokens][n_layers][n_used], MoE layers in model order. A layer that computed fewer
+// tokens (llama.cpp runs the last layer only for the rows whose logits are wanted) fills the
+// ubatch's last rows; every other entry is -1. Sets *n_tokens, *n_layers, *n_used (may be NULL)
+// and returns the number of int16 the array needs; writes it only when cap >= that number (call
+// with cap 0 to size the buffer). One call per decoded token instead of one per layer.
+SAEM_API int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used);
 
 // Ubatches with n_tokens >= n use the stock graph (no cache; on a GPU build llama.cpp then uploads
 // the used experts itself, op offload). Default 32 (GGML_OP_OFFLOAD_MIN_BATCH). n >= 1.

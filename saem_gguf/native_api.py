@@ -4,7 +4,8 @@ The functions live in the patched libllama itself; the handle is the one llama-c
 (``llama_cpp.llama_cpp._lib``), so there is exactly one copy of the library in the process.
 
 Every function takes the same arguments as its C counterpart, except that array arguments are
-Python sequences / returned lists and the ``ctx`` argument may be a ``llama_context`` pointer (as
+Python sequences / returned lists (a NumPy array for the per-token routing read, the one hot
+call) and the ``ctx`` argument may be a ``llama_context`` pointer (as
 returned by ``llama_cpp.llama_init_from_model``) or a ``llama_cpp.Llama`` object. A negative C
 status is raised as a :class:`NativeError` subclass carrying the C message; nothing returns codes.
 
@@ -17,10 +18,12 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from saem_gguf.errors import BuildError, SaemError
 from saem_gguf.llama_lib import load_llama_cpp
 
-ABI_VERSION = 2  # SAEM_NATIVE_ABI_VERSION
+ABI_VERSION = 3  # SAEM_NATIVE_ABI_VERSION
 
 # status codes (saem_native.h)
 SAEM_OK = 0
@@ -149,6 +152,7 @@ class llama_model_tensor_buft_override(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+_P_I16 = ctypes.POINTER(ctypes.c_int16)
 _P_I32 = ctypes.POINTER(ctypes.c_int32)
 _P_I64 = ctypes.POINTER(ctypes.c_int64)
 _CTX = ctypes.c_void_p
@@ -178,6 +182,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "saem_moe_reset_counts": ([_CTX], ctypes.c_int32),
     "saem_moe_counted_tokens": ([_CTX], ctypes.c_int64),
     "saem_moe_get_last_ids": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, _P_I32, _P_I32], ctypes.c_int32),
+    "saem_moe_get_last_routing": ([_CTX, _P_I16, ctypes.c_int32, _P_I32, _P_I32, _P_I32], ctypes.c_int32),
     "saem_moe_set_stock_min_batch": ([_CTX, ctypes.c_int32], ctypes.c_int32),
     "saem_moe_get_stock_min_batch": ([_CTX], ctypes.c_int32),
 }
@@ -424,6 +429,27 @@ def saem_moe_get_last_ids(ctx: Any, il: int) -> list[list[int]]:
     _call("saem_moe_get_last_ids", c, int(il), arr, n, ctypes.byref(nt), ctypes.byref(nu))
     k = nu.value
     return [list(arr[t * k:(t + 1) * k]) for t in range(nt.value)]
+
+
+def saem_moe_get_last_routing(ctx: Any, cap: int = 0) -> np.ndarray:
+    """int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out,
+    int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used);
+
+    Returns the last ubatch's top-k expert ids of every MoE layer as a new int16 array
+    [n_tokens, n_moe_layers, n_used] (-1 where a layer computed fewer tokens). ``cap`` is a size
+    guess (entries): when it is large enough this is one C call, otherwise a second one fetches
+    the ids into a buffer of the size the first reported."""
+    c = _ctx(ctx)
+    nt, nl, nu = ctypes.c_int32(0), ctypes.c_int32(0), ctypes.c_int32(0)
+    buf = np.empty(max(int(cap), 0), np.int16)
+    ptr = buf.ctypes.data_as(_P_I16) if buf.size else None
+    need = _call("saem_moe_get_last_routing", c, ptr, buf.size, ctypes.byref(nt), ctypes.byref(nl),
+                 ctypes.byref(nu))
+    if need > buf.size:
+        buf = np.empty(need, np.int16)
+        _call("saem_moe_get_last_routing", c, buf.ctypes.data_as(_P_I16), need, ctypes.byref(nt),
+              ctypes.byref(nl), ctypes.byref(nu))
+    return buf[:need].reshape(nt.value, nl.value, nu.value)
 
 
 def saem_moe_set_stock_min_batch(ctx: Any, n: int) -> None:

@@ -85,6 +85,8 @@ class Placement:
         self._pending_event = False
         self.record = record
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
+        # a decoded token's routing fits: one native call per token (a prefill ubatch takes two)
+        self._routing_cap = len(self.moe_layers) * self.top_k
 
     # --- routing in ------------------------------------------------------------------------
     def _last_routing(self) -> np.ndarray:
@@ -93,13 +95,7 @@ class Placement:
         llama.cpp computes the last layer only for tokens whose logits are wanted (the prompt's
         last token), so a layer may report fewer tokens: its rows align to the ubatch's end and
         the rest stay -1."""
-        per_layer = [na.saem_moe_get_last_ids(self.ctx, il) for il in self.moe_layers]
-        n = max(len(ids) for ids in per_layer)
-        out = np.full((n, len(per_layer), self.top_k), -1, np.int16)
-        for l, ids in enumerate(per_layer):
-            if ids:
-                out[n - len(ids):, l, :] = ids
-        return out
+        return na.saem_moe_get_last_routing(self.ctx, self._routing_cap)
 
     def on_prompt(self, n_tokens: int) -> None:
         """After a prefill ubatch: its routing seeds the first placement."""

@@ -45,6 +45,7 @@ def test_counts_match_eval_callback(arch, with_cache):
             total = np.concatenate(seen)
             assert na.saem_moe_get_counts(ctx, i.il, na.COUNTS_TOTAL) == _hist(total, i.n_expert)
         assert na.saem_moe_counted_tokens(ctx) == len(prompt)
+        _check_all_layers(ctx, infos, [obs.ids[i.il][-1] for i in infos])
 
         # decode steps accumulate; reset clears
         na.saem_moe_reset_counts(ctx)
@@ -58,6 +59,20 @@ def test_counts_match_eval_callback(arch, with_cache):
             assert na.saem_moe_get_counts(ctx, i.il, na.COUNTS_TOTAL) == _hist(total, i.n_expert)
             assert na.saem_moe_get_counts(ctx, i.il, na.COUNTS_LAST) == _hist(obs.ids[i.il][-1], i.n_expert)
         assert na.saem_moe_counted_tokens(ctx) == 5
+        _check_all_layers(ctx, infos, [obs.ids[i.il][-1] for i in infos])
+
+
+def _check_all_layers(ctx, infos, last_per_layer: list[np.ndarray]) -> None:
+    """saem_moe_get_last_routing = every layer's last ids in one int16 array, a layer with fewer
+    rows (the last layer computes only the rows whose logits are wanted) aligned to the end."""
+    n = max(len(x) for x in last_per_layer)
+    want = np.full((n, len(infos), infos[0].n_expert_used), -1, np.int16)
+    for l, ids in enumerate(last_per_layer):
+        want[n - len(ids):, l] = ids
+    for cap in (0, 1, want.size, want.size + 100):  # sizing call, too small, exact, roomy
+        got = na.saem_moe_get_last_routing(ctx, cap)
+        assert got.dtype == np.int16 and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
 
 
 def test_counting_does_not_change_logits_and_can_be_switched_off():
@@ -73,6 +88,8 @@ def test_counting_does_not_change_logits_and_can_be_switched_off():
         assert sum(total) == (len(prompt) + 4) * 2
         with pytest.raises(na.NativeArgumentError, match="SAEM_COUNT_IDS"):
             na.saem_moe_get_last_ids(r.ctx, il)  # ids are kept only in mode 2
+        with pytest.raises(na.NativeArgumentError, match="SAEM_COUNT_IDS"):
+            na.saem_moe_get_last_routing(r.ctx)
         na.saem_moe_set_counting(r.ctx, na.SAEM_COUNT_OFF)
         r.decode([prompt[0]])
         assert na.saem_moe_get_counts(r.ctx, il, na.COUNTS_TOTAL) == total  # no longer counting
