@@ -63,12 +63,15 @@ def plot_results(result, path: str, metrics: tuple[str, ...] = ("hit_rate", "tok
             ax.set_title(f"batch {B}: {_LABELS.get(m, m)}")
             ax.grid(True, alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), frameon=False)
+    # as many entries per legend row as fit the figure's width (~1.7 in each), below the axes;
+    # the tight bounding box at save time grows the image to include it
+    ncol = max(1, min(len(labels), int(5.2 * len(batches) // 1.7)))
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.07 if len(policies) <= 7 else 0.1, 1, 0.97 if title else 1))
+    fig.tight_layout(rect=(0, 0, 1, 0.97 if title else 1))
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
     except OSError as e:
         raise SaemError(f"{path}: cannot write plot ({e.strerror or e})") from None
     finally:
