@@ -91,6 +91,15 @@ def test_generate_json(qwen3_path):
     assert len(d["tokens"]) == 8 and d["n_prompt"] > 5
     assert d["experts"]["policy"] == "saem" and d["experts"]["slots_per_layer"] == 4
     assert {"prompt_s", "decode_s", "tokens_per_s"} <= set(d["timings"])
+    assert "--chat wraps it" in r.stderr  # a chat model got raw text: say how to wrap it
+
+
+def test_generate_chat_on_the_embedded_model():
+    r = run_cli("generate", "--chat", "-p", "What is 37 + 45?", "-n", "200", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "--chat wraps it" not in r.stderr
+    text = json.loads(r.stdout)["text"]
+    assert text.startswith("<think>") and "</think>" in text and text.rstrip().endswith("Answer: 82"), text
 
 
 def test_chat_scripted_from_stdin(qwen3_path):

@@ -29,6 +29,10 @@ def run(args: argparse.Namespace) -> int:
         prompt = args.prompt
         if args.chat:
             prompt = eng.chat_prompt([{"role": "user", "content": prompt}])
+        elif not args.quiet and eng.llm.metadata.get("tokenizer.chat_template"):
+            # a chat model continues raw text as text (the embedded model then writes nonsense)
+            print("[saem] the prompt goes in as raw text; --chat wraps it in the model's chat template",
+                  file=sys.stderr)
         stream = None if args.json else (lambda b: (sys.stdout.buffer.write(b), sys.stdout.flush()))
         try:
             res = eng.generate(prompt, args.n_predict, args.temp, on_piece=stream)
