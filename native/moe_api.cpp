@@ -302,16 +302,22 @@ int64_t saem_moe_counted_tokens(const struct llama_context * ctx) {
     return rc < 0 ? rc : n;
 }
 
+// The cache whose last top-k ids the two readers below return (mode SAEM_COUNT_IDS only).
+static const saem_moe_cache * ids_cache(const llama_context * ctx, int32_t cap) {
+    if (cap < 0) {
+        throw saem_error(SAEM_E_INVALID_ARG, "cap < 0");
+    }
+    const saem_moe_cache * c = saem_get_cache(ctx);
+    if (!c || c->counting != SAEM_COUNT_IDS) {
+        throw saem_error(SAEM_E_INVALID_ARG, "top-k ids are kept only with counting mode SAEM_COUNT_IDS (2)");
+    }
+    return c;
+}
+
 int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int32_t * ids, int32_t cap, int32_t * n_tokens, int32_t * n_used) {
     return guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
-        if (cap < 0) {
-            throw saem_error(SAEM_E_INVALID_ARG, "cap < 0");
-        }
-        const saem_moe_cache * c = saem_get_cache(ctx);
-        if (!c || c->counting != SAEM_COUNT_IDS) {
-            throw saem_error(SAEM_E_INVALID_ARG, "top-k ids are kept only with counting mode SAEM_COUNT_IDS (2)");
-        }
+        const saem_moe_cache * c = ids_cache(ctx, cap);
         const saem_layer & L = moe_layer(*c, il);
         const int32_t n = (int32_t) L.last_ids.size();
         const int32_t nt = n > 0 ? L.last_n_tokens : 0;
@@ -328,13 +334,7 @@ int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int3
 int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used) {
     return guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
-        if (cap < 0) {
-            throw saem_error(SAEM_E_INVALID_ARG, "cap < 0");
-        }
-        const saem_moe_cache * c = saem_get_cache(ctx);
-        if (!c || c->counting != SAEM_COUNT_IDS) {
-            throw saem_error(SAEM_E_INVALID_ARG, "top-k ids are kept only with counting mode SAEM_COUNT_IDS (2)");
-        }
+        const saem_moe_cache * c = ids_cache(ctx, cap);
         int32_t nt = 0, nl = 0, nu = 0;
         for (const saem_layer & L : c->layers) {
             if (L.n_expert == 0) {
