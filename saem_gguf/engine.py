@@ -221,15 +221,15 @@ class Engine:
                             "a trace, not on a live model")
         if not self.info.is_moe:
             raise SaemError(f"{self.info.architecture} is a dense model: no experts to place")
-        detector, calib = self._make_detector()
+        detector, calib, cue_counts = self._make_detector(policy)
         cost = CostModel.from_expert_bytes(self.info.moe_layers[0].bytes_per_expert, get_hw(self.cfg.hw))
         self.placement = None
         self.placement = Placement(self.llm.ctx, policy, slots, cost, detector,
-                                   calib_counts=calib, record=self.cfg.record)
+                                   calib_counts=calib, cue_counts=cue_counts, record=self.cfg.record)
         self.policy_name = policy
         self.note(f"policy {policy}: {self.placement.policy.summary}")
 
-    def _make_detector(self):
+    def _make_detector(self, policy: str):
         from saem_gguf.stage.cues import CueSet
         from saem_gguf.stage.detector import DetectorConfig, StageDetector
 
@@ -243,12 +243,29 @@ class Engine:
             if calib is not None and calib.shape != (len(info.moe_layers), info.n_expert):
                 raise SaemError(f"profile {self.cfg.profile}: expert_counts shape {calib.shape} does "
                                 "not match the model")
-            return StageDetector.from_profile(prof, 1), calib
+            cue_counts = None
+            profiles = prof.stats.get("cue_profiles")
+            if policy == "saem-cue" and profiles is not None:
+                # saem-cue also watches the cues whose stage profiles calibration found predictive
+                import dataclasses
+
+                from saem_gguf.policies.cue_profiles import from_json
+
+                where = f"profile {self.cfg.profile}"
+                if not isinstance(profiles, dict) or not {"cues", "counts"} <= set(profiles):
+                    raise SaemError(f"{where}: cue_profiles must hold 'cues' and 'counts'")
+                cue_counts = from_json(profiles["counts"], len(info.moe_layers), info.n_expert, where=where)
+                extra = CueSet.from_dict(profiles["cues"], where=where, allow_empty=True)
+                extra = extra.subset([t for t in extra.texts if t.casefold() not in
+                                      {c.casefold() for c in prof.cues.texts}])
+                if len(extra):
+                    prof = dataclasses.replace(prof, cues=prof.cues.merged(extra))
+            return StageDetector.from_profile(prof, 1), calib, cue_counts
         cues = CueSet.load(FAMILY_CUES.get(info.architecture, "general"))
         # the embedded model's stages are short (median ~19 tokens, docs/DEFAULT_MODEL.md)
         cfg = DetectorConfig(min_stage_tokens=12) if self.cfg.model is None else DetectorConfig()
         return StageDetector(1, cues, cfg, n_layer=len(info.moe_layers),
-                             n_expert=info.n_expert, top_k=info.n_expert_used), None
+                             n_expert=info.n_expert, top_k=info.n_expert_used), None, None
 
     # --- the hook ----------------------------------------------------------------------------
     def _on_ubatch(self, tokens: list[int]) -> None:

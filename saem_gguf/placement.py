@@ -54,7 +54,8 @@ class Placement:
     """Drives one policy over the native expert cache of one llama context (batch of one)."""
 
     def __init__(self, ctx, policy_name: str, slots_per_layer: int, cost, detector: StageDetector,
-                 calib_counts: np.ndarray | None = None, record: bool = False) -> None:
+                 calib_counts: np.ndarray | None = None, cue_counts: dict[str, np.ndarray] | None = None,
+                 record: bool = False) -> None:
         self.ctx = ctx
         n_layers = na.saem_moe_n_layers(ctx)
         infos = [na.saem_moe_get_layer_info(ctx, il) for il in range(n_layers)]
@@ -70,7 +71,7 @@ class Placement:
         self.policy = make_policy(ENGINE_VARIANT.get(policy_name, policy_name))
         pctx = PolicyContext(n_layer=L, n_expert=self.n_expert, top_k=self.top_k,
                              n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
-                             calib_counts=calib_counts)
+                             calib_counts=calib_counts, cue_counts=cue_counts)
         self.state: CacheState = self.policy.start(pctx)
         # the policy may use fewer/more slots than the budget (n-cpu-moe, gpu-all)
         n_slots[self.moe_layers] = self.state.n_slots
@@ -83,6 +84,7 @@ class Placement:
         self._sync_to(self.state.slot_of, count=False)
         self._step = 0
         self._pending_event = False
+        self._pending_cues: list[str] = []  # cue texts of the pending event (saem-cue)
         self.record = record
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
         # a decoded token's routing fits: one native call per token (a prefill ubatch takes two)
@@ -114,6 +116,7 @@ class Placement:
         self._sync_to(self.state.slot_of)
         # the prompt ends a stage: the first decode step plans from it
         self._pending_event = True
+        self._pending_cues = []
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
         """After decoding one token whose text is ``piece``."""
@@ -126,9 +129,10 @@ class Placement:
         self.stats.boundaries += len(events)
         # run_steps on a one-step block, as Policy.step does, but without decoding the decision
         # log: the engine needs only the resulting map (Policy.step costs ~1.5 ms more per token)
-        block = RoutingBlock.single(routing, self._pending_event, self._step)
+        block = RoutingBlock.single(routing, self._pending_event, self._step, self._pending_cues)
         self.policy.run_steps(block, 0, 1, self.state, self.acct)
         self._pending_event = bool(events)
+        self._pending_cues = [e.cue for e in events if e.cue]
         self._step += 1
         self.stats.tokens += 1
         self._sync_to(self.state.slot_of)
@@ -164,3 +168,4 @@ class Placement:
         """A new conversation: stage state restarts, residency stays (it is still a good guess)."""
         self.detector.reset(0)
         self._pending_event = False
+        self._pending_cues = []

@@ -26,6 +26,7 @@ from saem_gguf.policies.base import (
     A_LAYER_STEPS, A_PLANS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, Accounting, PolicyContext,
     RoutingBlock, budget_slots,
 )
+from saem_gguf.policies.cue_profiles import cue_stage_counts
 from saem_gguf.trace import TraceSet, validate_traces
 
 DEFAULT_ECRS: tuple[float, ...] = (3.125, 6.25, 12.5, 25.0, 50.0)
@@ -60,11 +61,12 @@ def _event_delay(pieces: list[bytes], p: int, cue: str | None) -> int:
 EVENT_MODES = ("detector", "cued", "all", "none")
 
 
-def detector_events(ts: TraceSet, cues: str = "general") -> list[tuple[np.ndarray, np.ndarray]] | None:
+def detector_events(ts: TraceSet, cues: str = "general") -> list[tuple[np.ndarray, np.ndarray, dict]] | None:
     """Per sequence, the tokens after which the stage detector (saem_gguf.stage) reports a
     boundary, run causally over the text and routing as the engine would: (cue events only,
-    cue + implicit routing-shift events in combined mode). None when the stage detector is not
-    available. A boundary reported at token t is known before token t + 1 is decoded."""
+    cue + implicit routing-shift events in combined mode, {token: cue text} of the cue events).
+    None when the stage detector is not available. A boundary reported at token t is known
+    before token t + 1 is decoded."""
     try:
         from saem_gguf.stage import CueSet, DetectorConfig, StageDetector
     except ImportError:  # pragma: no cover - the package ships it
@@ -74,6 +76,7 @@ def detector_events(ts: TraceSet, cues: str = "general") -> list[tuple[np.ndarra
     out = []
     for sq in ts.sequences:
         got = []
+        texts: dict[int, str] = {}
         for implicit in (False, True):
             det = StageDetector(1, cue_set, DetectorConfig(use_implicit=implicit), n_layer=sig.n_layer,
                                 n_expert=sig.n_expert, top_k=sig.n_expert_used)
@@ -81,9 +84,12 @@ def detector_events(ts: TraceSet, cues: str = "general") -> list[tuple[np.ndarra
             slot = np.zeros(1, np.int64)
             toks = []
             for t in range(sq.n_tokens):
-                toks += [e.token for e in det.feed(slot, sq.pieces[t:t + 1], sq.experts[t:t + 1])]
+                for e in det.feed(slot, sq.pieces[t:t + 1], sq.experts[t:t + 1]):
+                    toks.append(e.token)
+                    if not implicit and e.cue:
+                        texts.setdefault(e.token, e.cue)
             got.append(np.array(sorted(set(toks)), np.int64))
-        out.append((got[0], got[1]))
+        out.append((got[0], got[1], texts))
     return out
 
 
@@ -121,12 +127,14 @@ def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | No
     sig = ts.signature
     L, E, K = sig.n_layer, sig.n_expert, sig.n_expert_used
     implicit_toks = None
+    texts: list[dict[int, str]] | None = None  # per sequence: token -> cue text of its event
     if events == "detector":
         detected = detected if detected is not None else detector_events(ts)
         if detected is None:
             raise SaemError("the stage detector (saem_gguf.stage) is not available: use --events cued")
         known = [d[0] for d in detected]
         implicit_toks = [d[1] for d in detected]
+        texts = [d[2] for d in detected]
     elif events == "none":
         known = [np.zeros(0, np.int64) for _ in ts.sequences]
     else:
@@ -137,14 +145,16 @@ def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | No
 
     def to_steps(group, n_dec, per_seq):
         ev: dict[int, list[int]] = {}
+        cue: dict[int, list[str]] = {}
         for b, i in enumerate(group):
             p0 = seqs[i].prompt_len
             for tok in per_seq[i].tolist():
                 step = tok + 1 - p0  # known after token tok -> before the decode step of tok + 1
                 if 0 < step < n_dec[b]:
                     ev.setdefault(step, []).append(b)
+                    cue.setdefault(step, []).append(texts[i].get(tok, "") if texts is not None else "")
         steps = sorted(ev)
-        return np.array(steps, np.int32), [np.array(ev[s], np.int32) for s in steps]
+        return np.array(steps, np.int32), [np.array(ev[s], np.int32) for s in steps], [cue[s] for s in steps]
 
     for g0 in range(0, len(seqs), batch):
         group = list(range(g0, min(len(seqs), g0 + batch)))
@@ -164,11 +174,12 @@ def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | No
                 pr = sq.experts[:p0].astype(np.int64)
                 for l in range(L):
                     prefill[l] += np.bincount(pr[:, l, :].ravel(), minlength=E)
-        ev_steps, ev_rows = to_steps(group, n_dec, known)
+        ev_steps, ev_rows, ev_cues = to_steps(group, n_dec, known)
         imp_steps = to_steps(group, n_dec, implicit_toks)[0] if implicit_toks is not None else None
         blocks.append(RoutingBlock(routing=routing, event_steps=ev_steps, event_rows=ev_rows,
                                    prefill_counts=prefill if prefill_tokens else None,
-                                   prefill_tokens=prefill_tokens, step0=step0, implicit_event_steps=imp_steps))
+                                   prefill_tokens=prefill_tokens, step0=step0, implicit_event_steps=imp_steps,
+                                   event_cues=ev_cues if texts is not None else None))
         step0 += S
     return blocks
 
@@ -359,10 +370,17 @@ def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | No
     sig = ts.signature
     L, E, K = sig.n_layer, sig.n_expert, sig.n_expert_used
     calib_counts = calibration_counts(calib, L, E)
+    cue_counts = None  # per-cue stage profiles (saem-cue), from the detector run over the calibration set
+    if calib is not None and calib.sequences and cfg.events == "detector":
+        cal_events = detector_events(calib, cfg.cues)
+        if cal_events is not None:
+            cue_counts = cue_stage_counts(calib.sequences, [d[2] for d in cal_events], L, E)
     res = SimResult(info={
         "signature": {"arch": sig.arch, "n_layer": L, "n_expert": E, "n_expert_used": K, "name": sig.name},
         "sequences": len(ts.sequences), "calibration_sequences": len(calib.sequences) if calib else 0,
         "cost": cost.describe(), "events": cfg.events, "source": ts.source,
+        # calibration tokens behind each cue's stage profile (saem-cue)
+        "cue_profiles": {c: int(v[0].sum() // K) for c, v in sorted((cue_counts or {}).items())},
     })
     cues = sequence_cues(ts)
     detected = detector_events(ts, cfg.cues) if cfg.events == "detector" else None
@@ -373,7 +391,7 @@ def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | No
             S = budget_slots(ecr, E)
             for name in cfg.policies:
                 ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, S, np.int32), cost=cost,
-                                    calib_counts=calib_counts, batch=B)
+                                    calib_counts=calib_counts, batch=B, cue_counts=cue_counts)
                 m = run_policy(name, blocks, ctx, (policy_kwargs or {}).get(name))
                 res.rows.append({"policy": name, "ecr": float(ecr), "batch": int(B), "slots": S,
                                  "events": n_events, **m})

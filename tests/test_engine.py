@@ -15,7 +15,7 @@ from saem_gguf.engine import Engine, EngineConfig
 from saem_gguf.testmodels import ensure_model
 
 PROMPT = "First, compute 12 + 7. Wait, let me verify the sum. Alternatively, count up from 12."
-POLICIES = ["cpu-moe", "n-cpu-moe", "static-hot", "lru", "lfu", "temporal", "saem", "saem-implicit",
+POLICIES = ["cpu-moe", "n-cpu-moe", "static-hot", "lru", "lfu", "temporal", "saem", "saem-implicit", "saem-cue",
             "gpu-all"]
 
 
@@ -142,3 +142,37 @@ def test_pieces_are_the_exact_text_and_cues_across_tokens_are_seen(qwen3_path):
         assert eng.stats()["boundaries"] >= 2
     finally:
         eng.close()
+
+
+def test_saem_cue_with_a_calibrated_profile_on_the_embedded_model(tmp_path):
+    """trace -> calibrate -> engine --profile with saem-cue: the profile carries per-cue stage
+    routing, the policy ranks by it at cue boundaries, and the output equals cpu-moe's."""
+    from saem_gguf.defaultmodel import corpus
+
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("\n".join(e.question for e in corpus.heldout_examples(40, seed=4242)) + "\n")
+    trace, prof = tmp_path / "t.npz", tmp_path / "p.json"
+    r = run_cli("trace", "--prompts", str(prompts), "-n", "200", "-o", str(trace), "--quiet")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("calibrate", "--traces", str(trace), "-o", str(prof), "--min-stage-tokens", "12", "--quiet")
+    assert r.returncode == 0, r.stderr
+    profiles = json.loads(prof.read_text())["stats"]["cue_profiles"]
+    cue_counts = profiles["counts"]
+    kept = {c for c, g in profiles["gain"].items() if g["keep"]}
+    assert kept and kept <= set(cue_counts)  # some cue's profile beat the previous stage
+    assert {c["text"] for c in profiles["cues"]["cues"]} == kept
+
+    question = corpus.heldout_examples(1, seed=32)[0].question
+    outs = {}
+    for policy in ("cpu-moe", "saem-cue"):
+        eng = Engine(EngineConfig(policy=policy, ecr=0.25, n_threads=2, profile=prof if policy == "saem-cue" else None,
+                                  progress=False), log=lambda m: None)
+        try:
+            outs[policy] = eng.generate(eng.chat_prompt([{"role": "user", "content": question}]), 200).tokens
+            if policy == "saem-cue":
+                pol = eng.placement.policy
+                assert set(pol.ctx.cue_counts) == set(cue_counts)
+                assert "cue" in {reason for _, reason in pol.boundaries}
+        finally:
+            eng.close()
+    assert outs["saem-cue"] == outs["cpu-moe"]

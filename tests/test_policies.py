@@ -340,3 +340,64 @@ def test_dma_contention_slows_cpu_experts():
     assert cpu_phase(1e-3, 0.0, 0.5e-3, a) == pytest.approx(0.5e-3 + (1e-3 - 0.5e-3 / f))
     off = CostModel.from_expert_bytes(EB, HW.replace(dma_slows_cpu=False)).array
     assert cpu_phase(1e-3, 0.0, 1.0, off) == 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# saem-cue: per-cue stage profiles
+
+
+def _two_kind_block(n=20, cue="Let me verify"):
+    """1 layer, top-2: n steps on experts 0,1 (compute), then a cue, n steps on 6,7 (verify)."""
+    r = np.array([[[[0, 1]]]] * n + [[[[6, 7]]]] * n, np.int16)
+    return RoutingBlock(routing=r, event_steps=np.array([n], np.int32), event_rows=[np.array([0], np.int32)],
+                        event_cues=[[cue]])
+
+
+def test_saem_cue_ranks_a_cue_stage_by_its_calibrated_profile():
+    E, n = 8, 20
+    verify = np.zeros((1, E))
+    verify[0, [6, 7]] = 40.0  # 40 calibration tokens of verify stages, on experts 6 and 7
+    cfg = SaemConfig(min_gap_steps=8, warmup_steps=0, refresh_steps=0)
+    hits = {}
+    for name in ("saem", "saem-cue"):
+        ctx = _ctx(1, E, 2, 2)
+        ctx.cue_counts = {"Let me verify": verify}
+        pol = make_policy(name, config=cfg)
+        _, acct = _run(pol, ctx, _two_kind_block(n))
+        rows = acct.logged()
+        after = rows[(rows[:, 0] >= n) & np.isin(rows[:, 4], (K_HIT, K_HIT_CPU))]
+        hits[name] = len(after)
+    # saem places the completed stage's experts (0, 1): no verify access hits; saem-cue places
+    # the verify profile (6, 7) at the cue: every verify access hits
+    assert hits["saem"] == 0
+    assert hits["saem-cue"] == 2 * n
+
+
+def test_saem_cue_falls_back_to_saem_without_a_usable_profile():
+    cfg = SaemConfig(min_gap_steps=8, warmup_steps=0, refresh_steps=0)
+    thin = np.zeros((1, 8))
+    thin[0, [6, 7]] = 3.0  # 3 tokens: below cue_min_tokens
+    for cue_counts, cue in ((None, "Let me verify"), ({"Let me verify": thin}, "Let me verify"),
+                            ({"Therefore": np.ones((1, 8)) * 99}, "Let me verify")):
+        out = []
+        for name in ("saem", "saem-cue"):
+            ctx = _ctx(1, 8, 2, 2)
+            ctx.cue_counts = cue_counts
+            _, acct = _run(make_policy(name, config=cfg), ctx, _two_kind_block(cue=cue))
+            out.append(acct.counters.copy())
+        np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_routing_block_cues_at():
+    blk = _two_kind_block()
+    assert blk.cues_at(20) == ["Let me verify"] and blk.cues_at(19) == [] and blk.cues_at(0) == []
+    assert RoutingBlock.single(np.zeros((1, 1, 2)), True, 5, ["Wait"]).cues_at(0) == ["Wait"]
+    assert RoutingBlock.single(np.zeros((1, 1, 2)), False, 5).cues_at(0) == []
+    with pytest.raises(SaemError, match="event_cues"):
+        RoutingBlock(routing=np.zeros((3, 1, 1, 2), np.int16), event_steps=np.array([1], np.int32), event_cues=[])
+
+
+def test_policy_context_checks_cue_counts_shape():
+    with pytest.raises(SaemError, match="cue_counts"):
+        PolicyContext(n_layer=2, n_expert=4, top_k=1, n_slots=np.ones(2, np.int32),
+                      cost=CostModel.from_expert_bytes(EB, HW), cue_counts={"Wait": np.zeros((1, 4))})

@@ -168,6 +168,9 @@ def test_detector_events(synth):
     assert n_cue >= 1 and n_all > n_cue  # the routing-shift detector finds cue-less boundaries too
     for b, c in zip(blocks, cued):
         assert set(b.event_steps.tolist()) <= set(b.implicit_event_steps.tolist())
+        # every cue event carries the text the detector matched
+        assert len(b.event_cues) == b.event_steps.size
+        assert all(len(cs) == len(rows) and all(cs) for cs, rows in zip(b.event_cues, b.event_rows))
         # the matcher fires on the token that completes the cue, as the recorded starts say
         assert set(b.event_steps.tolist()) == set(c.event_steps.tolist())
     from saem_gguf.policies import make_policy
@@ -222,3 +225,17 @@ def test_cli_simulate_trace_file_and_errors(tmp_path, capsys):
     # no model shape known for a 2x8 top-2 trace without expert_bytes
     assert main(["simulate", "--trace", str(p), "--quiet"]) == 1
     assert "--model" in capsys.readouterr().err
+
+
+def test_simulate_calibrates_cue_profiles(synth):
+    _, _, synthetic = synth
+    cfg = synthetic.SyntheticConfig(n_layer=4, n_expert=16, top_k=2, n_sequences=4, stage_len_scale=0.3, seed=5,
+                                    cue_prob=0.8, n_stages=6)
+    ts = synthetic.make_stage_traces(cfg)
+    rep, cal = split_calibration(ts, 0.5)
+    res = simulate(rep, SimConfig(policies=("saem", "saem-cue"), ecrs=(25.0,), batches=(1,)), _cost(), cal)
+    assert res.info["cue_profiles"] and all(n > 0 for n in res.info["cue_profiles"].values())
+    rows = {r["policy"]: r for r in res.rows}
+    assert set(rows) == {"saem", "saem-cue"}
+    assert 0.0 <= rows["saem-cue"]["hit_rate"] <= 1.0
+

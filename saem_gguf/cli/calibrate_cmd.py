@@ -1,5 +1,6 @@
 """`calibrate -m MODEL (--prompts FILE | --traces T ...) -o PROFILE.json`: the model's cue set Tmodel,
-thresholds, and dominant-expert statistics (what static-hot and load-time placement use)."""
+thresholds, dominant-expert statistics (what static-hot and load-time placement use) and the
+routing of the stages each kept cue opens (what saem-cue ranks by)."""
 
 from __future__ import annotations
 
@@ -24,28 +25,60 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=256, help="tokens per prompt (256)")
     p.add_argument("--cues", default=None,
                    help="candidate cue set: built-in name or JSON file (default: general + family)")
+    p.add_argument("--min-stage-tokens", type=int, default=32,
+                   help="cues whose stages are mostly shorter than this are pruned as noise, and the "
+                        "runtime detector merges shorter stages (32; the embedded model's stages are "
+                        "about 20 tokens: use 12)")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from saem_gguf.engine import FAMILY_CUES
-    from saem_gguf.stage.calibrate import calibrate_traceset
+    from saem_gguf.errors import SaemError
+    from saem_gguf.stage.calibrate import CalibrationConfig, calibrate_traceset
     from saem_gguf.stage.cues import CueSet
 
     ts = _traces(args)
     arch = ts.signature.arch
     candidates = CueSet.load(args.cues or FAMILY_CUES.get(arch, "general"))
-    prof = calibrate_traceset(ts, candidates)
+    if args.min_stage_tokens < 1:
+        raise SaemError("--min-stage-tokens must be >= 1")
+    prof = calibrate_traceset(ts, candidates, CalibrationConfig(min_stage_tokens=args.min_stage_tokens))
     counts = np.zeros((ts.signature.n_layer, ts.signature.n_expert))
     for s in ts.sequences:
         for l in range(counts.shape[0]):
             counts[l] += np.bincount(s.experts[:, l, :].ravel(), minlength=counts.shape[1])
     prof.stats["expert_counts"] = counts.astype(int).tolist()
+    prof.stats["cue_profiles"] = _cue_profiles(ts, candidates, args.min_stage_tokens)
     prof.save(args.output)
     kept = ", ".join(c.text for c in prof.cues) or "(none: implicit detection only)"
-    print(f"{args.output}: Tmodel = {kept}", file=sys.stderr)
+    profiled = ", ".join(c["text"] if isinstance(c, dict) else str(c)
+                         for c in prof.stats["cue_profiles"]["cues"].get("cues", [])) or "(none)"
+    print(f"{args.output}: Tmodel = {kept}; saem-cue profiles: {profiled}", file=sys.stderr)
     return 0
+
+
+def _cue_profiles(ts: TraceSet, candidates, min_stage_tokens: int) -> dict:
+    """saem-cue's part of the profile: the routing of the stages each candidate cue opens, for
+    the cues whose profile predicts those stages at least as well as the stage before them
+    (cue_profiles.profile_gain, at ECR 25 %), whether or not Tmodel kept them; with their cue
+    definitions, so the engine's detector can fire on them under saem-cue."""
+    from saem_gguf.policies.cue_profiles import START, cue_stage_counts, detected_cues, profile_gain, to_json
+    from saem_gguf.stage.coherence import capacity_of
+    from saem_gguf.stage.detector import DetectorConfig, StageDetector
+
+    sig = ts.signature
+    L, E = sig.n_layer, sig.n_expert
+    events = detected_cues(ts.sequences, lambda: StageDetector(
+        1, candidates, DetectorConfig(min_stage_tokens=min_stage_tokens), n_layer=L, n_expert=E,
+        top_k=sig.n_expert_used))
+    gain = profile_gain(ts.sequences, events, L, E, capacity_of(E, 0.25))
+    keep = [c for c, g in gain.items() if g["keep"]]
+    counts = cue_stage_counts(ts.sequences, events, L, E)
+    return {"cues": candidates.subset(keep).to_dict(),
+            "counts": to_json({c: counts[c] for c in [*keep, START] if c in counts}),
+            "gain": gain}
 
 
 def _traces(args) -> TraceSet:

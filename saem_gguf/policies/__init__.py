@@ -11,21 +11,23 @@ from saem_gguf.policies.caching import (
     LfuCpuPolicy, LfuPolicy, LruCpuPolicy, LruPolicy, TemporalCpuPolicy, TemporalPolicy,
 )
 from saem_gguf.policies.oracle import OraclePolicy
-from saem_gguf.policies.saem import SaemImplicitPolicy, SaemNoCpuPolicy, SaemPolicy, SaemStrictPolicy
+from saem_gguf.policies.saem import (
+    SaemCuePolicy, SaemImplicitPolicy, SaemNoCpuPolicy, SaemPolicy, SaemStrictPolicy,
+)
 from saem_gguf.policies.static import CpuMoePolicy, GpuAllPolicy, NCpuMoePolicy, StaticHotPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         CpuMoePolicy, NCpuMoePolicy, StaticHotPolicy, LruPolicy, LruCpuPolicy, LfuPolicy, LfuCpuPolicy,
-        TemporalPolicy, TemporalCpuPolicy, SaemPolicy, SaemStrictPolicy, SaemImplicitPolicy, SaemNoCpuPolicy,
-        OraclePolicy, GpuAllPolicy,
+        TemporalPolicy, TemporalCpuPolicy, SaemPolicy, SaemStrictPolicy, SaemImplicitPolicy, SaemCuePolicy,
+        SaemNoCpuPolicy, OraclePolicy, GpuAllPolicy,
     )
 }
 
 DEFAULT_POLICIES: tuple[str, ...] = (
     "cpu-moe", "n-cpu-moe", "static-hot", "lru", "lru-cpu", "lfu", "lfu-cpu", "temporal", "temporal-cpu",
-    "saem", "saem-strict", "saem-implicit", "oracle", "gpu-all",
+    "saem", "saem-strict", "saem-implicit", "saem-cue", "oracle", "gpu-all",
 )
 
 

@@ -272,7 +272,9 @@ class RoutingBlock:
     no token at step s. ``event_steps`` are the steps before which a stage event is known
     (detected from text already generated), ``event_rows[i]`` the batch rows that raised it.
     ``step0`` is the global index of step 0 (so time-based policies see one clock).
-    ``implicit_event_steps`` (optional) are the stage detector's cue + routing-shift events."""
+    ``implicit_event_steps`` (optional) are the stage detector's cue + routing-shift events.
+    ``event_cues[i]`` (optional) is the cue text each row of ``event_rows[i]`` matched, or ""
+    when the row's event had none the detector could name."""
 
     routing: np.ndarray  # int16 [S, B, L, K]
     event_steps: np.ndarray  # int32 [n_ev], sorted, unique
@@ -282,6 +284,7 @@ class RoutingBlock:
     step0: int = 0
     # Cue + implicit (routing-shift) events from the stage detector, when it was run; None otherwise.
     implicit_event_steps: np.ndarray | None = None
+    event_cues: list[list[str]] | None = None
     n_tok: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -292,16 +295,28 @@ class RoutingBlock:
         self.event_steps = np.asarray(self.event_steps, np.int32)
         if self.implicit_event_steps is not None:
             self.implicit_event_steps = np.asarray(self.implicit_event_steps, np.int32)
+        if self.event_cues is not None and len(self.event_cues) != self.event_steps.size:
+            raise SaemError("RoutingBlock.event_cues needs one entry per event step")
+
+    def cues_at(self, s: int) -> list[str]:
+        """The cue texts of the event at step ``s`` ([] when there is none or none is known)."""
+        if self.event_cues is None:
+            return []
+        i = int(np.searchsorted(self.event_steps, s))
+        if i < self.event_steps.size and int(self.event_steps[i]) == s:
+            return [c for c in self.event_cues[i] if c]
+        return []
 
     @property
     def n_steps(self) -> int:
         return int(self.routing.shape[0])
 
     @classmethod
-    def single(cls, routing: np.ndarray, event: bool, step: int) -> "RoutingBlock":
-        """One engine step: ``routing`` int [n_tokens, L, K]."""
+    def single(cls, routing: np.ndarray, event: bool, step: int, cues: list[str] | None = None) -> "RoutingBlock":
+        """One engine step: ``routing`` int [n_tokens, L, K]; ``cues``: the event's cue texts."""
         r = np.asarray(routing, np.int16)[None]
-        return cls(routing=r, event_steps=np.array([0] if event else [], np.int32), step0=step)
+        return cls(routing=r, event_steps=np.array([0] if event else [], np.int32), step0=step,
+                   event_cues=[list(cues or [])] if event else None)
 
 
 @njit(cache=True)
@@ -322,7 +337,8 @@ def counts_between(routing, s0, s1, n_expert):
 @dataclass
 class PolicyContext:
     """What a policy may know before decoding: shapes, the slot budget, calibration counts
-    (token-level routing counts [L, E] from a calibration set) and the cost model."""
+    (token-level routing counts [L, E] from a calibration set; per cue text, the counts of the
+    stages that cue opened, see cue_profiles.py) and the cost model."""
 
     n_layer: int
     n_expert: int
@@ -331,6 +347,7 @@ class PolicyContext:
     cost: CostModel
     calib_counts: np.ndarray | None = None  # float64 [L, E]
     batch: int = 1
+    cue_counts: dict[str, np.ndarray] | None = None  # cue text -> float64 [L, E]
 
     def __post_init__(self) -> None:
         self.n_slots = np.asarray(self.n_slots, np.int32)
@@ -338,6 +355,9 @@ class PolicyContext:
             raise SaemError(f"n_slots must have one entry per layer ({self.n_layer})")
         if self.calib_counts is not None and self.calib_counts.shape != (self.n_layer, self.n_expert):
             raise SaemError("calib_counts must be [n_layer, n_expert]")
+        for cue, c in (self.cue_counts or {}).items():
+            if np.shape(c) != (self.n_layer, self.n_expert):
+                raise SaemError(f"cue_counts[{cue!r}] must be [n_layer, n_expert]")
 
     @property
     def calib(self) -> np.ndarray:

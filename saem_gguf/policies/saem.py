@@ -24,8 +24,11 @@ Boundaries, all decided causally from what has been generated:
   since the last placement, and ranks the last ``implicit_window`` steps (the new stage's
   start) rather than the whole old stage.
 
-``saem-strict`` is the paper's rule alone (cue boundaries only). The oracle (oracle.py) shares
-this class's boundary schedule and replaces the profile with the next stage's true counts.
+``saem-strict`` is the paper's rule alone (cue boundaries only). ``saem-cue`` ranks a stage
+that a cue opens by the calibrated routing of earlier stages opened by the same cue
+(cue_profiles.py), with the completed stage as a small second term. The oracle (oracle.py)
+shares this class's boundary schedule and replaces the profile with the next stage's true
+counts.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 
 from saem_gguf.planner import plan_from_scores
 from saem_gguf.policies.base import Accounting, CacheState, Policy, PolicyContext, RoutingBlock, counts_between
+from saem_gguf.policies.cue_profiles import START
 from saem_gguf.policies.replay import D_ON, MISS_CPU, MISS_RULE, MISS_TRANSFER, new_detector, reset_detector, run_fixed
 
 
@@ -52,6 +56,10 @@ class SaemConfig:
     detector_drop: float = 0.2
     detector_min_steps: int = 32
     min_prefill_tokens: int = 16
+    # saem-cue: a cue's calibrated profile is used when it holds this many tokens, and the
+    # completed stage (or the prompt) is added with this weight (both as per-layer shares)
+    cue_min_tokens: int = 16
+    stage_weight: float = 0.25
 
 
 _MISS = {"rule": MISS_RULE, "cpu": MISS_CPU, "transfer": MISS_TRANSFER}
@@ -203,6 +211,43 @@ class SaemPolicy(Policy):
         if reason != "request":
             self._warm_pending = False
         reset_detector(self._det)
+
+
+def _share(counts: np.ndarray) -> np.ndarray:
+    """Per-layer shares of routing counts [L, E] (rows of zeros stay zero)."""
+    tot = counts.sum(axis=1, keepdims=True)
+    return np.divide(counts, tot, out=np.zeros_like(counts, dtype=np.float64), where=tot > 0)
+
+
+class SaemCuePolicy(SaemPolicy):
+    name = "saem-cue"
+    summary = "SAEM ranking a cue's stage by calibrated stages that cue opened, plus the completed stage"
+
+    def _cue_share(self, cue: str) -> np.ndarray | None:
+        c = (self.ctx.cue_counts or {}).get(cue)
+        if c is None or c[0].sum() < self.cfg.cue_min_tokens * self.ctx.top_k:
+            return None
+        return _share(c)
+
+    def _blend(self, shares: list[np.ndarray], rows: int, base: np.ndarray) -> np.ndarray:
+        """The cue profiles of the ``len(shares)`` rows that opened a stage, out of ``rows``,
+        and the completed-stage profile for the rest plus ``stage_weight``."""
+        r = len(shares) / max(1, rows)
+        return r * np.mean(shares, axis=0) + (1.0 - r + self.cfg.stage_weight) * _share(base)
+
+    def _group_profile(self, block: RoutingBlock) -> np.ndarray:
+        base = super()._group_profile(block)
+        start = self._cue_share(START)
+        return base if start is None else self._blend([start], 1, base)
+
+    def _profile(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
+        base = super()._profile(block, s, reason)
+        if reason != "cue":
+            return base
+        shares = [x for x in (self._cue_share(c) for c in block.cues_at(s)) if x is not None]
+        if not shares:
+            return base
+        return self._blend(shares, block.routing.shape[1], base)
 
 
 class SaemStrictPolicy(SaemPolicy):
