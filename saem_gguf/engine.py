@@ -228,6 +228,9 @@ class Engine:
                                    calib_counts=calib, cue_counts=cue_counts, record=self.cfg.record)
         self.policy_name = policy
         self.note(f"policy {policy}: {self.placement.policy.summary}")
+        if policy == "saem-cue" and not cue_counts:
+            self.note("saem-cue has no cue profiles (make them with `calibrate` and pass --profile): "
+                      "it ranks like saem")
 
     def _make_detector(self, policy: str):
         from saem_gguf.stage.cues import CueSet
