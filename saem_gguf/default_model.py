@@ -13,6 +13,10 @@ from pathlib import Path
 from saem_gguf.errors import SaemError
 
 DEFAULT_MODEL_FILE = "default-model.gguf"
+# its calibration (`calibrate --min-stage-tokens 12` on traces of 40 held-out questions; see
+# docs/DEFAULT_MODEL.md): expert statistics for static-hot and the caches' priors, and the
+# per-cue stage routing saem-cue ranks by
+DEFAULT_PROFILE_FILE = "default-model.profile.json"
 
 
 def default_model_path() -> Path:
@@ -24,3 +28,9 @@ def default_model_path() -> Path:
             "incomplete: reinstall it, regenerate the file with `python -m saem_gguf.defaultmodel.train` "
             "(needs PyTorch), or pass a model path explicitly")
     return path
+
+
+def default_profile_path() -> Path | None:
+    """Path of the packaged default model's calibration profile, or None if it is missing."""
+    path = Path(str(resources.files("saem_gguf.data").joinpath(DEFAULT_PROFILE_FILE)))
+    return path if path.is_file() else None

@@ -64,6 +64,13 @@ class GenerationResult:
         return len(self.tokens) / self.seconds_decode if self.seconds_decode > 0 else 0.0
 
 
+def _with_extra(cues, extra):
+    """``cues`` plus the cues of ``extra`` it lacks (saem-cue watches both)."""
+    have = {t.casefold() for t in cues.texts}
+    extra = extra.subset([t for t in extra.texts if t.casefold() not in have])
+    return cues.merged(extra) if len(extra) else cues
+
+
 def _make_llama_class(llama_cpp):
     class SaemLlama(llama_cpp.Llama):
         """``Llama`` whose every ubatch is followed by the engine's hook (routing -> placement).
@@ -233,42 +240,50 @@ class Engine:
                       "it ranks like saem")
 
     def _make_detector(self, policy: str):
+        """(stage detector, calibration counts or None, per-cue stage counts or None).
+
+        With ``--profile``: the profile's detector and statistics. On the embedded model without
+        one: the family cue detector (short stages) and the packaged profile's statistics only.
+        Under saem-cue the detector also watches the cues the profile holds stage routing for."""
+        import dataclasses
+
+        from saem_gguf.stage.calibrate import Profile
         from saem_gguf.stage.cues import CueSet
         from saem_gguf.stage.detector import DetectorConfig, StageDetector
 
         info = self.info
-        if self.cfg.profile is not None:
-            from saem_gguf.stage.calibrate import Profile
+        path = self.cfg.profile
+        if path is None and self.cfg.model is None:
+            from saem_gguf.default_model import default_profile_path
 
-            prof = Profile.load(self.cfg.profile, expect=self.signature())
+            path = default_profile_path()
+        prof = Profile.load(path, expect=self.signature()) if path is not None else None
+        calib = cue_counts = extra = None
+        if prof is not None:
+            where = f"profile {path}"
             counts = prof.stats.get("expert_counts")
             calib = np.asarray(counts, np.float64) if counts is not None else None
             if calib is not None and calib.shape != (len(info.moe_layers), info.n_expert):
-                raise SaemError(f"profile {self.cfg.profile}: expert_counts shape {calib.shape} does "
-                                "not match the model")
-            cue_counts = None
+                raise SaemError(f"{where}: expert_counts shape {calib.shape} does not match the model")
             profiles = prof.stats.get("cue_profiles")
             if policy == "saem-cue" and profiles is not None:
-                # saem-cue also watches the cues whose stage profiles calibration found predictive
-                import dataclasses
-
                 from saem_gguf.policies.cue_profiles import from_json
 
-                where = f"profile {self.cfg.profile}"
                 if not isinstance(profiles, dict) or not {"cues", "counts"} <= set(profiles):
                     raise SaemError(f"{where}: cue_profiles must hold 'cues' and 'counts'")
                 cue_counts = from_json(profiles["counts"], len(info.moe_layers), info.n_expert, where=where)
                 extra = CueSet.from_dict(profiles["cues"], where=where, allow_empty=True)
-                extra = extra.subset([t for t in extra.texts if t.casefold() not in
-                                      {c.casefold() for c in prof.cues.texts}])
-                if len(extra):
-                    prof = dataclasses.replace(prof, cues=prof.cues.merged(extra))
+        shape = dict(n_layer=len(info.moe_layers), n_expert=info.n_expert, top_k=info.n_expert_used)
+        if self.cfg.profile is not None:
+            if extra is not None:
+                prof = dataclasses.replace(prof, cues=_with_extra(prof.cues, extra))
             return StageDetector.from_profile(prof, 1), calib, cue_counts
         cues = CueSet.load(FAMILY_CUES.get(info.architecture, "general"))
+        if extra is not None:
+            cues = _with_extra(cues, extra)
         # the embedded model's stages are short (median ~19 tokens, docs/DEFAULT_MODEL.md)
         cfg = DetectorConfig(min_stage_tokens=12) if self.cfg.model is None else DetectorConfig()
-        return StageDetector(1, cues, cfg, n_layer=len(info.moe_layers),
-                             n_expert=info.n_expert, top_k=info.n_expert_used), None, None
+        return StageDetector(1, cues, cfg, **shape), calib, cue_counts
 
     # --- the hook ----------------------------------------------------------------------------
     def _on_ubatch(self, tokens: list[int]) -> None:

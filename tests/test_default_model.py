@@ -194,3 +194,27 @@ def test_own_generations_are_stage_coherent(replies, weights):
     assert "text" not in res
     for base in ("rows", "pooled"):
         assert real > res[base]["max"], (base, res)
+
+
+def test_packaged_profile_calibrates_the_embedded_model(model_file):
+    """The embedded model ships its calibration: without --profile the engine takes its expert
+    statistics (static-hot places something) and, under saem-cue, its per-cue stage routing."""
+    from saem_gguf.default_model import default_profile_path
+    from saem_gguf.engine import Engine, EngineConfig
+    from saem_gguf.stage.calibrate import Profile
+
+    path = default_profile_path()
+    assert path is not None and path.stat().st_size < 100_000
+    prof = Profile.load(path)
+    assert prof.signature.arch == "qwen3moe" and prof.signature.n_expert == 32
+    assert prof.stats["cue_profiles"]["counts"]
+    for policy in ("static-hot", "saem-cue"):
+        eng = Engine(EngineConfig(policy=policy, ecr=0.25, n_threads=2, progress=False), log=lambda m: None)
+        try:
+            ctx = eng.placement.policy.ctx
+            assert ctx.calib.sum() > 0
+            assert (eng.placement.state.slot_of >= 0).sum() == 8 * 4  # calibrated placement at load
+            if policy == "saem-cue":
+                assert set(ctx.cue_counts) == set(prof.stats["cue_profiles"]["counts"])
+        finally:
+            eng.close()
