@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from saem_gguf.defaultmodel.evaluate import CUE_KIND, CUE_SET  # noqa: E402
-from saem_gguf.stage.coherence import capacity_of  # noqa: E402
+from saem_gguf.stage.coherence import capacity_of, stage_histogram  # noqa: E402
 from saem_gguf.stage.cues import load_cues  # noqa: E402
 from saem_gguf.stage.matcher import find_cues  # noqa: E402
 from saem_gguf.trace import load_traces  # noqa: E402
@@ -51,8 +51,7 @@ def staged(seq, cues) -> tuple[np.ndarray, list[int], list[str]]:
 
 
 def histogram(ex: np.ndarray, n_expert: int) -> np.ndarray:
-    return np.stack([np.bincount(ex[:, layer].ravel(), minlength=n_expert)
-                     for layer in range(ex.shape[1])]).astype(np.float64)
+    return stage_histogram(ex, n_expert).astype(np.float64)
 
 
 def share(h: np.ndarray) -> np.ndarray:

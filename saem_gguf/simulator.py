@@ -26,7 +26,7 @@ from saem_gguf.policies.base import (
     A_LAYER_STEPS, A_PLANS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, Accounting, PolicyContext,
     RoutingBlock, budget_slots,
 )
-from saem_gguf.policies.cue_profiles import cue_stage_counts
+from saem_gguf.policies.cue_profiles import cue_stage_counts, detected_cues, detected_events
 from saem_gguf.trace import TraceSet, validate_traces
 
 DEFAULT_ECRS: tuple[float, ...] = (3.125, 6.25, 12.5, 25.0, 50.0)
@@ -61,36 +61,25 @@ def _event_delay(pieces: list[bytes], p: int, cue: str | None) -> int:
 EVENT_MODES = ("detector", "cued", "all", "none")
 
 
-def detector_events(ts: TraceSet, cues: str = "general") -> list[tuple[np.ndarray, np.ndarray, dict]] | None:
+def _detector_factory(ts: TraceSet, cues: str, implicit: bool):
+    """A maker of fresh one-slot stage detectors for ``ts``'s model (cue set ``cues``; with the
+    routing-shift detector too when ``implicit``)."""
+    from saem_gguf.stage import CueSet, DetectorConfig, StageDetector
+
+    sig = ts.signature
+    cue_set = CueSet.load(cues)
+    return lambda: StageDetector(1, cue_set, DetectorConfig(use_implicit=implicit), n_layer=sig.n_layer,
+                                 n_expert=sig.n_expert, top_k=sig.n_expert_used)
+
+
+def detector_events(ts: TraceSet, cues: str = "general") -> list[tuple[np.ndarray, np.ndarray, dict]]:
     """Per sequence, the tokens after which the stage detector (saem_gguf.stage) reports a
     boundary, run causally over the text and routing as the engine would: (cue events only,
     cue + implicit routing-shift events in combined mode, {token: cue text} of the cue events).
-    None when the stage detector is not available. A boundary reported at token t is known
-    before token t + 1 is decoded."""
-    try:
-        from saem_gguf.stage import CueSet, DetectorConfig, StageDetector
-    except ImportError:  # pragma: no cover - the package ships it
-        return None
-    sig = ts.signature
-    cue_set = CueSet.load(cues)
-    out = []
-    for sq in ts.sequences:
-        got = []
-        texts: dict[int, str] = {}
-        for implicit in (False, True):
-            det = StageDetector(1, cue_set, DetectorConfig(use_implicit=implicit), n_layer=sig.n_layer,
-                                n_expert=sig.n_expert, top_k=sig.n_expert_used)
-            det.reset(0, 0)
-            slot = np.zeros(1, np.int64)
-            toks = []
-            for t in range(sq.n_tokens):
-                for e in det.feed(slot, sq.pieces[t:t + 1], sq.experts[t:t + 1]):
-                    toks.append(e.token)
-                    if not implicit and e.cue:
-                        texts.setdefault(e.token, e.cue)
-            got.append(np.array(sorted(set(toks)), np.int64))
-        out.append((got[0], got[1], texts))
-    return out
+    A boundary reported at token t is known before token t + 1 is decoded."""
+    cued = detected_cues(ts.sequences, _detector_factory(ts, cues, implicit=False))
+    combined = detected_events(ts.sequences, _detector_factory(ts, cues, implicit=True))
+    return [(np.array(sorted(c), np.int64), np.array(sorted(a), np.int64), c) for c, a in zip(cued, combined)]
 
 
 def trace_events(ts: TraceSet, mode: str, cues: list | None = None) -> list[np.ndarray]:
@@ -130,8 +119,6 @@ def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | No
     texts: list[dict[int, str]] | None = None  # per sequence: token -> cue text of its event
     if events == "detector":
         detected = detected if detected is not None else detector_events(ts)
-        if detected is None:
-            raise SaemError("the stage detector (saem_gguf.stage) is not available: use --events cued")
         known = [d[0] for d in detected]
         implicit_toks = [d[1] for d in detected]
         texts = [d[2] for d in detected]
@@ -372,9 +359,8 @@ def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | No
     calib_counts = calibration_counts(calib, L, E)
     cue_counts = None  # per-cue stage profiles (saem-cue), from the detector run over the calibration set
     if calib is not None and calib.sequences and cfg.events == "detector":
-        cal_events = detector_events(calib, cfg.cues)
-        if cal_events is not None:
-            cue_counts = cue_stage_counts(calib.sequences, [d[2] for d in cal_events], L, E)
+        cal_events = detected_cues(calib.sequences, _detector_factory(calib, cfg.cues, implicit=False))
+        cue_counts = cue_stage_counts(calib.sequences, cal_events, E)
     res = SimResult(info={
         "signature": {"arch": sig.arch, "n_layer": L, "n_expert": E, "n_expert_used": K, "name": sig.name},
         "sequences": len(ts.sequences), "calibration_sequences": len(calib.sequences) if calib else 0,

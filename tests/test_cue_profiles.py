@@ -23,14 +23,14 @@ def _seq(experts, prompt=0, pieces=None):
 def test_cue_stage_counts_hand_computed():
     # prompt of 2 tokens; the detector reported "Wait" after token 3 and "Therefore" after token 6
     sq = _seq([3, 3, 0, 0, 1, 1, 1, 2, 2], prompt=2)
-    got = cue_stage_counts([sq], [{3: "Wait", 6: "Therefore"}], 1, 4)
+    got = cue_stage_counts([sq], [{3: "Wait", 6: "Therefore"}], 4)
     assert {k: v[0].tolist() for k, v in got.items()} == {
         START: [2, 0, 0, 0], "Wait": [0, 3, 0, 0], "Therefore": [0, 0, 2, 0]}
     assert {k: v.tolist() for k, v in from_json(to_json(got), 1, 4).items()} == {k: v.tolist() for k, v in got.items()}
     with pytest.raises(SaemError, match="cue_expert_counts"):
         from_json({"Wait": [[1, 2]]}, 1, 4)
     with pytest.raises(SaemError, match="one event map per sequence"):
-        cue_stage_counts([sq], [], 1, 4)
+        cue_stage_counts([sq], [], 4)
 
 
 def test_profile_gain_keeps_a_cue_whose_stages_route_alike():
@@ -43,10 +43,10 @@ def test_profile_gain_keeps_a_cue_whose_stages_route_alike():
         x_stage = [int(rng.integers(4, 8))] * 4
         seqs.append(_seq(before + [3] * 4 + x_stage))
         events.append({3: "V", 7: "X"})
-    g = profile_gain(seqs, events, 1, 8, capacity=1)
+    g = profile_gain(seqs, events, 8, capacity=1)
     assert g["V"] == {"stages": 8, "hit_profile": 1.0, "hit_previous_stage": 0.0, "keep": True}
     assert g["X"]["hit_profile"] < 0.5 and g["X"]["hit_previous_stage"] == 0.0
-    few = profile_gain(seqs[:3], events[:3], 1, 8, capacity=1)
+    few = profile_gain(seqs[:3], events[:3], 8, capacity=1)
     assert few["V"]["keep"] is False  # fewer than min_stages stages: not enough evidence
 
 

@@ -53,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
     prof.stats["cue_profiles"] = _cue_profiles(ts, candidates, args.min_stage_tokens)
     prof.save(args.output)
     kept = ", ".join(c.text for c in prof.cues) or "(none: implicit detection only)"
-    profiled = ", ".join(c["text"] if isinstance(c, dict) else str(c)
-                         for c in prof.stats["cue_profiles"]["cues"].get("cues", [])) or "(none)"
+    profiled = ", ".join(c["text"] for c in prof.stats["cue_profiles"]["cues"]["cues"]) or "(none)"
     print(f"{args.output}: Tmodel = {kept}; saem-cue profiles: {profiled}", file=sys.stderr)
     return 0
 
@@ -73,9 +72,9 @@ def _cue_profiles(ts: TraceSet, candidates, min_stage_tokens: int) -> dict:
     events = detected_cues(ts.sequences, lambda: StageDetector(
         1, candidates, DetectorConfig(min_stage_tokens=min_stage_tokens), n_layer=L, n_expert=E,
         top_k=sig.n_expert_used))
-    gain = profile_gain(ts.sequences, events, L, E, capacity_of(E, 0.25))
+    gain = profile_gain(ts.sequences, events, E, capacity_of(E, 0.25))
     keep = [c for c, g in gain.items() if g["keep"]]
-    counts = cue_stage_counts(ts.sequences, events, L, E)
+    counts = cue_stage_counts(ts.sequences, events, E)
     return {"cues": candidates.subset(keep).to_dict(),
             "counts": to_json({c: counts[c] for c in [*keep, START] if c in counts}),
             "gain": gain}

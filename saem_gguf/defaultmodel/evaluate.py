@@ -71,6 +71,7 @@ class Reply:
     answer: int | None
     bounds: np.ndarray  # stage bounds over gen_ids (S + 1 entries)
     cues: list[str]  # cue texts found, in order
+    openers: list[str]  # per stage, the cue text that opened it ("" for the first)
 
     @property
     def correct(self) -> bool:
@@ -93,14 +94,21 @@ CUE_KIND = {"Wait": "pause", "But wait": "pause", "Hmm": "pause", "Hold on": "pa
             "</think>": "answer"}
 
 
-def stage_bounds(tok: Tokenizer, ids: list[int]) -> tuple[np.ndarray, list[str]]:
+def stage_bounds(tok: Tokenizer, ids: list[int]) -> tuple[np.ndarray, list[str], list[str]]:
+    """(stage bounds, every cue text found in order, the cue text opening each stage: "" for the
+    first, the first cue matched at a cut for the others)."""
     from saem_gguf.stage.cues import load_cues
     from saem_gguf.stage.matcher import find_cues
 
     cues = load_cues(CUE_SET)
     events = find_cues(cues, [tok.piece(i) for i in ids])
-    cuts = sorted({t for _, t in events if 0 < t < len(ids)})
-    return np.array([0] + cuts + [len(ids)], np.int64), [cues[c].text for c, _ in events]
+    opener: dict[int, str] = {}
+    for c, t in events:
+        if 0 < t < len(ids):
+            opener.setdefault(t, cues[c].text)
+    cuts = sorted(opener)
+    return (np.array([0] + cuts + [len(ids)], np.int64), [cues[c].text for c, _ in events],
+            [""] + [opener[t] for t in cuts])
 
 
 def answer_of(text: str) -> int | None:
@@ -117,8 +125,7 @@ def run_replies(model_path: str | Path, examples: list[corpus.Example], llm=None
         p = llm.tokenize(ex.prompt.encode(), add_bos=False, special=True)
         g = greedy(llm, p, stop)
         text = tok.decode(g)
-        b, cues = stage_bounds(tok, g)
-        out.append(Reply(ex, p, g, text, answer_of(text), b, cues))
+        out.append(Reply(ex, p, g, text, answer_of(text), *stage_bounds(tok, g)))
     return out
 
 
@@ -131,11 +138,9 @@ def routing_of(weights: reference.GGUFWeights, prompt_ids: list[int], gen_ids: l
 def top_share(routes: list[np.ndarray], n_expert: int, cap: int) -> float:
     """Mean over replies and layers of the share of routing slots on the reply's top-``cap``
     experts (routes: [T, L, k] expert ids per reply)."""
-    shares = []
-    for r in routes:
-        for layer in range(r.shape[1]):
-            h = np.bincount(r[:, layer].ravel(), minlength=n_expert)
-            shares.append(np.sort(h)[::-1][:cap].sum() / max(1, h.sum()))
+    from saem_gguf.stage.coherence import stage_histogram, transition_coherence
+
+    shares = [transition_coherence(h, h, cap) for h in (stage_histogram(r, n_expert) for r in routes)]
     return float(np.mean(shares)) if shares else float("nan")
 
 
@@ -189,34 +194,25 @@ def coherence(weights: reference.GGUFWeights, replies: list[Reply], capacity_rat
     return res
 
 
-def stage_kinds(tok: Tokenizer, ids: list[int]) -> list[str]:
-    """The kind of every stage of ``stage_bounds`` (by the cue that opens it)."""
-    from saem_gguf.stage.cues import load_cues
-    from saem_gguf.stage.matcher import find_cues
-
-    cues = load_cues(CUE_SET)
-    first: dict[int, str] = {}
-    for c, t in find_cues(cues, [tok.piece(i) for i in ids]):
-        if 0 < t < len(ids):
-            first.setdefault(t, CUE_KIND.get(cues[c].text, "other"))
-    return ["compute"] + [first[t] for t in sorted(first)]
+def stage_kinds(reply: Reply) -> list[str]:
+    """The kind of every stage of ``reply`` (by the cue that opens it; the first is "compute")."""
+    return ["compute"] + [CUE_KIND.get(c, "other") for c in reply.openers[1:]]
 
 
-def kind_overlap(tok: Tokenizer, weights: reference.GGUFWeights, replies: list[Reply], top: int = 8) -> dict:
+def kind_overlap(weights: reference.GGUFWeights, replies: list[Reply], top: int = 8) -> dict:
     """How much the stage kinds share their experts: per kind and layer the ``top`` most-used
     experts over all replies' stages of that kind; for each pair of kinds the mean over layers
     of the size of the intersection (``top`` = the same experts, 0 = disjoint)."""
-    L, E = weights.n_layer, weights.n_expert
+    from saem_gguf.stage.coherence import stage_histograms, top_experts
+
     hist: dict[str, np.ndarray] = {}
     for r in replies:
-        route = routing_of(weights, r.prompt_ids, r.gen_ids)
-        for kind, a, b in zip(stage_kinds(tok, r.gen_ids), r.bounds[:-1], r.bounds[1:]):
-            h = hist.setdefault(kind, np.zeros((L, E), np.int64))
-            for layer in range(L):
-                h[layer] += np.bincount(route[a:b, layer].ravel(), minlength=E)
-    tops = {k: [set(np.argsort(-h[layer], kind="stable")[:top].tolist()) for layer in range(L)]
-            for k, h in hist.items()}
+        stages = stage_histograms(routing_of(weights, r.prompt_ids, r.gen_ids), r.bounds, weights.n_expert)
+        for kind, h in zip(stage_kinds(r), stages):
+            hist[kind] = hist.get(kind, 0) + h
+    tops = {k: [set(row.tolist()) for row in top_experts(h, top)] for k, h in hist.items()}
     kinds = sorted(tops)
+    L = weights.n_layer
     pairs = {f"{a}-{b}": round(float(np.mean([len(tops[a][layer] & tops[b][layer]) for layer in range(L)])), 2)
              for i, a in enumerate(kinds) for b in kinds[i + 1:]}
     return {"top": top, "tokens": {k: int(hist[k][0].sum() // weights.n_expert_used) for k in kinds},
@@ -262,7 +258,7 @@ def main(argv=None) -> int:
     summ = summarise(replies)
     weights = reference.load_weights(path)
     coh = coherence(weights, replies, a.capacity)
-    kinds = kind_overlap(Tokenizer.from_gguf(path), weights, replies)
+    kinds = kind_overlap(weights, replies)
     for r in replies[:a.show]:
         print(f"--- {r.example.question}  (expected {r.example.answer})\n{r.text}")
     out = {"model": str(path), "heldout_seed": a.seed, **summ, "tcseq": coh, "stage_kinds": kinds,

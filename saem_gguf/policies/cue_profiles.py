@@ -15,27 +15,23 @@ from __future__ import annotations
 import numpy as np
 
 from saem_gguf.errors import SaemError
+from saem_gguf.stage.coherence import stage_histograms, transition_coherence
 
 START = "^"  # the first decoded stage of a sequence, when no cue opened it
 
 
-def _stages(sq, ev: dict[int, str], n_layer: int, n_expert: int):
+def _stages(sq, ev: dict[int, str], n_expert: int):
     """(opening cue or START or "", routing counts [L, E]) of each decoded stage, in order."""
     p0, n = int(sq.prompt_len), int(sq.n_tokens)
     starts = sorted({t + 1 for t in ev if p0 < t + 1 < n})
-    bounds = [p0, *starts, n]
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b <= a:
-            continue
-        ex = np.asarray(sq.experts[a:b]).astype(np.int64)
-        h = np.zeros((n_layer, n_expert))
-        for layer in range(n_layer):
-            col = ex[:, layer].ravel()
-            h[layer] = np.bincount(col[col >= 0], minlength=n_expert)
-        yield ev.get(a - 1, START if a == p0 else ""), h
+    bounds = np.array([p0, *starts, n], np.int64)
+    hists = stage_histograms(np.asarray(sq.experts[p0:n]), bounds - p0, n_expert).astype(np.float64)
+    for a, b, h in zip(bounds[:-1], bounds[1:], hists):
+        if b > a:
+            yield ev.get(int(a) - 1, START if a == p0 else ""), h
 
 
-def cue_stage_counts(sequences, events: list[dict[int, str]], n_layer: int, n_expert: int) -> dict[str, np.ndarray]:
+def cue_stage_counts(sequences, events: list[dict[int, str]], n_expert: int) -> dict[str, np.ndarray]:
     """Sum, per opening cue, the routing counts of the decoded stages of ``sequences`` (trace
     SequenceTrace objects). ``events[i]`` maps token index -> cue text for sequence i: the
     detector reported that cue after that token, so its stage starts at the next token."""
@@ -43,25 +39,20 @@ def cue_stage_counts(sequences, events: list[dict[int, str]], n_layer: int, n_ex
         raise SaemError("cue_stage_counts needs one event map per sequence")
     out: dict[str, np.ndarray] = {}
     for sq, ev in zip(sequences, events):
-        for key, h in _stages(sq, ev, n_layer, n_expert):
+        for key, h in _stages(sq, ev, n_expert):
             if key:
                 out[key] = out.get(key, 0) + h
     return out
 
 
-def _top_share(score: np.ndarray, counts: np.ndarray, capacity: int) -> float:
-    """Share of ``counts`` [L, E] on each layer's top-``capacity`` experts by ``score``."""
-    top = np.argsort(-score, axis=1, kind="stable")[:, :capacity]
-    return float(np.take_along_axis(counts, top, axis=1).sum() / max(counts.sum(), 1.0))
-
-
-def profile_gain(sequences, events: list[dict[int, str]], n_layer: int, n_expert: int, capacity: int,
+def profile_gain(sequences, events: list[dict[int, str]], n_expert: int, capacity: int,
                  min_stages: int = 5) -> dict[str, dict]:
     """Does a cue's profile predict the stages it opens better than the stage before them
     (SAEM's rule)? Per cue, token-weighted over those stages: the share of their routing on the
     top-``capacity`` experts of the cue's profile built from the *other* sequences, and of the
-    preceding stage. ``keep`` when the profile does at least as well over ``min_stages``."""
-    per_seq = [list(_stages(sq, ev, n_layer, n_expert)) for sq, ev in zip(sequences, events)]
+    preceding stage (``transition_coherence``, mean over layers). ``keep`` when the profile does
+    at least as well over ``min_stages``."""
+    per_seq = [list(_stages(sq, ev, n_expert)) for sq, ev in zip(sequences, events)]
     total: dict[str, np.ndarray] = {}
     for stages in per_seq:
         for key, h in stages:
@@ -83,8 +74,8 @@ def profile_gain(sequences, events: list[dict[int, str]], n_layer: int, n_expert
             a = acc.setdefault(key, [0.0, 0.0, 0.0, 0.0])
             a[0] += 1
             a[1] += tok
-            a[2] += tok * _top_share(loso, h, capacity)
-            a[3] += tok * _top_share(prev, h, capacity)
+            a[2] += tok * float(np.nanmean(transition_coherence(loso, h, capacity)))
+            a[3] += tok * float(np.nanmean(transition_coherence(prev, h, capacity)))
     out = {}
     for key, (n, tok, hp, hv) in sorted(acc.items()):
         hit_p, hit_v = hp / max(tok, 1.0), hv / max(tok, 1.0)
@@ -93,10 +84,10 @@ def profile_gain(sequences, events: list[dict[int, str]], n_layer: int, n_expert
     return out
 
 
-def detected_cues(sequences, make_detector) -> list[dict[int, str]]:
-    """Per sequence, token index -> cue text of every cue event a fresh stage detector
-    (``make_detector()``, one slot) reports when fed the sequence causally, token by token, as
-    the engine feeds it."""
+def detected_events(sequences, make_detector) -> list[dict[int, str]]:
+    """Per sequence, token index -> cue text ("" for a routing-shift event without a cue) of
+    every event a fresh stage detector (``make_detector()``, one slot) reports when fed the
+    sequence causally, token by token, as the engine feeds it."""
     out = []
     slot = np.zeros(1, np.int64)
     for sq in sequences:
@@ -105,10 +96,15 @@ def detected_cues(sequences, make_detector) -> list[dict[int, str]]:
         ev: dict[int, str] = {}
         for t in range(int(sq.n_tokens)):
             for e in det.feed(slot, sq.pieces[t:t + 1], np.asarray(sq.experts[t:t + 1])):
-                if e.cue:
-                    ev.setdefault(e.token, e.cue)
+                if not ev.get(e.token):  # the first cue at a token names it
+                    ev[e.token] = e.cue
         out.append(ev)
     return out
+
+
+def detected_cues(sequences, make_detector) -> list[dict[int, str]]:
+    """``detected_events`` restricted to the events a cue raised."""
+    return [{t: c for t, c in ev.items() if c} for ev in detected_events(sequences, make_detector)]
 
 
 def to_json(counts: dict[str, np.ndarray]) -> dict[str, list]:
