@@ -27,6 +27,7 @@ from saem_gguf.policies.base import (
     RoutingBlock, budget_slots,
 )
 from saem_gguf.policies.cue_profiles import cue_stage_counts, detected_cues, detected_events
+from saem_gguf.stage.coherence import stage_histogram
 from saem_gguf.trace import TraceSet, validate_traces
 
 DEFAULT_ECRS: tuple[float, ...] = (3.125, 6.25, 12.5, 25.0, 50.0)
@@ -173,14 +174,10 @@ def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | No
 
 def calibration_counts(ts: TraceSet | None, n_layer: int, n_expert: int) -> np.ndarray:
     """Token-level routing counts [L, E] over every token of ``ts`` (zeros when None)."""
-    out = np.zeros((n_layer, n_expert))
-    if ts is None:
-        return out
-    for sq in ts.sequences:
-        ex = sq.experts.astype(np.int64)
-        for l in range(n_layer):
-            out[l] += np.bincount(ex[:, l, :].ravel(), minlength=n_expert)
-    return out
+    out = np.zeros((n_layer, n_expert), np.int64)
+    for sq in ts.sequences if ts is not None else ():
+        stage_histogram(np.asarray(sq.experts), n_expert, out=out)
+    return out.astype(np.float64)
 
 
 def split_calibration(ts: TraceSet, frac: float) -> tuple[TraceSet, TraceSet | None]:

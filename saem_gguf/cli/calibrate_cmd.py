@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 from saem_gguf.cli.common import add_model_args
 from saem_gguf.trace import TraceSet, check_signature, load_traces
 
@@ -36,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from saem_gguf.engine import FAMILY_CUES
     from saem_gguf.errors import SaemError
+    from saem_gguf.simulator import calibration_counts
     from saem_gguf.stage.calibrate import CalibrationConfig, calibrate_traceset
     from saem_gguf.stage.cues import CueSet
 
@@ -45,10 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if args.min_stage_tokens < 1:
         raise SaemError("--min-stage-tokens must be >= 1")
     prof = calibrate_traceset(ts, candidates, CalibrationConfig(min_stage_tokens=args.min_stage_tokens))
-    counts = np.zeros((ts.signature.n_layer, ts.signature.n_expert))
-    for s in ts.sequences:
-        for l in range(counts.shape[0]):
-            counts[l] += np.bincount(s.experts[:, l, :].ravel(), minlength=counts.shape[1])
+    counts = calibration_counts(ts, ts.signature.n_layer, ts.signature.n_expert)
     prof.stats["expert_counts"] = counts.astype(int).tolist()
     prof.stats["cue_profiles"] = _cue_profiles(ts, candidates, args.min_stage_tokens)
     prof.save(args.output)
