@@ -144,12 +144,11 @@ def test_llama_cpp_logits_match_numpy_reference(tok, llm, weights):
     try:
         llm.reset()
         llm.eval(ids)
-        routed = np.array([na.saem_moe_get_last_ids(llm.ctx, il) for il in range(weights.n_layer)])
+        routed = na.saem_moe_get_last_routing(llm.ctx)
     finally:
         na.saem_moe_set_counting(llm.ctx, na.SAEM_COUNT_OFF)
     got = np.array(llm.scores[:len(ids)], np.float64)
-    assert routed.shape == (weights.n_layer, len(ids), weights.n_expert_used)
-    routed = routed.transpose(1, 0, 2)
+    assert routed.shape == (len(ids), weights.n_layer, weights.n_expert_used)
 
     free, own = reference.forward(weights, ids)
     agree = np.mean([set(a) == set(b) for a, b in zip(routed.reshape(-1, routed.shape[2]),
