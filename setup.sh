@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# One-time setup (idempotent; a second run takes seconds): Python dependencies, llama-cpp-python's
-# bindings WITHOUT their own llama.cpp build, this package (editable), and the patched llama.cpp
-# (compiled once, cached outside the tree under ~/.cache/saem_gguf).
+# One-time setup (idempotent; a second run takes seconds). Everything goes into the project's own
+# virtual environment, .venv/ beside this file, so no other Python on the machine is touched (the
+# llama-cpp-python installed here has no native library of its own: saem_gguf binds it to ours):
+#   Python dependencies, llama-cpp-python's bindings WITHOUT their own llama.cpp build, this
+#   package (editable), and the patched llama.cpp (compiled once, cached outside the tree under
+#   ~/.cache/saem_gguf, shared by every checkout).
 #   SAEM_CUDA=1 bash setup.sh      also builds the CUDA variant (sm_90 by default: SAEM_CUDA_ARCH)
+#   PYTHON=python3.12 bash setup.sh   the interpreter the environment is made from (3.11+)
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PYTHON:-python3}
+BASE=${PYTHON:-python3}
 LCP=0.3.36
+VENV=.venv
+PY=$VENV/bin/python
 
-"$PY" -m pip install -q --disable-pip-version-check numpy gguf numba psutil tqdm matplotlib pytest \
-    hypothesis "typing-extensions>=4.5.0" "diskcache>=5.6.1" "jinja2>=2.11.3"
+if [ ! -x "$PY" ]; then
+    echo "creating the project's virtual environment in $VENV" >&2
+    "$BASE" -m venv "$VENV"
+fi
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" numpy gguf numba psutil tqdm matplotlib pytest hypothesis \
+    "typing-extensions>=4.5.0" "diskcache>=5.6.1" "jinja2>=2.11.3" setuptools wheel
 
 if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama_cpp_python') != '$LCP')" 2>/dev/null; then
-    echo "installing llama-cpp-python==$LCP bindings (no native build: LLAMA_BUILD=OFF)" >&2
-    sdist=$("$PY" -c "from saem_gguf.build.source import fetch_sdist; print(fetch_sdist())")
-    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install -q --no-deps \
-        --disable-pip-version-check "$sdist"
+    echo "installing llama-cpp-python==$LCP bindings into $VENV (no native build: LLAMA_BUILD=OFF)" >&2
+    sdist=$(PYTHONPATH=. "$PY" -c "from saem_gguf.build.source import fetch_sdist; print(fetch_sdist())")
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "${PIP[@]}" --no-deps "$sdist"
 fi
-"$PY" -m pip install -q --no-deps --disable-pip-version-check --no-build-isolation -e . 2>/dev/null \
-    || "$PY" -m pip install -q --no-deps --disable-pip-version-check -e .
+"${PIP[@]}" --no-deps --no-build-isolation -e .
 
 "$PY" -m saem_gguf build
 if [ "${SAEM_CUDA:-0}" = 1 ]; then
     "$PY" -m saem_gguf build --cuda --cuda-arch "${SAEM_CUDA_ARCH:-90}"
 fi
+echo "ready: .venv/bin/python -m saem_gguf chat    (or: source .venv/bin/activate)" >&2

@@ -39,6 +39,22 @@ def resolve_library_dir() -> Path:
     raise BuildError(f"the patched llama.cpp for the current sources is not built: {BUILD_HINT}")
 
 
+def bind_library_path() -> Path | None:
+    """Point llama-cpp-python at the patched library before anything imports it.
+
+    ``import saem_gguf`` calls this, so ``import saem_gguf, llama_cpp`` works in the project's
+    environment (whose llama-cpp-python has no library of its own). Quiet when nothing is built
+    yet or ``llama_cpp`` is already imported: ``load_llama_cpp`` reports those cases."""
+    if "llama_cpp" in sys.modules:
+        return None
+    try:
+        lib_dir = resolve_library_dir()
+    except BuildError:
+        return None
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+    return lib_dir
+
+
 def load_llama_cpp() -> ModuleType:
     """Import ``llama_cpp`` bound to the patched library and return the module."""
     lib_dir = resolve_library_dir()
