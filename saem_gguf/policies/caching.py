@@ -70,6 +70,43 @@ def _victim(key, l, g, owner, n_slots, stamp, avoid_used):
 
 
 @njit(cache=True)
+def admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, admitted):
+    """The ``-cpu`` variants' rule after layer ``l`` of step ``g`` ran its misses on the CPU:
+    take the missed experts ``miss[:n_miss]`` best first (reorders ``miss``) and move each into a
+    free slot or the slot of the lowest-priority resident not used at this step, while it beats
+    that resident. Updates ``owner``/``slot_of``; writes (expert, slot, evicted expert or -1) to
+    ``admitted`` rows and returns how many."""
+    for a in range(1, n_miss):  # insertion sort by priority, descending
+        x = miss[a]
+        px = key[l, x]
+        b = a - 1
+        while b >= 0 and key[l, miss[b]] < px:
+            miss[b + 1] = miss[b]
+            b -= 1
+        miss[b + 1] = x
+    n_in = 0
+    for i in range(n_miss):
+        e = miss[i]
+        if n_slots[l] == 0:
+            break
+        slot = _victim(key, l, g, owner, n_slots, stamp, True)
+        if slot < 0:
+            break
+        o = owner[l, slot]
+        if o >= 0:
+            if key[l, o] >= key[l, e]:
+                break
+            slot_of[l, o] = -1
+        owner[l, slot] = e
+        slot_of[l, e] = slot
+        admitted[n_in, 0] = e
+        admitted[n_in, 1] = slot
+        admitted[n_in, 2] = o
+        n_in += 1
+    return n_in
+
+
+@njit(cache=True)
 def run_caching(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, key, stamp, kind, lam,
                 miss_cpu, cost, clock, acc, log, log_n):
     S, B, L, K = routing.shape
@@ -77,6 +114,7 @@ def run_caching(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, key, 
     cnt = np.zeros(E, np.int32)
     uniq = np.empty(E, np.int32)
     miss = np.empty(E, np.int32)
+    admitted = np.empty((E, 3), np.int32)
     tx = t_xfer(cost)
     tg, tc = time_tables(B, cost)
     dense = cost[C_DENSE_LAYER_S]
@@ -168,30 +206,12 @@ def run_caching(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, key, 
                     log_put(log, log_n, g, l, e, -1, K_CPU)
                 now = layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
                 # load the missed experts for the next tokens, best first, while they beat the victim
-                for a in range(1, n_miss):  # insertion sort by priority, descending
-                    x = miss[a]
-                    px = key[l, x]
-                    b = a - 1
-                    while b >= 0 and key[l, miss[b]] < px:
-                        miss[b + 1] = miss[b]
-                        b -= 1
-                    miss[b + 1] = x
-                for i in range(n_miss):
-                    e = miss[i]
-                    if n_slots[l] == 0:
-                        break
-                    slot = _victim(key, l, g, owner, n_slots, stamp, True)
-                    if slot < 0:
-                        break
-                    o = owner[l, slot]
+                n_in = admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, admitted)
+                for i in range(n_in):
+                    e, slot, o = admitted[i, 0], admitted[i, 1], admitted[i, 2]
                     if o >= 0:
-                        if key[l, o] >= key[l, e]:
-                            break
-                        slot_of[l, o] = -1
                         n_evict += 1
                         log_put(log, log_n, g, l, o, slot, K_EVICT)
-                    owner[l, slot] = e
-                    slot_of[l, e] = slot
                     done = max(now, link) + tx
                     link = done
                     ready_at[l, slot] = done
@@ -205,6 +225,29 @@ def run_caching(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, key, 
                  stall)
         acc[A_ASYNC] += n_async
         acc[A_EVICT] += n_evict
+
+
+def lrfu_lambda(half_life: float) -> float:
+    """Decay rate per step of an LRFU key with this half-life (steps)."""
+    return float(np.log(2.0) / half_life)
+
+
+def initial_keys(kind: int, calib: np.ndarray, top_k: int, prior_tokens: float, slot_of: np.ndarray) -> np.ndarray:
+    """Priority keys [L, E] at model load (see the key definitions above): LRU ranks the
+    calibrated residents as older than any real access; LFU and LRFU start from the calibrated
+    per-token frequencies worth ``prior_tokens`` tokens of evidence (LRFU: as evidence at step 0)."""
+    tot = calib.sum(axis=1, keepdims=True)
+    freq = np.divide(calib, tot, out=np.zeros_like(calib), where=tot > 0) * top_k  # per token
+    if kind == KIND_LRU:
+        key = np.full(calib.shape, -1e18)
+        rank = np.argsort(np.argsort(-calib, axis=1, kind="stable"), axis=1)
+        res = slot_of >= 0
+        key[res] = -1.0 - rank[res]
+        return key
+    prior = freq * prior_tokens
+    if kind == KIND_LFU:
+        return prior
+    return np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), NO_KEY)
 
 
 class CachingPolicy(Policy):
@@ -226,23 +269,9 @@ class CachingPolicy(Policy):
 
     def start(self, ctx: PolicyContext) -> CacheState:
         state = super().start(ctx)
-        L, E = ctx.n_layer, ctx.n_expert
-        calib = ctx.calib
-        tot = calib.sum(axis=1, keepdims=True)
-        freq = np.divide(calib, tot, out=np.zeros_like(calib), where=tot > 0) * ctx.top_k  # per token
-        self._lam = np.log(2.0) / self.half_life if self.kind == KIND_LRFU else 0.0
-        if self.kind == KIND_LRU:
-            # residents look older than any real access, in calibrated order
-            self._key = np.full((L, E), -1e18)
-            rank = np.argsort(np.argsort(-calib, axis=1, kind="stable"), axis=1)
-            res = state.slot_of >= 0
-            self._key[res] = -1.0 - rank[res]
-        elif self.kind == KIND_LFU:
-            self._key = freq * self.prior_tokens
-        else:  # prior as evidence at step 0 (see the key definition above)
-            prior = freq * self.prior_tokens
-            self._key = np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), NO_KEY)
-        self._stamp = np.full((L, E), -1, np.int64)
+        self._lam = lrfu_lambda(self.half_life) if self.kind == KIND_LRFU else 0.0
+        self._key = initial_keys(self.kind, ctx.calib, ctx.top_k, self.prior_tokens, state.slot_of)
+        self._stamp = np.full((ctx.n_layer, ctx.n_expert), -1, np.int64)
         return state
 
     def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:

@@ -147,89 +147,114 @@ def step_end(clock, acc, now, link, cost, ntok, L, n_acc, n_hit, n_cpu_tok, n_cp
     acc[A_LAYER_STEPS] += ntok * L
 
 
+# Per-step tallies of one replay step (float64 array ``tally``, zeroed at each step start)
+T_ACCESS = 0  # routed (token, layer, k) accesses
+T_HIT = 1  # of those, resident
+T_CPU_TOKENS = 2
+T_CPU_RUNS = 3
+T_GPU_RUNS = 4
+T_HIT_CPU = 5  # resident but still in flight: ran on the CPU instead of waiting
+T_TEMP = 6  # transfers into the temporary slot
+T_STALL = 7  # seconds the GPU waited for copies
+N_TALLY = 8
+
+
+@njit(cache=True)
+def fixed_layer(g, l, n, uniq, cnt, slot_of, ready_at, t, link, tx, tg, tc, miss_mode, tally, log, log_n):
+    """Price layer ``l`` of global step ``g`` with residency as it is: the ``n`` experts
+    ``uniq[:n]`` used by ``cnt[e]`` tokens each. ``t`` is when the layer's experts may start
+    (after its dense part), ``link`` when the host-to-device link is free. Residents run on the
+    GPU first (their work hides the transfers below), waiting for a slot in flight unless the CPU
+    is faster (MISS_RULE); a non-resident runs on the CPU or, when ``miss_mode`` says so, through
+    the temporary slot. Adds to ``tally`` (T_*); returns (GPU end, CPU seconds, CPU runs, link)."""
+    gpu_t = t
+    cpu_t = 0.0
+    n_cpu = 0
+    for i in range(n):
+        e = uniq[i]
+        c = cnt[e]
+        tally[T_ACCESS] += c
+        slot = slot_of[l, e]
+        if slot < 0:
+            continue
+        tally[T_HIT] += c
+        r = ready_at[l, slot]
+        if r > gpu_t:
+            if miss_mode == MISS_RULE and tc[c] <= (r - gpu_t) + tg[c]:
+                cpu_t += tc[c]
+                n_cpu += 1
+                tally[T_CPU_TOKENS] += c
+                tally[T_HIT_CPU] += 1
+                log_put(log, log_n, g, l, e, slot, K_HIT_CPU)
+                continue
+            tally[T_STALL] += r - gpu_t
+            gpu_t = r
+        gpu_t += tg[c]
+        tally[T_GPU_RUNS] += 1
+        log_put(log, log_n, g, l, e, slot, K_HIT)
+    for i in range(n):
+        e = uniq[i]
+        c = cnt[e]
+        if slot_of[l, e] >= 0:
+            continue
+        if miss_mode == MISS_CPU or (miss_mode == MISS_RULE and tc[c] <= max(0.0, link - t) + tx + tg[c]):
+            cpu_t += tc[c]
+            n_cpu += 1
+            tally[T_CPU_TOKENS] += c
+            log_put(log, log_n, g, l, e, -1, K_CPU)
+        else:
+            done = max(t, link) + tx
+            link = done
+            tally[T_TEMP] += 1
+            if done > gpu_t:
+                tally[T_STALL] += done - gpu_t
+                gpu_t = done
+            gpu_t += tg[c]
+            tally[T_GPU_RUNS] += 1
+            log_put(log, log_n, g, l, e, -1, K_TEMP)
+    tally[T_CPU_RUNS] += n_cpu
+    return gpu_t, cpu_t, n_cpu, link
+
+
 @njit(cache=True)
 def run_fixed(routing, s0, s1, step0, slot_of, ready_at, cost, miss_mode, clock, acc, det, log, log_n):
     """Replay steps [s0, s1) with residency fixed. Returns the step after the last one run:
-    s1, or earlier when the implicit-boundary detector fires (the caller re-plans there)."""
+    s1, or earlier when the implicit-boundary detector fires (the caller re-plans there).
+
+    routing int16 [S, B, L, K] (-1 = no token); step0: global index of step 0; slot_of int32
+    [L, E] and ready_at float64 [L, Smax] of the CacheState; cost: CostModel.array (C_*);
+    miss_mode: MISS_*; clock float64 [now, link free at]; acc: Accounting counters (A_*);
+    det: built-in detector state (D_*); log int32 [n, 5] / log_n int64 [1]: decision log."""
     S, B, L, K = routing.shape
     E = slot_of.shape[1]
     cnt = np.zeros(E, np.int32)
     uniq = np.empty(E, np.int32)
+    tally = np.zeros(N_TALLY, np.float64)
     tx = t_xfer(cost)
     tg, tc = time_tables(B, cost)
     dense = cost[C_DENSE_LAYER_S]
-    # wait-vs-CPU for an in-flight copy and CPU-vs-transfer, both "lower latency wins"
     for s in range(s0, s1):
         ntok = active_tokens(routing, s)
         if ntok == 0:
             continue
         g = step0 + s
         now, link, stall = step_begin(clock, cost)
-        n_acc = 0.0
-        n_hit = 0.0
-        n_cpu_tok = 0.0
-        n_cpu_runs = 0.0
-        n_gpu_runs = 0.0
-        n_hit_cpu = 0.0
-        n_temp = 0.0
+        tally[:] = 0.0
         for l in range(L):
             n = gather(routing, s, l, cnt, uniq)
             t = now + dense
-            gpu_t = t
-            cpu_t = 0.0
-            n_cpu = 0
-            for i in range(n):  # residents first: their GPU work hides the copies issued below
-                e = uniq[i]
-                c = cnt[e]
-                n_acc += c
-                slot = slot_of[l, e]
-                if slot < 0:
-                    continue
-                n_hit += c
-                r = ready_at[l, slot]
-                if r > gpu_t:
-                    if miss_mode == MISS_RULE and tc[c] <= (r - gpu_t) + tg[c]:
-                        cpu_t += tc[c]
-                        n_cpu += 1
-                        n_cpu_tok += c
-                        n_hit_cpu += 1
-                        log_put(log, log_n, g, l, e, slot, K_HIT_CPU)
-                        continue
-                    stall += r - gpu_t
-                    gpu_t = r
-                gpu_t += tg[c]
-                n_gpu_runs += 1
-                log_put(log, log_n, g, l, e, slot, K_HIT)
-            for i in range(n):
-                e = uniq[i]
-                c = cnt[e]
-                if slot_of[l, e] >= 0:
-                    continue
-                if miss_mode == MISS_CPU or (miss_mode == MISS_RULE and tc[c] <= max(0.0, link - t) + tx + tg[c]):
-                    cpu_t += tc[c]
-                    n_cpu += 1
-                    n_cpu_tok += c
-                    log_put(log, log_n, g, l, e, -1, K_CPU)
-                else:
-                    done = max(t, link) + tx
-                    link = done
-                    n_temp += 1
-                    if done > gpu_t:
-                        stall += done - gpu_t
-                        gpu_t = done
-                    gpu_t += tg[c]
-                    n_gpu_runs += 1
-                    log_put(log, log_n, g, l, e, -1, K_TEMP)
+            gpu_t, cpu_t, n_cpu, link = fixed_layer(g, l, n, uniq, cnt, slot_of, ready_at, t, link, tx, tg, tc,
+                                                    miss_mode, tally, log, log_n)
             for i in range(n):
                 cnt[uniq[i]] = 0
-            n_cpu_runs += n_cpu
             now = layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
-        step_end(clock, acc, now, link, cost, ntok, L, n_acc, n_hit, n_cpu_tok, n_cpu_runs, n_gpu_runs, n_temp,
-                 stall)
-        acc[A_HIT_CPU] += n_hit_cpu
-        acc[A_TEMP] += n_temp
+        step_end(clock, acc, now, link, cost, ntok, L, tally[T_ACCESS], tally[T_HIT], tally[T_CPU_TOKENS],
+                 tally[T_CPU_RUNS], tally[T_GPU_RUNS], tally[T_TEMP], stall + tally[T_STALL])
+        acc[A_HIT_CPU] += tally[T_HIT_CPU]
+        acc[A_TEMP] += tally[T_TEMP]
+        n_acc = tally[T_ACCESS]
         if det[D_ON] > 0 and n_acc > 0:
-            h = n_hit / n_acc
+            h = tally[T_HIT] / n_acc
             det[D_STEPS] += 1
             det[D_MEAN] += (h - det[D_MEAN]) / det[D_STEPS]
             det[D_EWMA] = h if det[D_STEPS] == 1 else det[D_EWMA] + det[D_ALPHA] * (h - det[D_EWMA])
