@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from saem_gguf.errors import SaemError
+from saem_gguf.policies.adaptive import AdaptiveSaemPolicy
 from saem_gguf.policies.base import Policy
 from saem_gguf.policies.caching import (
     LfuCpuPolicy, LfuPolicy, LruCpuPolicy, LruPolicy, TemporalCpuPolicy, TemporalPolicy,
@@ -20,14 +21,14 @@ POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         CpuMoePolicy, NCpuMoePolicy, StaticHotPolicy, LruPolicy, LruCpuPolicy, LfuPolicy, LfuCpuPolicy,
-        TemporalPolicy, TemporalCpuPolicy, SaemPolicy, SaemStrictPolicy, SaemImplicitPolicy, SaemCuePolicy,
+        TemporalPolicy, TemporalCpuPolicy, AdaptiveSaemPolicy, SaemPolicy, SaemStrictPolicy, SaemImplicitPolicy, SaemCuePolicy,
         SaemNoCpuPolicy, OraclePolicy, GpuAllPolicy,
     )
 }
 
 DEFAULT_POLICIES: tuple[str, ...] = (
     "cpu-moe", "n-cpu-moe", "static-hot", "lru", "lru-cpu", "lfu", "lfu-cpu", "temporal", "temporal-cpu",
-    "saem", "saem-strict", "saem-implicit", "saem-cue", "oracle", "gpu-all",
+    "saem", "saem-stage", "saem-strict", "saem-implicit", "saem-cue", "oracle", "gpu-all",
 )
 
 

@@ -66,8 +66,9 @@ _MISS = {"rule": MISS_RULE, "cpu": MISS_CPU, "transfer": MISS_TRANSFER}
 
 
 class SaemPolicy(Policy):
-    name = "saem"
-    summary = "stage-aware: rank by the completed stage at each boundary, no churn between, CPU vs transfer by latency"
+    name = "saem-stage"
+    summary = ("SAEM's stage rule with a warm-up re-rank and long-stage refresh: rank by the completed stage at "
+               "each boundary, no churn between, CPU vs transfer by latency")
     default_config = SaemConfig()
 
     def __init__(self, config: SaemConfig | None = None, **overrides) -> None:

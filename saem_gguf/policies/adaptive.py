@@ -1,0 +1,297 @@
+"""Adaptive SAEM, the default ``saem``: several placement rules run in shadow on the routing as
+it arrives, and the real cache follows the one that would have served best lately.
+
+Why: SAEM's stage rule (rank the completed stage at a boundary, hold residency until the next)
+wins where stages are long and coherent; frequency and recency caches that load a miss after
+running it on the CPU win where hot sets drift inside a stage or no cue marks the shifts. No
+single rule leads on every workload, but which one leads is visible from the routing itself.
+
+Candidates, each a full shadow cache (sets only; no pricing):
+
+* ``static``: the calibrated placement, never changed (KTransformers' hot experts);
+* ``lru`` / ``lfu`` / ``lrfu-16`` / ``lrfu-64``: the ``-cpu`` caches' rule (caching.py
+  ``admit_after_use``): a miss runs on the CPU and is loaded for the next tokens when its
+  priority beats the coldest resident (LRFU at half-lives of 16 and 64 steps);
+* ``stage``: SAEM's rule at every stage boundary (cue events, the stage detector's
+  routing-shift events when the block carries them, SAEM's warm-up and long-stage refresh): the
+  completed stage's counts, blended with the cue's calibrated stage profile when there is one
+  (``saem-cue``'s blend).
+
+Each step, each candidate earns ``hits - copy_cost * copies`` (token-level hits of its set
+before its own update, copies it made); the score is an exponential average over
+``horizon_steps``. The real cache holds the leader's set: after each layer runs, the layer's
+residents that left the leader's set are evicted and the leader's new residents copied in (for
+a leader that keeps its set, that is exactly its own loads). The leader changes when another
+candidate's score beats it by more than the copies a switch costs, spread over the horizon.
+``copy_cost`` is in hits: the CPU time a copy's DMA takes from CPU experts
+(``t_xfer * (1 - 1/f)``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
+
+Because the baselines' own rules are candidates, the real cache trails the best of them only by
+the switching copies and the lag of the average: robust by construction, not by tuning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, t_cpu, t_gpu, t_xfer
+from saem_gguf.planner import plan_from_scores
+from saem_gguf.policies.base import (
+    A_ASYNC, A_BYTES, A_EVICT, A_HIT_CPU, A_PLANS, A_PROACTIVE, A_TEMP, K_ASYNC, K_EVICT, K_PREFETCH,
+    Accounting, CacheState, PolicyContext, RoutingBlock, log_put,
+)
+from saem_gguf.policies.caching import (
+    KIND_LFU, KIND_LRFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda,
+)
+from saem_gguf.policies.replay import (
+    MISS_RULE, N_TALLY, T_ACCESS, T_CPU_RUNS, T_CPU_TOKENS, T_GPU_RUNS, T_HIT, T_HIT_CPU, T_STALL, T_TEMP,
+    active_tokens, fixed_layer, gather, layer_end, step_begin, step_end, time_tables,
+)
+from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy
+
+# Candidate kinds beyond the caching kinds (KIND_LRU, KIND_LFU, KIND_LRFU): sets that change
+# only when the policy says so (at load, or at stage boundaries).
+KIND_FIXED = 10
+
+# Control block of the kernel (float64 array ``ctl``)
+CTL_LEADER = 0  # index of the candidate the real cache follows
+CTL_ALPHA = 1  # weight of the newest step in the score averages (1 / horizon)
+CTL_COPY_COST = 2  # a copy's cost in hits
+CTL_HORIZON = 3  # steps a switch's gain is expected to last
+CTL_SWITCHES = 4  # leader changes so far
+N_CTL = 5
+
+
+@dataclass
+class AdaptiveConfig:
+    """Adaptive SAEM's knobs. ``stage`` holds the stage candidate's boundary schedule (SAEM's)."""
+
+    stage: SaemConfig
+    horizon_steps: float = 64.0
+    lrfu_half_lives: tuple[float, ...] = (16.0, 64.0)
+    prior_tokens: float = 64.0  # LFU/LRFU calibration prior, as in caching.py
+
+
+@njit(cache=True)
+def _set_diff(c_slot, slot_of, c):
+    """Experts candidate ``c`` holds that the real cache does not (copies a switch costs)."""
+    L, E = slot_of.shape
+    n = 0
+    for l in range(L):
+        for e in range(E):
+            if c_slot[c, l, e] >= 0 and slot_of[l, e] < 0:
+                n += 1
+    return n
+
+
+@njit(cache=True)
+def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, kinds, lams, c_slot, c_owner,
+                 c_key, stamp, score, ctl, cost, clock, acc, log, log_n):
+    """Replay steps [s0, s1): price each layer with the real residency (``fixed_layer``, SAEM's
+    CPU-vs-transfer rule), update every candidate's shadow cache with the layer's routing, then
+    bring the real layer to the leader's set, the copies issued on the link after the layer ran.
+
+    routing int16 [S, B, L, K]; step0: global index of step 0; slot_of/owner/n_slots/ready_at:
+    the real CacheState; kinds int64 [C] (KIND_*), lams float64 [C] (LRFU decay, else 0);
+    c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]: each candidate's expert->slot and
+    slot->expert maps; c_key float64 [C, L, E]: their priority keys (caching.py); stamp int64
+    [L, E]: last step each expert was used; score float64 [C]: averaged net hits per step;
+    ctl: CTL_*; cost/clock/acc/log/log_n: as in run_fixed."""
+    S, B, L, K = routing.shape
+    E = slot_of.shape[1]
+    C = kinds.shape[0]
+    cnt = np.zeros(E, np.int32)
+    uniq = np.empty(E, np.int32)
+    miss = np.empty(E, np.int32)
+    admitted = np.empty((E, 3), np.int32)
+    tally = np.zeros(N_TALLY, np.float64)
+    gain = np.zeros(C, np.float64)
+    tx = t_xfer(cost)
+    tg, tc = time_tables(B, cost)
+    dense = cost[C_DENSE_LAYER_S]
+    alpha = ctl[CTL_ALPHA]
+    kappa = ctl[CTL_COPY_COST]
+    for s in range(s0, s1):
+        ntok = active_tokens(routing, s)
+        if ntok == 0:
+            continue
+        g = step0 + s
+        # follow a better candidate when its lead pays for the copies of the switch
+        lead = int(ctl[CTL_LEADER])
+        best = lead
+        for c in range(C):
+            if score[c] > score[best]:
+                best = c
+        if best != lead and (score[best] - score[lead]) * ctl[CTL_HORIZON] > kappa * _set_diff(c_slot, slot_of, best):
+            lead = best
+            ctl[CTL_LEADER] = best
+            ctl[CTL_SWITCHES] += 1
+        now, link, stall = step_begin(clock, cost)
+        tally[:] = 0.0
+        gain[:] = 0.0
+        n_load = 0.0
+        n_async = 0.0
+        n_pro = 0.0
+        n_evict = 0.0
+        for l in range(L):
+            n = gather(routing, s, l, cnt, uniq)
+            t = now + dense
+            gpu_t, cpu_t, n_cpu, link = fixed_layer(g, l, n, uniq, cnt, slot_of, ready_at, t, link, tx, tg, tc,
+                                                    MISS_RULE, tally, log, log_n)
+            now = layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
+            for c in range(C):
+                n_miss = 0
+                for i in range(n):
+                    e = uniq[i]
+                    if c_slot[c, l, e] >= 0:
+                        gain[c] += cnt[e]
+                    else:
+                        miss[n_miss] = e
+                        n_miss += 1
+                kind = kinds[c]
+                if kind == KIND_FIXED:
+                    continue
+                for i in range(n):
+                    _touch(kind, c_key[c], l, uniq[i], cnt[uniq[i]], g, lams[c])
+                for i in range(n):
+                    stamp[l, uniq[i]] = g
+                n_in = admit_after_use(c_key[c], l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss,
+                                       admitted)
+                gain[c] -= kappa * n_in
+            for i in range(n):
+                stamp[l, uniq[i]] = g
+            # the real layer takes the leader's set: evict who left, copy who entered
+            for sl in range(n_slots[l]):
+                o = owner[l, sl]
+                if o >= 0 and c_slot[lead, l, o] < 0:
+                    slot_of[l, o] = -1
+                    owner[l, sl] = -1
+                    n_evict += 1
+                    log_put(log, log_n, g, l, o, sl, K_EVICT)
+            free = 0
+            for cs in range(n_slots[l]):
+                e = c_owner[lead, l, cs]
+                if e < 0 or slot_of[l, e] >= 0:
+                    continue
+                while owner[l, free] >= 0:
+                    free += 1
+                owner[l, free] = e
+                slot_of[l, e] = free
+                done = max(now, link) + tx
+                link = done
+                ready_at[l, free] = done
+                if cnt[e] > 0:  # used at this step: a load after its CPU run
+                    n_load += 1
+                    n_async += 1
+                    log_put(log, log_n, g, l, e, free, K_ASYNC)
+                else:  # a prefetch (stage boundary or leader switch)
+                    n_pro += 1
+                    log_put(log, log_n, g, l, e, free, K_PREFETCH)
+            for i in range(n):
+                cnt[uniq[i]] = 0
+        step_end(clock, acc, now, link, cost, ntok, L, tally[T_ACCESS], tally[T_HIT], tally[T_CPU_TOKENS],
+                 tally[T_CPU_RUNS], tally[T_GPU_RUNS], n_load + tally[T_TEMP], stall + tally[T_STALL])
+        acc[A_HIT_CPU] += tally[T_HIT_CPU]
+        acc[A_TEMP] += tally[T_TEMP]
+        acc[A_ASYNC] += n_async
+        acc[A_PROACTIVE] += n_pro
+        acc[A_BYTES] += n_pro * cost[C_EXPERT_BYTES]
+        acc[A_EVICT] += n_evict
+        for c in range(C):
+            score[c] += alpha * (gain[c] - score[c])
+
+
+def copy_cost_in_hits(cost: np.ndarray) -> float:
+    """What one copy costs, in hits: the CPU expert time its DMA takes (the link is busy for
+    ``t_xfer``; CPU experts run ``f`` times slower meanwhile) over the time a hit saves against a
+    one-token CPU run."""
+    saved = t_cpu(1, cost) - t_gpu(1, cost)
+    f = max(float(cost[C_DMA_SLOW]), 1.0)
+    return float(t_xfer(cost) * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
+
+
+class AdaptiveSaemPolicy(SaemCuePolicy):
+    name = "saem"
+    summary = ("adaptive SAEM: the stage rule, cue profiles and the frequency/recency caches run in shadow; "
+               "the cache follows whichever served best lately")
+    default_config = SaemConfig()
+
+    def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0,
+                 lrfu_half_lives: tuple[float, ...] = (16.0, 64.0), prior_tokens: float = 64.0, **overrides) -> None:
+        super().__init__(config, **overrides)
+        self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
+                                       lrfu_half_lives=tuple(lrfu_half_lives), prior_tokens=float(prior_tokens))
+        # candidate name -> (kind, LRFU decay)
+        self.candidates: list[tuple[str, int, float]] = [
+            ("stage", KIND_FIXED, 0.0), ("static", KIND_FIXED, 0.0), ("lru", KIND_LRU, 0.0), ("lfu", KIND_LFU, 0.0),
+            *[(f"lrfu-{h:g}", KIND_LRFU, lrfu_lambda(h)) for h in self.adaptive.lrfu_half_lives],
+        ]
+
+    def start(self, ctx: PolicyContext) -> CacheState:
+        state = super().start(ctx)
+        C = len(self.candidates)
+        self._kinds = np.array([k for _, k, _ in self.candidates], np.int64)
+        self._lams = np.array([lam for _, _, lam in self.candidates], np.float64)
+        self._c_slot = np.repeat(state.slot_of[None], C, axis=0)
+        self._c_owner = np.repeat(state.owner[None], C, axis=0)
+        self._c_key = np.zeros((C,) + state.slot_of.shape)
+        for c, (_, kind, _) in enumerate(self.candidates):
+            if kind != KIND_FIXED:
+                self._c_key[c] = initial_keys(kind, ctx.calib, ctx.top_k, self.adaptive.prior_tokens, state.slot_of)
+        self._stamp = np.full(state.slot_of.shape, -1, np.int64)
+        self._score = np.zeros(C)
+        self._ctl = np.zeros(N_CTL)
+        self._ctl[CTL_LEADER] = 0  # the stage rule until the routing says otherwise
+        self._ctl[CTL_ALPHA] = 1.0 / self.adaptive.horizon_steps
+        self._ctl[CTL_COPY_COST] = copy_cost_in_hits(ctx.cost.array)
+        self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
+        return state
+
+    def _events(self, block: RoutingBlock) -> np.ndarray:
+        """The stage detector's cue + routing-shift events when the block carries them (a
+        boundary costs the stage candidate nothing but a re-rank), else the cue events."""
+        return block.implicit_event_steps if block.implicit_event_steps is not None else block.event_steps
+
+    @property
+    def leader(self) -> str:
+        return self.candidates[int(self._ctl[CTL_LEADER])][0]
+
+    @property
+    def switches(self) -> int:
+        return int(self._ctl[CTL_SWITCHES])
+
+    def _stage_state(self) -> CacheState:
+        """The stage candidate's shadow cache as a CacheState view (ranked like SAEM's cache)."""
+        return CacheState(slot_of=self._c_slot[0], owner=self._c_owner[0], n_slots=self.ctx.n_slots,
+                          ready_at=np.zeros(self._c_owner.shape[1:]))
+
+    def _place(self, profile: np.ndarray, block: RoutingBlock, s: int, state: CacheState, acct: Accounting,
+               reason: str) -> None:
+        """A stage boundary re-ranks the stage candidate only; the real cache follows it at the
+        next layers if it leads."""
+        shadow = self._stage_state()
+        shadow.place(plan_from_scores(shadow, profile, reason=reason))
+        acct.counters[A_PLANS] += 1
+        self.boundaries.append((block.step0 + s, reason))
+        self._counts[:] = 0.0
+        self._since_plan = 0
+        self._fired = False
+        if reason != "request":
+            self._warm_pending = False
+
+    def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:
+        s = s0
+        while s < s1:
+            reason = self._due(block, s)
+            if reason:
+                self._place(self._profile(block, s, reason), block, s, state, acct, reason)
+            nxt = min(self._next_check(block, s, s1), s1)
+            run_adaptive(block.routing, s, nxt, block.step0, state.slot_of, state.owner, state.n_slots,
+                         state.ready_at, self._kinds, self._lams, self._c_slot, self._c_owner, self._c_key,
+                         self._stamp, self._score, self._ctl, self.ctx.cost.array, acct.clock, acct.counters,
+                         acct.log, acct.log_n)
+            self._observe(block, s, nxt)
+            s = nxt
