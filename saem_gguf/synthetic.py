@@ -96,6 +96,12 @@ class SyntheticConfig:
     # Probability per sentence of a mid-sentence lower-case cue word ("we can alternatively")
     # that must NOT be detected as a boundary.
     decoy_rate: float = 0.05
+    # Recurring stage kinds: when > 0, a pool of this many affinity profiles shared by every
+    # sequence; a stage's cue names its kind (the i-th stage cue opens kind i mod n_kinds, the
+    # first stage and cue-less stages draw one at random) and the stage routes by
+    # ``kind_share * kind + (1 - kind_share) * fresh`` (coherence is then unused).
+    n_kinds: int = 0
+    kind_share: float = 0.8
     with_weights: bool = True
     arch: str = "qwen3moe"
     name: str = "synthetic"
@@ -453,15 +459,18 @@ def _check(cfg: SyntheticConfig) -> None:
         raise SaemError("stage_len_scale must be > 0")
     if not 0.0 <= cfg.cue_prob <= 1.0 or not 0.0 <= cfg.noise_cue_rate <= 1.0:
         raise SaemError("cue_prob and noise_cue_rate must be probabilities")
+    if cfg.n_kinds < 0 or not 0.0 <= cfg.kind_share <= 1.0:
+        raise SaemError("n_kinds must be >= 0 and kind_share in [0, 1]")
     if cfg.with_text and cfg.cue_prob > 0 and not cfg.stage_cues and not cfg.stationary:
         raise SaemError("cue_prob > 0 needs at least one stage cue")
 
 
 def make_sequence(
-    cfg: SyntheticConfig, rng: np.random.Generator, textgen: _TextGen | None
+    cfg: SyntheticConfig, rng: np.random.Generator, textgen: _TextGen | None, kinds: np.ndarray | None = None
 ) -> tuple[SequenceTrace, list[str | None]]:
     """One synthetic sequence (see module docstring) and the cue written at each stage start
-    (None for the first stage and for implicit boundaries)."""
+    (None for the first stage and for implicit boundaries). ``kinds`` [n_kinds, L, E]: the
+    recurring stage kinds' affinities (``cfg.n_kinds``)."""
     L, E = cfg.n_layer, cfg.n_expert
     n_st = 1 if cfg.stationary else int(draw_stage_counts(cfg, rng, 1)[0])
     lengths = draw_stage_lengths(cfg, rng, n_st)
@@ -477,10 +486,15 @@ def make_sequence(
             cues.append(None)
 
     aff = np.empty((n_st, L, E))
-    aff[0] = zipf_affinity(rng, L, E, cfg.skew)
-    for s in range(1, n_st):
-        c = 0.0 if cues[s] in cfg.reset_cues else cfg.coherence
-        aff[s] = c * aff[s - 1] + (1.0 - c) * zipf_affinity(rng, L, E, cfg.skew)
+    if kinds is not None:
+        for s in range(n_st):
+            k = cfg.stage_cues.index(cues[s]) if cues[s] in cfg.stage_cues else int(rng.integers(len(kinds)))
+            aff[s] = cfg.kind_share * kinds[k % len(kinds)] + (1.0 - cfg.kind_share) * zipf_affinity(rng, L, E, cfg.skew)
+    else:
+        aff[0] = zipf_affinity(rng, L, E, cfg.skew)
+        for s in range(1, n_st):
+            c = 0.0 if cues[s] in cfg.reset_cues else cfg.coherence
+            aff[s] = c * aff[s - 1] + (1.0 - c) * zipf_affinity(rng, L, E, cfg.skew)
 
     pieces: list[bytes] = []
     if cfg.prompt_len > 0:
@@ -526,7 +540,9 @@ def make_stage_traces(cfg: SyntheticConfig) -> TraceSet:
     _check(cfg)
     rng = np.random.default_rng(cfg.seed)
     textgen = _TextGen(rng, cfg) if cfg.with_text else None
-    made = [make_sequence(cfg, rng, textgen) for _ in range(cfg.n_sequences)]
+    kinds = np.stack([zipf_affinity(rng, cfg.n_layer, cfg.n_expert, cfg.skew) for _ in range(cfg.n_kinds)]) \
+        if cfg.n_kinds > 0 else None
+    made = [make_sequence(cfg, rng, textgen, kinds) for _ in range(cfg.n_sequences)]
     seqs = [m[0] for m in made]
     sig = ModelSignature(
         arch=cfg.arch, n_layer=cfg.n_layer, n_expert=cfg.n_expert, n_expert_used=cfg.top_k, name=cfg.name

@@ -1,0 +1,98 @@
+"""Does the default ``saem`` lead? Simulated tokens/s of ``saem`` against every implementable
+policy, ``n-cpu-moe`` and the oracle, per trace family x ECR x batch (issue 12, item 4).
+
+    python bench/bench_policies.py [--trace default60.npz] [--families a,b,...] [--json OUT]
+
+Families (synthetic ones are generated like ``simulate --synthetic``: 8 sequences replayed, 4
+calibration sequences from another seed):
+
+* ``synthetic``: the paper-shaped default (``simulate --synthetic``);
+* ``stationary``: ``--synthetic --stationary`` (one stage per sequence, no cues);
+* ``kinds``: recurring stage kinds named by their cue (SyntheticConfig.n_kinds = 4): the
+  completed stage predicts the next one badly, the cue well;
+* ``drift-nocue``: short stages (x0.2) whose hot set drifts (coherence 0.8), no cue at all;
+* ``shift-nocue``: paper-length stages that shift hard (coherence 0.2) without cues;
+* ``model``: ``--trace`` (e.g. the embedded model's 60 held-out questions recorded with
+  ``trace``), the last 25 % calibrating.
+
+"Best other" is the best tokens/s among the implementable policies: every policy but
+``gpu-all``, ``oracle`` and the wait-for-load caches (``lru``, ``lfu``, ``temporal``).
+Simulation is CPU-heavy: run it under the project's lock on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from saem_gguf.simulator import SimConfig, default_cost, simulate, split_calibration  # noqa: E402
+from saem_gguf.synthetic import SyntheticConfig, make_stage_traces  # noqa: E402
+from saem_gguf.trace import load_traces  # noqa: E402
+
+OTHERS = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "temporal-cpu", "saem-stage", "saem-strict",
+          "saem-implicit", "saem-cue", "saem-nocpu")
+SYNTHETIC = {
+    "synthetic": SyntheticConfig(),
+    "stationary": SyntheticConfig(stationary=True),
+    "kinds": SyntheticConfig(n_kinds=4),
+    "drift-nocue": SyntheticConfig(cue_prob=0.0, stage_len_scale=0.2, coherence=0.8),
+    "shift-nocue": SyntheticConfig(cue_prob=0.0, coherence=0.2),
+}
+
+
+def family_traces(name: str, trace: str | None, seed: int):
+    if name == "model":
+        if not trace:
+            raise SystemExit("the model family needs --trace")
+        return split_calibration(load_traces(trace), 0.25)
+    base = dataclasses.replace(SYNTHETIC[name], n_sequences=8, seed=seed)
+    return make_stage_traces(base), make_stage_traces(dataclasses.replace(base, n_sequences=4, seed=seed + 1_000_003))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", default=",".join([*SYNTHETIC, "model"]))
+    p.add_argument("--trace", help="recorded traces for the model family")
+    p.add_argument("--ecr", default="6.25,12.5,25,50")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families")
+    p.add_argument("--json", help="write every row here")
+    a = p.parse_args(argv)
+    fams = [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
+    pols = ("saem", *OTHERS, "oracle")
+    cfg = SimConfig(policies=pols, ecrs=tuple(float(x) for x in a.ecr.split(",")),
+                    batches=tuple(int(x) for x in a.batch.split(",")))
+    print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
+          f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")
+    out = []
+    worst = float("inf")
+    for fam in fams:
+        ts, calib = family_traces(fam, a.trace, a.seed)
+        res = simulate(ts, cfg, default_cost(ts), calib=calib)
+        for B in cfg.batches:
+            for e in cfg.ecrs:
+                tok = {r["policy"]: r["tok_s"] for r in res.select(batch=B, ecr=e)}
+                best = max(OTHERS, key=tok.__getitem__)
+                row = {"family": fam, "ecr": e, "batch": B, "saem": tok["saem"], "best_other": best,
+                       "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
+                       "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
+                       "tok_s": tok}
+                worst = min(worst, row["vs_best"])
+                out.append(row)
+                print(f"{fam:<12} {e:>6g} {B:>5} {tok['saem']:>10.1f} {best + f' {tok[best]:.1f}':>22} "
+                      f"{row['vs_best']:>8.3f}x {row['vs_n_cpu_moe']:>13.2f}x {row['vs_oracle']:>10.3f}x",
+                      flush=True)
+    print(f"worst saem/best-other: {worst:.3f}x")
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
