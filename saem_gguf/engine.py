@@ -30,6 +30,8 @@ from saem_gguf.trace import ModelSignature, SequenceTrace
 DEFAULT_ECR = 0.25
 # architectures whose cue set is more specific than the general one
 FAMILY_CUES = {"qwen3moe": "qwen3", "deepseek2": "deepseek-r1", "gpt-oss": "gpt-oss"}
+# Policies that rank a stage a cue opens by the profile's per-cue stage routing (saem-cue's blend).
+CUE_RANKING_POLICIES = ("saem", "saem-cue")
 
 
 @dataclass
@@ -244,7 +246,8 @@ class Engine:
 
         With ``--profile``: the profile's detector and statistics. On the embedded model without
         one: the family cue detector (short stages) and the packaged profile's statistics only.
-        Under saem-cue the detector also watches the cues the profile holds stage routing for."""
+        Under the policies that rank by cue profiles (saem, saem-cue) the detector also watches
+        the cues the profile holds stage routing for."""
         import dataclasses
 
         from saem_gguf.stage.calibrate import Profile
@@ -266,7 +269,7 @@ class Engine:
             if calib is not None and calib.shape != (len(info.moe_layers), info.n_expert):
                 raise SaemError(f"{where}: expert_counts shape {calib.shape} does not match the model")
             profiles = prof.stats.get("cue_profiles")
-            if policy == "saem-cue" and profiles is not None:
+            if policy in CUE_RANKING_POLICIES and profiles is not None:
                 from saem_gguf.policies.cue_profiles import from_json
 
                 if not isinstance(profiles, dict) or not {"cues", "counts"} <= set(profiles):

@@ -77,14 +77,19 @@ class Placement:
         n_slots[self.moe_layers] = self.state.n_slots
         na.saem_moe_cache_init(ctx, n_slots.tolist())
         na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
-        self.acct = Accounting()
+        self.acct = Accounting()  # the policy's books; a test may swap in one with a decision log
         self.detector = detector
+        # the combined cue + routing-shift twin of the detector, for policies that act on both
+        # (the simulator replays the same two detectors, simulator.detector_events)
+        self.combined = detector.fresh(use_implicit=True) if (
+            self.policy.uses_combined_events and detector.tracks_routing) else None
         self.stats = PlacementStats()
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
         self._sync_to(self.state.slot_of, count=False)
         self._step = 0
         self._pending_event = False
         self._pending_cues: list[str] = []  # cue texts of the pending event (saem-cue)
+        self._pending_combined = False
         self.record = record
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
         # a decoded token's routing fits: one native call per token (a prefill ubatch takes two)
@@ -114,9 +119,10 @@ class Placement:
                              prefill_tokens=n_tokens, step0=self._step)
         self.policy.begin_group(block, self.state, self.acct)
         self._sync_to(self.state.slot_of)
-        # the prompt ends a stage: the first decode step plans from it
-        self._pending_event = True
+        # begin_group placed from the prompt; the detector starts at the first decoded token
+        self._pending_event = False
         self._pending_cues = []
+        self._pending_combined = False
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
         """After decoding one token whose text is ``piece``."""
@@ -125,14 +131,17 @@ class Placement:
             self.trace_experts.append(routing)
         self._count_hits(routing[0])
         events = self.detector.feed([0], [piece], routing if self.detector.tracks_routing else None)
+        combined = self.combined.feed([0], [piece], routing) if self.combined is not None else None
         self.stats.events.extend(events)
         self.stats.boundaries += len(events)
-        # run_steps on a one-step block, as Policy.step does, but without decoding the decision
-        # log: the engine needs only the resulting map (Policy.step costs ~1.5 ms more per token)
-        block = RoutingBlock.single(routing, self._pending_event, self._step, self._pending_cues)
+        # the policy's entry point on a one-step block, with the events reported before it (as
+        # the simulator builds its blocks); the engine needs only the resulting map
+        block = RoutingBlock.single(routing, self._pending_event, self._step, self._pending_cues,
+                                    self._pending_combined if self.combined is not None else None)
         self.policy.run_steps(block, 0, 1, self.state, self.acct)
         self._pending_event = bool(events)
         self._pending_cues = [e.cue for e in events if e.cue]
+        self._pending_combined = bool(combined)
         self._step += 1
         self.stats.tokens += 1
         self._sync_to(self.state.slot_of)
@@ -167,5 +176,8 @@ class Placement:
     def reset_sequence(self) -> None:
         """A new conversation: stage state restarts, residency stays (it is still a good guess)."""
         self.detector.reset(0)
+        if self.combined is not None:
+            self.combined.reset(0)
         self._pending_event = False
         self._pending_cues = []
+        self._pending_combined = False

@@ -73,13 +73,21 @@ def _detector_factory(ts: TraceSet, cues: str, implicit: bool):
                                  n_expert=sig.n_expert, top_k=sig.n_expert_used)
 
 
-def detector_events(ts: TraceSet, cues: str = "general") -> list[tuple[np.ndarray, np.ndarray, dict]]:
+def detector_events(ts: TraceSet, cues: str = "general", template=None) -> list[tuple[np.ndarray, np.ndarray, dict]]:
     """Per sequence, the tokens after which the stage detector (saem_gguf.stage) reports a
-    boundary, run causally over the text and routing as the engine would: (cue events only,
-    cue + implicit routing-shift events in combined mode, {token: cue text} of the cue events).
-    A boundary reported at token t is known before token t + 1 is decoded."""
-    cued = detected_cues(ts.sequences, _detector_factory(ts, cues, implicit=False))
-    combined = detected_events(ts.sequences, _detector_factory(ts, cues, implicit=True))
+    boundary, run causally over the decoded text and routing as the engine runs it: (cue
+    events only, cue + implicit routing-shift events in combined mode, {token: cue text} of the
+    cue events). A boundary reported at token t is known before token t + 1 is decoded.
+    ``template``: a StageDetector whose cues and thresholds to use (the engine's, for a trace the
+    engine recorded) instead of the cue set ``cues`` with default thresholds."""
+    if template is not None:
+        cue_maker = lambda: template.fresh(n_seq=1, use_implicit=False)  # noqa: E731
+        combined_maker = lambda: template.fresh(n_seq=1, use_implicit=True)  # noqa: E731
+    else:
+        cue_maker = _detector_factory(ts, cues, implicit=False)
+        combined_maker = _detector_factory(ts, cues, implicit=True)
+    cued = detected_cues(ts.sequences, cue_maker)
+    combined = detected_events(ts.sequences, combined_maker)
     return [(np.array(sorted(c), np.int64), np.array(sorted(a), np.int64), c) for c, a in zip(cued, combined)]
 
 

@@ -256,6 +256,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         return block.implicit_event_steps if block.implicit_event_steps is not None else block.event_steps
 
     @property
+    def uses_combined_events(self) -> bool:
+        return True
+
+    @property
     def leader(self) -> str:
         return self.candidates[int(self._ctl[CTL_LEADER])][0]
 

@@ -312,11 +312,15 @@ class RoutingBlock:
         return int(self.routing.shape[0])
 
     @classmethod
-    def single(cls, routing: np.ndarray, event: bool, step: int, cues: list[str] | None = None) -> "RoutingBlock":
-        """One engine step: ``routing`` int [n_tokens, L, K]; ``cues``: the event's cue texts."""
+    def single(cls, routing: np.ndarray, event: bool, step: int, cues: list[str] | None = None,
+               combined_event: bool | None = None) -> "RoutingBlock":
+        """One engine step: ``routing`` int [n_tokens, L, K]; ``cues``: the event's cue texts;
+        ``combined_event``: whether the combined cue + routing-shift detector reported a
+        boundary before this step (None when it is not run)."""
         r = np.asarray(routing, np.int16)[None]
+        imp = None if combined_event is None else np.array([0] if combined_event else [], np.int32)
         return cls(routing=r, event_steps=np.array([0] if event else [], np.int32), step0=step,
-                   event_cues=[list(cues or [])] if event else None)
+                   event_cues=[list(cues or [])] if event else None, implicit_event_steps=imp)
 
 
 @njit(cache=True)
@@ -385,6 +389,12 @@ class Policy(ABC):
     # How the engine realises this policy's misses: "cpu" (in place, the native host branch)
     # or "n/a" when the engine cannot (oracle, wait-for-load).
     engine_miss: ClassVar[str] = "cpu"
+
+    @property
+    def uses_combined_events(self) -> bool:
+        """Whether the policy acts on the combined cue + routing-shift detector's events
+        (RoutingBlock.implicit_event_steps): the engine then runs that detector too."""
+        return False
 
     def __init__(self) -> None:
         self.ctx: PolicyContext | None = None

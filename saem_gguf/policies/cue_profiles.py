@@ -87,14 +87,16 @@ def profile_gain(sequences, events: list[dict[int, str]], n_expert: int, capacit
 def detected_events(sequences, make_detector) -> list[dict[int, str]]:
     """Per sequence, token index -> cue text ("" for a routing-shift event without a cue) of
     every event a fresh stage detector (``make_detector()``, one slot) reports when fed the
-    sequence causally, token by token, as the engine feeds it."""
+    sequence's decoded tokens causally, token by token, as the engine feeds it (the prompt is
+    not fed: the engine's detector starts at the first decoded token)."""
     out = []
     slot = np.zeros(1, np.int64)
     for sq in sequences:
         det = make_detector()
-        det.reset(0, 0)
+        p0 = int(sq.prompt_len)
+        det.reset(0, p0)
         ev: dict[int, str] = {}
-        for t in range(int(sq.n_tokens)):
+        for t in range(p0, int(sq.n_tokens)):
             for e in det.feed(slot, sq.pieces[t:t + 1], np.asarray(sq.experts[t:t + 1])):
                 if not ev.get(e.token):  # the first cue at a token names it
                     ev[e.token] = e.cue

@@ -115,6 +115,10 @@ class SaemPolicy(Policy):
             return block.implicit_event_steps
         return block.event_steps
 
+    @property
+    def uses_combined_events(self) -> bool:
+        return self.cfg.implicit
+
     def _builtin_detector(self, block: RoutingBlock) -> bool:
         return self.cfg.implicit and block.implicit_event_steps is None
 

@@ -115,6 +115,14 @@ class StageDetector:
             track_routing or use_imp) else {}
         return cls(n_seq, profile.cues if len(profile.cues) else None, cfg, **shape)
 
+    def fresh(self, n_seq: int | None = None, use_implicit: bool | None = None) -> StageDetector:
+        """A new detector with this one's cues, thresholds and routing shape (``use_implicit``
+        overrides whether the routing-shift detector runs too): the engine runs a combined twin
+        of its cue detector for policies that act on both, the simulator replays the same."""
+        cfg = self.config if use_implicit is None else replace(self.config, use_implicit=use_implicit)
+        L, E, K = self.shape
+        return StageDetector(self.n_seq if n_seq is None else n_seq, self.cues, cfg, n_layer=L, n_expert=E, top_k=K)
+
     def reset(self, seq: int, start_token: int = 0) -> None:
         """A new sequence in slot ``seq``; its next token has index ``start_token``."""
         self._check_slot(seq)
