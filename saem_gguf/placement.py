@@ -16,7 +16,9 @@ import numpy as np
 from saem_gguf import native_api as na
 from saem_gguf.errors import SaemError
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.base import Accounting, CacheState, PolicyContext, RoutingBlock
+from saem_gguf.policies.accounting import Accounting
+from saem_gguf.policies.base import PolicyContext
+from saem_gguf.policies.state import CacheState, RoutingBlock
 from saem_gguf.stage.detector import StageDetector, StageEvent
 
 

@@ -21,11 +21,12 @@ import numpy as np
 from saem_gguf.costmodel import CostModel, HardwareProfile, ModelShape, find_model_shape, get_hw
 from saem_gguf.errors import SaemError
 from saem_gguf.policies import DEFAULT_POLICIES, make_policy
-from saem_gguf.policies.base import (
+from saem_gguf.policies.accounting import (
     A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_CPU_TOKENS, A_DEMAND, A_EVICT, A_GPU_RUNS, A_HIT, A_HIT_CPU,
-    A_LAYER_STEPS, A_PLANS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, Accounting, PolicyContext,
-    RoutingBlock, budget_slots,
+    A_LAYER_STEPS, A_PLANS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, Accounting,
 )
+from saem_gguf.policies.base import PolicyContext, budget_slots
+from saem_gguf.policies.state import RoutingBlock
 from saem_gguf.policies.cue_profiles import cue_stage_counts, detected_cues, detected_events
 from saem_gguf.stage.coherence import stage_histogram
 from saem_gguf.trace import TraceSet, validate_traces

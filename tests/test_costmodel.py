@@ -13,7 +13,6 @@ from saem_gguf.costmodel import (
     t_cpu, t_gpu, t_xfer, tensor_bytes,
 )
 from saem_gguf.errors import SaemError
-from saem_gguf.planner import cpu_wins
 
 
 def test_expert_bytes_by_quant_type():
@@ -51,6 +50,12 @@ def test_roofline_times_match_formulas():
     assert t_gpu(3, c.array) == pytest.approx(c.gpu_time(3))
     assert t_cpu(3, c.array) == pytest.approx(c.cpu_time(3))
     assert t_xfer(c.array) == pytest.approx(c.transfer_time())
+
+
+def cpu_wins(n_tokens: int, link_wait: float, cost) -> bool:
+    """The paper's rule as the replay kernels apply it: a non-resident expert runs on the CPU
+    when that is no slower than waiting for the link, copying it and running it on the GPU."""
+    return t_cpu(n_tokens, cost) <= link_wait + t_xfer(cost) + t_gpu(n_tokens, cost)
 
 
 @pytest.mark.parametrize("hw", sorted(HW_PRESETS))

@@ -9,7 +9,7 @@ import pytest
 
 from saem_gguf.engine import Engine, EngineConfig
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.base import K_ASYNC, K_DEMAND, K_EVICT, K_PREFETCH, Accounting
+from saem_gguf.policies.accounting import K_ASYNC, K_DEMAND, K_EVICT, K_PREFETCH, Accounting
 from saem_gguf.simulator import build_blocks, detector_events
 from saem_gguf.trace import TraceSet
 

@@ -10,7 +10,8 @@ import pytest
 
 from saem_gguf.cli.main import main
 from saem_gguf.costmodel import HW_PRESETS, CostModel
-from saem_gguf.policies.base import Accounting, PolicyContext
+from saem_gguf.policies.accounting import Accounting
+from saem_gguf.policies.base import PolicyContext
 from saem_gguf.simulator import (
     SimConfig, build_blocks, calibration_counts, default_cost, run_policy, simulate, split_calibration,
 )
@@ -77,7 +78,7 @@ def test_metrics_hand_computed():
     ctx2 = PolicyContext(n_layer=1, n_expert=4, top_k=1, n_slots=np.array([1]), cost=cost, calib_counts=calib)
     from saem_gguf.policies.saem import SaemConfig
 
-    m = run_policy("saem", blocks2, ctx2, {"config": SaemConfig(min_gap_steps=2, warmup_steps=0, refresh_steps=0)})
+    m = run_policy("saem-stage", blocks2, ctx2, {"config": SaemConfig(min_gap_steps=2, warmup_steps=0, refresh_steps=0)})
     # calib places 0; the cue is known before step 5 and places 1 (stage A) -> steps 5..7 use 2: no hit
     assert m["hit_rate"] == 0 and m["proactive_transfers"] == 1 and m["adj_hit_rate"] == pytest.approx(-1 / 8)
     assert m["load_mb_per_token"] == pytest.approx(EB / 1e6 / 8)
@@ -117,7 +118,7 @@ def test_simulate_synthetic_invariants(synth, tmp_path):
             assert row["gpu-all"]["hit_rate"] == 1.0 and row["gpu-all"]["bytes"] == 0
             assert row["cpu-moe"]["bytes"] == 0 and row["cpu-moe"]["hit_rate"] == 0
             assert row["cpu-moe"]["cpu_expert_tokens"] == row["cpu-moe"]["accesses"]
-            assert row["oracle"]["hit_rate"] >= row["saem"]["hit_rate"]
+            assert row["oracle"]["hit_rate"] >= row["saem-stage"]["hit_rate"]
             assert row["gpu-all"]["tok_s"] >= max(r["tok_s"] for r in row.values())
             for r in row.values():
                 assert r["adj_hit_rate"] <= r["hit_rate"] <= 1.0

@@ -38,11 +38,13 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, t_cpu, t_gpu, t_xfer
-from saem_gguf.planner import plan_from_scores
-from saem_gguf.policies.base import (
+from saem_gguf.policies.ranking import plan_from_scores
+from saem_gguf.policies.accounting import (
     A_ASYNC, A_BYTES, A_EVICT, A_HIT_CPU, A_PLANS, A_PROACTIVE, A_TEMP, K_ASYNC, K_EVICT, K_PREFETCH,
-    Accounting, CacheState, PolicyContext, RoutingBlock, log_put,
+    Accounting, log_put,
 )
+from saem_gguf.policies.base import PolicyContext
+from saem_gguf.policies.state import CacheState, RoutingBlock
 from saem_gguf.policies.caching import (
     KIND_LFU, KIND_LRFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda,
 )

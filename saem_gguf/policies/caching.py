@@ -20,10 +20,9 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.costmodel import C_DENSE_LAYER_S, t_xfer
-from saem_gguf.policies.base import (
-    A_ASYNC, A_EVICT, K_ASYNC, K_CPU, K_DEMAND, K_EVICT, K_HIT, Accounting, CacheState, Policy,
-    PolicyContext, RoutingBlock, log_put,
-)
+from saem_gguf.policies.accounting import A_ASYNC, A_EVICT, K_ASYNC, K_CPU, K_DEMAND, K_EVICT, K_HIT, Accounting, log_put
+from saem_gguf.policies.base import Policy, PolicyContext
+from saem_gguf.policies.state import CacheState, RoutingBlock
 from saem_gguf.policies.replay import active_tokens, gather, layer_end, step_begin, step_end, time_tables
 
 KIND_LRU = 0
@@ -283,7 +282,6 @@ class CachingPolicy(Policy):
 class LruPolicy(CachingPolicy):
     name = "lru"
     summary = "LRU on demand, miss waits for the load (Mixtral-Offloading)"
-    engine_miss = "n/a"
     kind = KIND_LRU
 
 
@@ -297,7 +295,6 @@ class LruCpuPolicy(CachingPolicy):
 class LfuPolicy(CachingPolicy):
     name = "lfu"
     summary = "LFU on demand (calibration prior), miss waits for the load"
-    engine_miss = "n/a"
     kind = KIND_LFU
 
 
@@ -311,7 +308,6 @@ class LfuCpuPolicy(CachingPolicy):
 class TemporalPolicy(CachingPolicy):
     name = "temporal"
     summary = "recency-frequency retention (LRFU, half-life 16 steps): update-only, miss waits for the load"
-    engine_miss = "n/a"
     kind = KIND_LRFU
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from saem_gguf.policies.base import Accounting, CacheState, RoutingBlock, counts_between
+from saem_gguf.policies.accounting import Accounting
+from saem_gguf.policies.state import CacheState, RoutingBlock, counts_between
 from saem_gguf.policies.saem import SaemConfig, SaemPolicy
 
 
 class OraclePolicy(SaemPolicy):
     name = "oracle"
     summary = "SAEM's boundaries and budget with the next stage's true profile (prediction upper bound)"
-    engine_miss = "n/a"
     default_config = SaemConfig()
 
     def __init__(self, config: SaemConfig | None = None, **overrides) -> None:
@@ -38,6 +38,3 @@ class OraclePolicy(SaemPolicy):
         nb = self.next_boundary(block, s)
         self._warm_pending = warm
         return counts_between(block.routing, s, nb, self.ctx.n_expert)
-
-    def step(self, *a, **kw):
-        raise NotImplementedError("the oracle needs the future: simulator only")

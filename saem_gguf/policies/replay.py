@@ -14,12 +14,10 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.costmodel import C_BARRIER, C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, C_OVERLAP, C_STEP_S, C_SYNC, t_cpu, t_gpu, t_xfer
-from saem_gguf.policies.base import (
+from saem_gguf.policies.accounting import (
     A_ACCESS, A_BYTES, A_CPU_RUNS, A_CPU_TOKENS, A_DEMAND, A_GPU_RUNS, A_HIT, A_HIT_CPU, A_LAYER_STEPS,
     A_STALL, A_STEPS, A_TEMP, A_TOKENS, K_CPU, K_HIT, K_HIT_CPU, K_TEMP, log_put,
 )
-# The CPU-vs-transfer test below is planner.cpu_wins inlined over precomputed time tables
-# (same formula: t_cpu(n) <= link wait + t_xfer + t_gpu(n)); tests check the two agree.
 
 # miss modes of run_fixed
 MISS_CPU = 0  # non-resident experts always run on the CPU (llama.cpp --cpu-moe style)

@@ -4,7 +4,7 @@ At each stage boundary, rank each layer's experts by their usage in the complete
 (token-level counts aggregated over every sequence of the batch since the last placement),
 make the top ``slots`` of each layer resident, and issue all copies at once (prefetch, layer 0
 first). Between boundaries residency never changes. A non-resident expert runs in place on the
-CPU unless moving it is faster (``planner.cpu_wins``: lower latency wins, so the CPU wins at
+CPU unless moving it is faster (replay.fixed_layer: lower latency wins, so the CPU wins at
 few tokens); a transferred expert goes through a temporary slot and is not kept.
 
 Boundaries, all decided causally from what has been generated:
@@ -37,8 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saem_gguf.planner import plan_from_scores
-from saem_gguf.policies.base import Accounting, CacheState, Policy, PolicyContext, RoutingBlock, counts_between
+from saem_gguf.policies.ranking import plan_from_scores
+from saem_gguf.policies.accounting import Accounting
+from saem_gguf.policies.base import Policy, PolicyContext
+from saem_gguf.policies.state import CacheState, RoutingBlock, counts_between
 from saem_gguf.policies.cue_profiles import START
 from saem_gguf.policies.replay import D_ON, MISS_CPU, MISS_RULE, MISS_TRANSFER, new_detector, reset_detector, run_fixed
 
@@ -270,5 +272,4 @@ class SaemImplicitPolicy(SaemPolicy):
 class SaemNoCpuPolicy(SaemPolicy):
     name = "saem-nocpu"
     summary = "SAEM ablation: non-resident experts always transferred through a temporary slot"
-    engine_miss = "n/a"
     default_config = SaemConfig(miss="transfer")

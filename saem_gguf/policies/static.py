@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from saem_gguf.policies.base import CacheState, Policy, PolicyContext, ResidencyPlan, RoutingBlock, Accounting
+from saem_gguf.policies.accounting import Accounting
+from saem_gguf.policies.base import Policy, PolicyContext
+from saem_gguf.policies.state import CacheState, ResidencyPlan, RoutingBlock
 from saem_gguf.policies.replay import MISS_CPU, new_detector, run_fixed
 
 

@@ -1,5 +1,5 @@
-"""SAEM's placement planner: rank each layer's experts by a usage profile and fill the slots,
-and the per-expert rule that decides between in-place CPU execution and a transfer.
+"""Ranking: make each layer's residents its top-scoring experts (SAEM's placement at a stage
+boundary, the calibrated placement at load, the adaptive policy's stage candidate).
 
 The ranking runs at every stage boundary on [L, E] arrays (48 x 128 for Qwen3-30B-A3B), so
 it is one Numba kernel that writes the copies and evictions straight into preallocated rows;
@@ -11,20 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from typing import TYPE_CHECKING
-
-from saem_gguf.costmodel import t_cpu, t_gpu, t_xfer
-
-if TYPE_CHECKING:  # policies.base imports this module's users; import it lazily at run time
-    from saem_gguf.policies.base import CacheState, ResidencyPlan
-
-
-@njit(cache=True)
-def cpu_wins(n_tokens, link_wait, cost):
-    """The paper's rule: run a non-resident expert where its latency is lower. Moving it costs
-    the wait for the link, the copy and the GPU run; the CPU runs it where it lies. With few
-    tokens the CPU's weight read beats the copy, so the CPU wins."""
-    return t_cpu(n_tokens, cost) <= link_wait + t_xfer(cost) + t_gpu(n_tokens, cost)
+from saem_gguf.policies.state import CacheState, ResidencyPlan
 
 
 @njit(cache=True)
@@ -97,10 +84,8 @@ def rank_fill_kernel(scores, n_slots, slot_of, owner, copies, evicts):
     return nc, ne
 
 
-def plan_from_scores(state: "CacheState", scores: np.ndarray, reason: str = "", proactive: bool = True) -> "ResidencyPlan":
+def plan_from_scores(state: CacheState, scores: np.ndarray, reason: str = "", proactive: bool = True) -> ResidencyPlan:
     """The plan that makes each layer's residents its top-scoring experts (see rank_fill_kernel)."""
-    from saem_gguf.policies.base import ResidencyPlan
-
     scores = np.ascontiguousarray(scores, np.float64)
     L, E = state.slot_of.shape
     if scores.shape != (L, E):
