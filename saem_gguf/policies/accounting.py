@@ -89,7 +89,12 @@ def log_put(log, log_n, step, layer, expert, slot, kind):
 def apply_plan_kernel(evicts, copies, slot_of, owner, n_slots, ready_at, cost, clock, acc, proactive,
                       step, log, log_n):
     """Evict, then issue the copies on the host-to-device link in order (FIFO behind whatever
-    is already queued); each slot becomes usable when its copy completes."""
+    is already queued); each slot becomes usable when its copy completes.
+
+    evicts / copies int32 [n, 3] (layer, expert, slot); slot_of, owner, n_slots, ready_at: the
+    CacheState; cost: CostModel.array; clock [now, link free at]; acc: counters (A_*);
+    proactive: count the copies as prefetches (else as demand copies); step: global step for
+    the log; log / log_n: the decision log."""
     apply_free(evicts, copies, slot_of, owner, n_slots)
     tx = t_xfer(cost)
     now = clock[0]

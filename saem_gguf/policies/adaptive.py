@@ -274,12 +274,12 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         return CacheState(slot_of=self._c_slot[0], owner=self._c_owner[0], n_slots=self.ctx.n_slots,
                           ready_at=np.zeros(self._c_owner.shape[1:]))
 
-    def _place(self, profile: np.ndarray, block: RoutingBlock, s: int, state: CacheState, acct: Accounting,
+    def _place(self, scores: np.ndarray, block: RoutingBlock, s: int, state: CacheState, acct: Accounting,
                reason: str) -> None:
         """A stage boundary re-ranks the stage candidate only; the real cache follows it at the
         next layers if it leads."""
         shadow = self._stage_state()
-        shadow.place(plan_from_scores(shadow, profile, reason=reason))
+        shadow.place(plan_from_scores(shadow, scores, reason=reason))
         acct.counters[A_PLANS] += 1
         self.boundaries.append((block.step0 + s, reason))
         self._counts[:] = 0.0
@@ -293,7 +293,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         while s < s1:
             reason = self._due(block, s)
             if reason:
-                self._place(self._profile(block, s, reason), block, s, state, acct, reason)
+                self._place(self._boundary_scores(block, s, reason), block, s, state, acct, reason)
             nxt = min(self._next_check(block, s, s1), s1)
             run_adaptive(block.routing, s, nxt, block.step0, state.slot_of, state.owner, state.n_slots,
                          state.ready_at, self._kinds, self._lams, self._c_slot, self._c_owner, self._c_key,

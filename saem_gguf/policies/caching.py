@@ -108,6 +108,16 @@ def admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, adm
 @njit(cache=True)
 def run_caching(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, key, stamp, kind, lam,
                 miss_cpu, cost, clock, acc, log, log_n):
+    """Replay steps [s0, s1) under a priority cache.
+
+    routing int16 [S, B, L, K] (-1 = no token); step0: global index of step 0 (the clock of
+    LRU keys and LRFU decay); slot_of int32 [L, E], owner int32 [L, Smax], n_slots int32 [L],
+    ready_at float64 [L, Smax]: the CacheState, updated in place; key float64 [L, E]: priority
+    keys (see above), stamp int64 [L, E]: last global step each expert was used; kind: KIND_*;
+    lam: LRFU decay per step (0 otherwise); miss_cpu: a miss runs on the CPU and is loaded after
+    the layer (True) or is loaded first while the layer waits (False); cost: CostModel.array
+    (C_*); clock float64 [now, link free at]; acc: counters (accounting.A_*); log int32 [n, 5] /
+    log_n int64 [1]: the decision log (accounting.log_put)."""
     S, B, L, K = routing.shape
     E = slot_of.shape[1]
     cnt = np.zeros(E, np.int32)

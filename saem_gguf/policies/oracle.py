@@ -15,7 +15,7 @@ from saem_gguf.policies.saem import SaemConfig, SaemPolicy
 
 class OraclePolicy(SaemPolicy):
     name = "oracle"
-    summary = "SAEM's boundaries and budget with the next stage's true profile (prediction upper bound)"
+    summary = "SAEM's boundaries and budget ranking the next stage's true routing (prediction upper bound)"
     default_config = SaemConfig()
 
     def __init__(self, config: SaemConfig | None = None, **overrides) -> None:
@@ -30,7 +30,7 @@ class OraclePolicy(SaemPolicy):
         nb = self.next_boundary(block, 0)
         self._place(counts_between(block.routing, 0, nb, self.ctx.n_expert), block, 0, state, acct, "request")
 
-    def _profile(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
+    def _boundary_scores(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
         # _place runs after this and resets the schedule; mirror that state to find the stage end
         warm = self._warm_pending
         self._since_plan = 0

@@ -27,7 +27,7 @@ Boundaries, all decided causally from what has been generated:
 ``saem-strict`` is the paper's rule alone (cue boundaries only). ``saem-cue`` ranks a stage
 that a cue opens by the calibrated routing of earlier stages opened by the same cue
 (cue_profiles.py), with the completed stage as a small second term. The oracle (oracle.py)
-shares this class's boundary schedule and replaces the profile with the next stage's true
+shares this class's boundary schedule and ranks the next stage's true
 counts.
 """
 
@@ -101,9 +101,9 @@ class SaemPolicy(Policy):
     def begin_group(self, block: RoutingBlock, state: CacheState, acct: Accounting) -> None:
         self._group_steps = 0
         self._warm_pending = self.cfg.warmup_steps > 0
-        self._place(self._group_profile(block), block, 0, state, acct, "request")
+        self._place(self._request_scores(block), block, 0, state, acct, "request")
 
-    def _group_profile(self, block: RoutingBlock) -> np.ndarray:
+    def _request_scores(self, block: RoutingBlock) -> np.ndarray:
         if block.prefill_counts is not None and block.prefill_tokens >= self.cfg.min_prefill_tokens:
             return block.prefill_counts
         return self.ctx.calib
@@ -183,7 +183,7 @@ class SaemPolicy(Policy):
         while s < s1:
             reason = self._due(block, s)
             if reason:
-                self._place(self._profile(block, s, reason), block, s, state, acct, reason)
+                self._place(self._boundary_scores(block, s, reason), block, s, state, acct, reason)
             nxt = min(self._next_check(block, s, s1), s1)
             stop = run_fixed(block.routing, s, nxt, block.step0, state.slot_of, state.ready_at, cost, self._miss,
                              acct.clock, acct.counters, self._det, acct.log, acct.log_n)
@@ -202,14 +202,14 @@ class SaemPolicy(Policy):
                 self._ring[self._ring_pos] = counts_between(block.routing, s, s + 1, self.ctx.n_expert)
                 self._ring_pos = (self._ring_pos + 1) % W
 
-    def _profile(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
+    def _boundary_scores(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
         if reason == "implicit" and self._ring is not None and self._builtin_detector(block):
             return self._ring.sum(axis=0)
         return self._counts
 
-    def _place(self, profile: np.ndarray, block: RoutingBlock, s: int, state: CacheState, acct: Accounting,
+    def _place(self, scores: np.ndarray, block: RoutingBlock, s: int, state: CacheState, acct: Accounting,
                reason: str) -> None:
-        plan = plan_from_scores(state, profile, reason=reason)
+        plan = plan_from_scores(state, scores, reason=reason)
         self.apply(plan, state, acct, block.step0 + s)
         self.boundaries.append((block.step0 + s, reason))
         self._counts[:] = 0.0
@@ -238,17 +238,17 @@ class SaemCuePolicy(SaemPolicy):
 
     def _blend(self, shares: list[np.ndarray], rows: int, base: np.ndarray) -> np.ndarray:
         """The cue profiles of the ``len(shares)`` rows that opened a stage, out of ``rows``,
-        and the completed-stage profile for the rest plus ``stage_weight``."""
+        and the completed stage's counts for the rest plus ``stage_weight``."""
         r = len(shares) / max(1, rows)
         return r * np.mean(shares, axis=0) + (1.0 - r + self.cfg.stage_weight) * _share(base)
 
-    def _group_profile(self, block: RoutingBlock) -> np.ndarray:
-        base = super()._group_profile(block)
+    def _request_scores(self, block: RoutingBlock) -> np.ndarray:
+        base = super()._request_scores(block)
         start = self._cue_share(START)
         return base if start is None else self._blend([start], 1, base)
 
-    def _profile(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
-        base = super()._profile(block, s, reason)
+    def _boundary_scores(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
+        base = super()._boundary_scores(block, s, reason)
         if reason != "cue":
             return base
         shares = [x for x in (self._cue_share(c) for c in block.cues_at(s)) if x is not None]
