@@ -87,6 +87,7 @@ class Placement:
             self.policy.uses_combined_events and detector.tracks_routing) else None
         self.stats = PlacementStats()
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
+        self._layer_rows = np.arange(L)[:, None]
         self._sync_to(self.state.slot_of, count=False)
         self._step = 0
         self._pending_event = False
@@ -150,20 +151,18 @@ class Placement:
         return events
 
     def _count_hits(self, routing_lk: np.ndarray) -> None:
-        rows = np.arange(routing_lk.shape[0])[:, None]
-        resident = self._native[rows, routing_lk] >= 0
+        resident = self._native[self._layer_rows, routing_lk] >= 0
         self.stats.accesses += int(routing_lk.size)
         self.stats.hits += int(resident.sum())
 
     # --- residency out ---------------------------------------------------------------------
     def _sync_to(self, target: np.ndarray, count: bool = True) -> None:
         """Make the native cache hold ``target`` (int32 [L, E], expert -> slot or -1)."""
-        changed = False
-        for l, il in enumerate(self.moe_layers):
+        changed_layers = np.flatnonzero((target != self._native).any(axis=1))  # one pass, not L compares
+        changed = changed_layers.size > 0
+        for l in changed_layers.tolist():
+            il = self.moe_layers[l]
             want, have = target[l], self._native[l]
-            if np.array_equal(want, have):
-                continue
-            changed = True
             # experts that must be (re)loaded: newly resident, or moved to another slot
             for e in np.nonzero((want >= 0) & (want != have))[0]:
                 na.saem_moe_copy_expert_async(self.ctx, il, int(e), int(want[e]), False)

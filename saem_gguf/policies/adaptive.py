@@ -67,13 +67,35 @@ CTL_SWITCHES = 4  # leader changes so far
 N_CTL = 5
 
 
+DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lru", "lfu", "lrfu-16", "lrfu-64")
+
+
+def candidate_kind(name: str) -> tuple[int, float]:
+    """(kind, LRFU decay per step) of a candidate name: stage, static, lru, lfu or lrfu-H (H =
+    half-life in steps)."""
+    if name in ("stage", "static"):
+        return KIND_FIXED, 0.0
+    if name == "lru":
+        return KIND_LRU, 0.0
+    if name == "lfu":
+        return KIND_LFU, 0.0
+    if name.startswith("lrfu-"):
+        try:
+            h = float(name[5:])
+        except ValueError:
+            h = 0.0
+        if h > 0:
+            return KIND_LRFU, lrfu_lambda(h)
+    raise ValueError(f"unknown adaptive saem candidate {name!r}")
+
+
 @dataclass
 class AdaptiveConfig:
     """Adaptive SAEM's knobs. ``stage`` holds the stage candidate's boundary schedule (SAEM's)."""
 
     stage: SaemConfig
     horizon_steps: float = 64.0
-    lrfu_half_lives: tuple[float, ...] = (16.0, 64.0)
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     prior_tokens: float = 64.0  # LFU/LRFU calibration prior, as in caching.py
 
 
@@ -91,7 +113,7 @@ def _set_diff(c_slot, slot_of, c):
 
 @njit(cache=True)
 def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, kinds, lams, c_slot, c_owner,
-                 c_key, stamp, score, ctl, cost, clock, acc, log, log_n):
+                 c_key, stamp, score, led, ctl, cost, clock, acc, log, log_n):
     """Replay steps [s0, s1): price each layer with the real residency (``fixed_layer``, SAEM's
     CPU-vs-transfer rule), update every candidate's shadow cache with the layer's routing, then
     bring the real layer to the leader's set, the copies issued on the link after the layer ran.
@@ -101,7 +123,7 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, kind
     c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]: each candidate's expert->slot and
     slot->expert maps; c_key float64 [C, L, E]: their priority keys (caching.py); stamp int64
     [L, E]: last step each expert was used; score float64 [C]: averaged net hits per step;
-    ctl: CTL_*; cost/clock/acc/log/log_n: as in run_fixed."""
+    led float64 [C]: steps each candidate led; ctl: CTL_*; cost/clock/acc/log/log_n: as in run_fixed."""
     S, B, L, K = routing.shape
     E = slot_of.shape[1]
     C = kinds.shape[0]
@@ -131,6 +153,7 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, kind
             lead = best
             ctl[CTL_LEADER] = best
             ctl[CTL_SWITCHES] += 1
+        led[lead] += 1
         now, link, stall = step_begin(clock, cost)
         tally[:] = 0.0
         gain[:] = 0.0
@@ -222,15 +245,13 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
     default_config = SaemConfig()
 
     def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0,
-                 lrfu_half_lives: tuple[float, ...] = (16.0, 64.0), prior_tokens: float = 64.0, **overrides) -> None:
+                 candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0, **overrides) -> None:
         super().__init__(config, **overrides)
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
-                                       lrfu_half_lives=tuple(lrfu_half_lives), prior_tokens=float(prior_tokens))
-        # candidate name -> (kind, LRFU decay)
-        self.candidates: list[tuple[str, int, float]] = [
-            ("stage", KIND_FIXED, 0.0), ("static", KIND_FIXED, 0.0), ("lru", KIND_LRU, 0.0), ("lfu", KIND_LFU, 0.0),
-            *[(f"lrfu-{h:g}", KIND_LRFU, lrfu_lambda(h)) for h in self.adaptive.lrfu_half_lives],
-        ]
+                                       candidates=tuple(candidates), prior_tokens=float(prior_tokens))
+        if not candidates or candidates[0] != "stage":
+            raise ValueError("the stage rule must be the first candidate (the leader at start)")
+        self.candidates = [(c, *candidate_kind(c)) for c in candidates]
 
     def start(self, ctx: PolicyContext) -> CacheState:
         state = super().start(ctx)
@@ -245,6 +266,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                 self._c_key[c] = initial_keys(kind, ctx.calib, ctx.top_k, self.adaptive.prior_tokens, state.slot_of)
         self._stamp = np.full(state.slot_of.shape, -1, np.int64)
         self._score = np.zeros(C)
+        self._led = np.zeros(C)
         self._ctl = np.zeros(N_CTL)
         self._ctl[CTL_LEADER] = 0  # the stage rule until the routing says otherwise
         self._ctl[CTL_ALPHA] = 1.0 / self.adaptive.horizon_steps
@@ -268,6 +290,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
     @property
     def switches(self) -> int:
         return int(self._ctl[CTL_SWITCHES])
+
+    def led_steps(self) -> dict[str, int]:
+        """Decode steps each candidate led so far."""
+        return {name: int(n) for (name, _, _), n in zip(self.candidates, self._led)}
 
     def _stage_state(self) -> CacheState:
         """The stage candidate's shadow cache as a CacheState view (ranked like SAEM's cache)."""
@@ -297,7 +323,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             nxt = min(self._next_check(block, s, s1), s1)
             run_adaptive(block.routing, s, nxt, block.step0, state.slot_of, state.owner, state.n_slots,
                          state.ready_at, self._kinds, self._lams, self._c_slot, self._c_owner, self._c_key,
-                         self._stamp, self._score, self._ctl, self.ctx.cost.array, acct.clock, acct.counters,
+                         self._stamp, self._score, self._led, self._ctl, self.ctx.cost.array, acct.clock, acct.counters,
                          acct.log, acct.log_n)
             self._observe(block, s, nxt)
             s = nxt

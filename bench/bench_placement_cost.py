@@ -1,0 +1,93 @@
+"""Per-token placement cost in the live engine (issue 12, item 5: <= 100 us median per token for
+every policy at 48 layers x 128 experts x top-8).
+
+    python bench/bench_placement_cost.py [--layers 48] [--experts 128] [--top-k 8] [--ecr 0.25]
+                                         [-n 200] [--policies a,b,...] [--json OUT]
+
+One process, one generated model of that routing shape (tiny matrices, so llama.cpp's decode is
+cheap and the placement's share is visible). For each policy the engine decodes ``-n`` tokens
+and ``Placement.on_token`` (read the routing back, count hits, feed the stage detector(s), run
+the policy's one-step entry point, sync the native slot maps and issue copies) is timed around
+each call; the median and p90 over the decoded tokens are printed with the load average. The
+first tokens, which compile nothing but warm caches, are excluded (``--skip``). Asserts nothing:
+timings depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
+from saem_gguf.testmodels import ensure_model  # noqa: E402
+from saem_gguf.testmodels.spec import ModelSpec  # noqa: E402
+
+# every policy the engine runs (the wait-for-load caches run as their -cpu variants)
+ENGINE_POLICIES = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "temporal-cpu", "saem", "saem-stage",
+                   "saem-strict", "saem-implicit", "saem-cue", "saem-nocpu", "gpu-all")
+
+
+def timed_tokens(eng: Engine, prompt: str, n: int) -> list[float]:
+    """Decode ``n`` tokens; the wall time of each Placement.on_token call, in microseconds."""
+    pl = eng.placement
+    inner = pl.on_token
+    times: list[float] = []
+
+    def on_token(piece: bytes):
+        t = time.perf_counter()
+        out = inner(piece)
+        times.append((time.perf_counter() - t) * 1e6)
+        return out
+
+    pl.on_token = on_token
+    try:
+        eng.generate(prompt, n_predict=n)
+    finally:
+        del pl.on_token
+    return times
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--ecr", type=float, default=0.25, help="cache ratio (fraction of a layer's experts)")
+    p.add_argument("-n", type=int, default=200, help="decoded tokens per policy")
+    p.add_argument("--skip", type=int, default=20, help="first tokens not counted")
+    p.add_argument("--policies", default=",".join(ENGINE_POLICIES))
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    path = ensure_model(ModelSpec(n_layer=a.layers, n_expert=a.experts, n_expert_used=a.top_k, expert_pool=8))
+    eng = Engine(EngineConfig(model=path, n_ctx=a.n + 64, n_threads=1, ecr=a.ecr, progress=False),
+                 log=lambda m: None)
+    slots = eng.placement.state.n_slots.max()
+    rows = []
+    try:
+        print(f"placement per decoded token, {a.layers} layers x {a.experts} experts x top-{a.top_k}, "
+              f"{slots} slots per layer, load average {os.getloadavg()[0]:.2f}")
+        for pol in a.policies.split(","):
+            eng.set_placement(pol, int(slots))
+            us = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)[a.skip:]
+            us.sort()
+            row = {"policy": pol, "tokens": len(us), "median_us": round(statistics.median(us), 1),
+                   "p90_us": round(us[int(0.9 * (len(us) - 1))], 1), "loadavg": round(os.getloadavg()[0], 2)}
+            rows.append(row)
+            print(f"  {pol:<14} median {row['median_us']:>7.1f} us  p90 {row['p90_us']:>7.1f} us  "
+                  f"({row['tokens']} tokens, load {row['loadavg']:.2f})", flush=True)
+    finally:
+        eng.close()
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

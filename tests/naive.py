@@ -1,0 +1,172 @@
+"""Slow, obvious references for the placement kernels (the way stumpy tests its kernels against
+``tests/naive.py``): plain Python over dicts and sorted lists, no Numba, written from the
+documented rules rather than from the kernels' code. test_naive.py compares them on random
+inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from saem_gguf.costmodel import C_BARRIER, C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_STEP_S, C_SYNC, t_cpu, t_gpu, t_xfer
+
+
+def rank_fill(scores: np.ndarray, n_slots: np.ndarray, slot_of: np.ndarray, owner: np.ndarray):
+    """(copies, evictions) as (layer, expert, slot) lists: each layer keeps its n_slots
+    highest-scoring experts, ties at the cut to residents and then to lower ids; an expert
+    with score <= 0 is never copied in. Evictions in slot order; copies best first (score, then
+    id) into the lowest free or freed slots."""
+    copies, evictions = [], []
+    L, E = scores.shape
+    for l in range(L):
+        S = int(n_slots[l])
+        if S <= 0:
+            continue
+        resident = {e for e in range(E) if slot_of[l, e] >= 0}
+        ranked = sorted(range(E), key=lambda e: (-scores[l, e], e not in resident, e))
+        want = {e for e in ranked[:S] if e in resident or scores[l, e] > 0}
+        freed = []
+        for s in range(S):
+            e = int(owner[l, s])
+            if e < 0 or e not in want:
+                freed.append(s)
+            if e >= 0 and e not in want:
+                evictions.append((l, e, s))
+        entrants = sorted((e for e in want if e not in resident), key=lambda e: (-scores[l, e], e))
+        copies += [(l, e, s) for e, s in zip(entrants, freed)]
+    return copies, evictions
+
+
+def _layer_end(t, gpu_t, cpu_t, n_cpu, cost, link):
+    """When a layer ends: GPU work, then (or alongside, with overlap) its CPU work, slowed while
+    the link's DMA shares host memory bandwidth, plus one sync when any expert ran on the CPU."""
+    if n_cpu == 0:
+        return gpu_t
+
+    def cpu_wall(work, start):
+        f, busy = cost[C_DMA_SLOW], link - start
+        if busy <= 0 or f <= 1:
+            return work
+        return work * f if work * f <= busy else busy + (work - busy / f)
+
+    if cost[C_OVERLAP] > 0:
+        return max(gpu_t, t + cpu_wall(cpu_t, t)) + cost[C_SYNC]
+    return gpu_t + cpu_wall(cpu_t, gpu_t) + cost[C_SYNC]
+
+
+def replay_fixed(routing: np.ndarray, slot_of: np.ndarray, ready_at: np.ndarray, cost: np.ndarray,
+                 rule: bool, clock: list[float]) -> dict[str, float]:
+    """Fixed residency, step by step: per layer, residents run on the GPU (waiting for a copy in
+    flight unless, with ``rule``, the CPU is faster), then each non-resident runs on the CPU or,
+    with ``rule`` when the CPU is slower, goes through the temporary slot. Returns the totals
+    (accesses, hits, cpu_tokens, temp, stall) and advances ``clock`` = [now, link]."""
+    out = dict(accesses=0.0, hits=0.0, cpu_tokens=0.0, temp=0.0, stall=0.0)
+    S, B, L, K = routing.shape
+    for s in range(S):
+        active = [b for b in range(B) if routing[s, b, 0, 0] >= 0]
+        if not active:
+            continue
+        now, link = clock
+        if cost[C_BARRIER] > 0 and link > now:
+            out["stall"] += link - now
+            now = link
+        for l in range(L):
+            uses: dict[int, int] = {}  # expert -> tokens, in first-use order
+            for b in active:
+                for e in routing[s, b, l]:
+                    uses[int(e)] = uses.get(int(e), 0) + 1
+            t = now + cost[C_DENSE_LAYER_S]
+            gpu_t, cpu_t, n_cpu = t, 0.0, 0
+            for e, c in uses.items():
+                out["accesses"] += c
+                if slot_of[l, e] < 0:
+                    continue
+                out["hits"] += c
+                r = ready_at[l, slot_of[l, e]]
+                if r > gpu_t and rule and t_cpu(c, cost) <= (r - gpu_t) + t_gpu(c, cost):
+                    cpu_t, n_cpu = cpu_t + t_cpu(c, cost), n_cpu + 1
+                    out["cpu_tokens"] += c
+                    continue
+                if r > gpu_t:
+                    out["stall"] += r - gpu_t
+                    gpu_t = r
+                gpu_t += t_gpu(c, cost)
+            for e, c in uses.items():
+                if slot_of[l, e] >= 0:
+                    continue
+                if not rule or t_cpu(c, cost) <= max(0.0, link - t) + t_xfer(cost) + t_gpu(c, cost):
+                    cpu_t, n_cpu = cpu_t + t_cpu(c, cost), n_cpu + 1
+                    out["cpu_tokens"] += c
+                else:
+                    link = max(t, link) + t_xfer(cost)
+                    out["temp"] += 1
+                    if link > gpu_t:
+                        out["stall"] += link - gpu_t
+                        gpu_t = link
+                    gpu_t += t_gpu(c, cost)
+            now = _layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
+        clock[0], clock[1] = now + cost[C_STEP_S], link
+    return out
+
+
+def replay_cache_cpu(routing: np.ndarray, slots: int, resident: list[list[int]], kind: str, calib_freq: np.ndarray,
+                     prior_tokens: float, half_life: float) -> tuple[float, int, list[set[int]]]:
+    """The ``-cpu`` caches' residency, step by step: every access updates the expert's
+    priority (lru: last step; lfu: count, from a calibrated prior; lrfu: the sum of 2^(-age /
+    half_life) over its accesses, from the prior); after a layer runs, its missed experts, best
+    first, replace the lowest-priority resident not used at this step while they beat it.
+    ``resident[l]``: the experts in slot order at start. Returns (hits, loads, final sets)."""
+    L = routing.shape[2]
+    slots_of = [list(r) + [-1] * (slots - len(r)) for r in resident]
+    last: dict[tuple[int, int], int] = {}
+    events: dict[tuple[int, int], list[tuple[int, float]]] = {}  # (l, e) -> [(step, tokens)]
+    rank = {}
+    for l in range(L):
+        order = sorted(range(calib_freq.shape[1]), key=lambda e: (-calib_freq[l, e], e))
+        rank.update({(l, e): i for i, e in enumerate(order)})
+
+    initial = [set(r) for r in resident]
+
+    def priority(l, e, g):
+        if kind == "lru":  # never used: the load-time residents rank as older than any use
+            return last.get((l, e), -1.0 - rank[(l, e)] if e in initial[l] else -1e18)
+        prior = calib_freq[l, e] * prior_tokens
+        if kind == "lfu":
+            v = prior
+            for _, c in events.get((l, e), []):
+                v += c
+            return v
+        v = prior * 2.0 ** (-g / half_life) + sum(c * 2.0 ** (-(g - t) / half_life) for t, c in events.get((l, e), []))
+        return math.log(v) if v > 0 else -math.inf
+
+    hits, loads = 0.0, 0
+    for s in range(routing.shape[0]):
+        rows = [b for b in range(routing.shape[1]) if routing[s, b, 0, 0] >= 0]
+        if not rows:
+            continue
+        for l in range(L):
+            uses: dict[int, int] = {}
+            for b in rows:
+                for e in routing[s, b, l]:
+                    uses[int(e)] = uses.get(int(e), 0) + 1
+            for e, c in uses.items():
+                last[(l, e)] = s
+                events.setdefault((l, e), []).append((s, c))
+            misses = [e for e in uses if e not in slots_of[l]]
+            hits += sum(c for e, c in uses.items() if e in slots_of[l])
+            for e in sorted(misses, key=lambda x: -priority(l, x, s)):
+                if slots == 0:
+                    break
+                if -1 in slots_of[l]:
+                    slot = slots_of[l].index(-1)
+                else:
+                    cands = [i for i, o in enumerate(slots_of[l]) if o not in uses]
+                    if not cands:
+                        break
+                    slot = min(cands, key=lambda i: priority(l, slots_of[l][i], s))
+                    if priority(l, slots_of[l][slot], s) >= priority(l, e, s):
+                        break
+                slots_of[l][slot] = e
+                loads += 1
+    return hits, loads, [{e for e in r if e >= 0} for r in slots_of]

@@ -1,0 +1,101 @@
+"""The Numba placement kernels against the slow references of naive.py, on random inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import naive
+from saem_gguf.costmodel import HW_PRESETS, CostModel
+from saem_gguf.policies import make_policy
+from saem_gguf.policies.accounting import A_ACCESS, A_ASYNC, A_HIT, A_STALL, A_TEMP, Accounting
+from saem_gguf.policies.base import PolicyContext
+from saem_gguf.policies.ranking import plan_from_scores
+from saem_gguf.policies.replay import MISS_CPU, MISS_RULE, new_detector, run_fixed
+from saem_gguf.policies.state import CacheState, RoutingBlock
+
+HW = HW_PRESETS["rtx4090-ddr5"]
+
+
+def _routing(rng, S, B, L, E, K, hot_power=3.0):
+    hot = rng.random((L, E)) ** hot_power + 1e-3
+    r = np.empty((S, B, L, K), np.int16)
+    for s in range(S):
+        for b in range(B):
+            for l in range(L):
+                r[s, b, l] = rng.choice(E, K, replace=False, p=hot[l] / hot[l].sum())
+    for b in range(1, B):  # later rows finish early
+        r[rng.integers(1, S + 1):, b] = -1
+    return r
+
+
+def _random_state(rng, L, E):
+    n_slots = rng.integers(0, E + 1, L).astype(np.int32)
+    st = CacheState.empty(E, n_slots)
+    for l in range(L):
+        k = int(rng.integers(0, n_slots[l] + 1))
+        slots = rng.choice(n_slots[l], k, replace=False) if k else []
+        for e, s in zip(rng.choice(E, k, replace=False), slots):
+            st.slot_of[l, e] = s
+            st.owner[l, s] = e
+    st.check()
+    return st
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_rank_fill_equals_naive(seed):
+    rng = np.random.default_rng(seed)
+    L, E = int(rng.integers(1, 4)), int(rng.integers(1, 12))
+    st = _random_state(rng, L, E)
+    # integer scores give ties at the cut; zeros and negatives test "no evidence, no copy"
+    scores = rng.integers(-1, 4, (L, E)).astype(np.float64)
+    plan = plan_from_scores(st, scores)
+    copies, evictions = naive.rank_fill(scores, st.n_slots, st.slot_of, st.owner)
+    assert plan.copies.tolist() == [list(x) for x in copies]
+    assert plan.evictions.tolist() == [list(x) for x in evictions]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_run_fixed_equals_naive(seed):
+    rng = np.random.default_rng(seed)
+    L, E, K, B, S = int(rng.integers(1, 4)), int(rng.integers(4, 10)), 0, int(rng.integers(1, 20)), 12
+    K = int(rng.integers(1, min(4, E) + 1))
+    hw = HW.replace(cpu_gpu_overlap=bool(seed % 2), copy_barrier=bool(seed % 3 == 0))
+    cost = CostModel.from_expert_bytes(2_000_000, hw).array
+    st = _random_state(rng, L, E)
+    st.ready_at[:] = rng.random(st.ready_at.shape) * 2e-3  # some copies still in flight
+    routing = _routing(rng, S, B, L, E, K)
+    for mode in (MISS_CPU, MISS_RULE):
+        acct = Accounting()
+        acct.clock[1] = 1e-3  # the link is busy for a while
+        run_fixed(routing, 0, S, 0, st.slot_of, st.ready_at, cost, mode, acct.clock, acct.counters,
+                  new_detector(False), acct.log, acct.log_n)
+        clock = [0.0, 1e-3]
+        ref = naive.replay_fixed(routing, st.slot_of, st.ready_at, cost, mode == MISS_RULE, clock)
+        c = acct.counters
+        assert (c[A_ACCESS], c[A_HIT], c[A_TEMP]) == (ref["accesses"], ref["hits"], ref["temp"])
+        assert c[A_STALL] == pytest.approx(ref["stall"], rel=1e-12, abs=1e-15)
+        assert acct.clock.tolist() == pytest.approx(clock, rel=1e-12)
+
+
+@pytest.mark.parametrize("name,kind", [("lru-cpu", "lru"), ("lfu-cpu", "lfu"), ("temporal-cpu", "lrfu")])
+@pytest.mark.parametrize("seed", range(12))
+def test_cpu_caches_equal_naive(name, kind, seed):
+    rng = np.random.default_rng(seed)
+    L, E, K, B, S = int(rng.integers(1, 3)), int(rng.integers(4, 12)), 2, int(rng.integers(1, 4)), 40
+    slots = int(rng.integers(0, E))
+    calib = rng.random((L, E)) * 10
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, slots, np.int32),
+                        cost=CostModel.from_expert_bytes(2_000_000, HW), calib_counts=calib)
+    pol = make_policy(name)
+    state = pol.start(ctx)
+    resident = [[int(state.owner[l, s]) for s in range(slots)] for l in range(L)]
+    blk = RoutingBlock(routing=_routing(rng, S, B, L, E, K), event_steps=np.zeros(0, np.int32))
+    acct = Accounting()
+    pol.run_steps(blk, 0, S, state, acct)
+    freq = calib / calib.sum(axis=1, keepdims=True) * K
+    hits, loads, sets = naive.replay_cache_cpu(blk.routing, slots, resident, kind, freq, pol.prior_tokens,
+                                               pol.half_life)
+    assert acct.counters[A_HIT] == hits
+    assert acct.counters[A_ASYNC] == loads
+    assert [set(np.flatnonzero(state.slot_of[l] >= 0).tolist()) for l in range(L)] == sets
