@@ -8,7 +8,8 @@ One process, one generated model of that routing shape (tiny matrices, so llama.
 cheap and the placement's share is visible). For each policy the engine decodes ``-n`` tokens
 and ``Placement.on_token`` (read the routing back, count hits, feed the stage detector(s), run
 the policy's one-step entry point, sync the native slot maps and issue copies) is timed around
-each call; the median and p90 over the decoded tokens are printed with the load average. The
+each call, in wall time and in the calling thread's CPU time (on a loaded machine the wall time
+also counts waiting for a core); medians and p90 are printed with the load average. The
 first tokens, which compile nothing but warm caches, are excluded (``--skip``). Asserts nothing:
 timings depend on the machine and its load.
 """
@@ -33,16 +34,19 @@ ENGINE_POLICIES = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "
                    "saem-strict", "saem-implicit", "saem-cue", "saem-nocpu", "gpu-all")
 
 
-def timed_tokens(eng: Engine, prompt: str, n: int) -> list[float]:
-    """Decode ``n`` tokens; the wall time of each Placement.on_token call, in microseconds."""
+def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[float]]:
+    """Decode ``n`` tokens; the wall time and this thread's CPU time of each Placement.on_token
+    call, in microseconds (on a shared machine the wall time also counts waiting for a core)."""
     pl = eng.placement
     inner = pl.on_token
-    times: list[float] = []
+    wall: list[float] = []
+    cpu: list[float] = []
 
     def on_token(piece: bytes):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = inner(piece)
-        times.append((time.perf_counter() - t) * 1e6)
+        cpu.append((time.thread_time() - c) * 1e6)
+        wall.append((time.perf_counter() - t) * 1e6)
         return out
 
     pl.on_token = on_token
@@ -50,7 +54,7 @@ def timed_tokens(eng: Engine, prompt: str, n: int) -> list[float]:
         eng.generate(prompt, n_predict=n)
     finally:
         del pl.on_token
-    return times
+    return wall, cpu
 
 
 def main(argv=None) -> int:
@@ -74,13 +78,15 @@ def main(argv=None) -> int:
               f"{slots} slots per layer, load average {os.getloadavg()[0]:.2f}")
         for pol in a.policies.split(","):
             eng.set_placement(pol, int(slots))
-            us = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)[a.skip:]
-            us.sort()
-            row = {"policy": pol, "tokens": len(us), "median_us": round(statistics.median(us), 1),
-                   "p90_us": round(us[int(0.9 * (len(us) - 1))], 1), "loadavg": round(os.getloadavg()[0], 2)}
+            wall, cpu = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)
+            wall, cpu = sorted(wall[a.skip:]), sorted(cpu[a.skip:])
+            row = {"policy": pol, "tokens": len(wall), "median_us": round(statistics.median(wall), 1),
+                   "p90_us": round(wall[int(0.9 * (len(wall) - 1))], 1),
+                   "cpu_median_us": round(statistics.median(cpu), 1), "loadavg": round(os.getloadavg()[0], 2)}
             rows.append(row)
-            print(f"  {pol:<14} median {row['median_us']:>7.1f} us  p90 {row['p90_us']:>7.1f} us  "
-                  f"({row['tokens']} tokens, load {row['loadavg']:.2f})", flush=True)
+            print(f"  {pol:<14} wall median {row['median_us']:>7.1f} us  p90 {row['p90_us']:>7.1f} us  "
+                  f"CPU median {row['cpu_median_us']:>7.1f} us  ({row['tokens']} tokens, load {row['loadavg']:.2f})",
+                  flush=True)
     finally:
         eng.close()
     if a.json:

@@ -2,9 +2,12 @@
 
 One ``Placement`` per loaded model. The engine calls ``on_prompt`` after each prefill ubatch and
 ``on_token`` after each decoded token; both read the routing from the native counters (no eval
-callback). A policy decision's residency changes become native copies (async where the build has
-a device) and slot-map updates, which take effect at the next decode. Hits, CPU runs and bytes
-are counted from what really happened: the map in force during the decode and the copies issued.
+callback). The policy runs through the same entry point as in the simulator
+(``Policy.run_steps`` on ``RoutingBlock.engine_step``): it replays the decoded token against its
+mirror of the native cache, then makes the decisions due before the next decode. Residency
+changes become native copies (async where the build has a device) and slot-map updates, in force
+for that next decode. The mirror equals the native map at every decode, so hits are counted by
+the replay; copies and bytes from the copies issued.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 from saem_gguf import native_api as na
 from saem_gguf.errors import SaemError
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.accounting import Accounting
+from saem_gguf.policies.accounting import A_ACCESS, A_HIT, Accounting
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import CacheState, RoutingBlock
 from saem_gguf.stage.detector import StageDetector, StageEvent
@@ -87,12 +90,8 @@ class Placement:
             self.policy.uses_combined_events and detector.tracks_routing) else None
         self.stats = PlacementStats()
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
-        self._layer_rows = np.arange(L)[:, None]
         self._sync_to(self.state.slot_of, count=False)
         self._step = 0
-        self._pending_event = False
-        self._pending_cues: list[str] = []  # cue texts of the pending event (saem-cue)
-        self._pending_combined = False
         self.record = record
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
         # a decoded token's routing fits: one native call per token (a prefill ubatch takes two)
@@ -122,38 +121,31 @@ class Placement:
                              prefill_tokens=n_tokens, step0=self._step)
         self.policy.begin_group(block, self.state, self.acct)
         self._sync_to(self.state.slot_of)
-        # begin_group placed from the prompt; the detector starts at the first decoded token
-        self._pending_event = False
-        self._pending_cues = []
-        self._pending_combined = False
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
-        """After decoding one token whose text is ``piece``."""
+        """After decoding one token whose text is ``piece``: replay it under the policy, then
+        make the decisions due before the next decode (the events this token raised included),
+        and put them in force natively."""
         routing = self._last_routing()  # [1, L, K]
         if self.record:
             self.trace_experts.append(routing)
-        self._count_hits(routing[0])
         events = self.detector.feed([0], [piece], routing if self.detector.tracks_routing else None)
         combined = self.combined.feed([0], [piece], routing) if self.combined is not None else None
         self.stats.events.extend(events)
         self.stats.boundaries += len(events)
-        # the policy's entry point on a one-step block, with the events reported before it (as
-        # the simulator builds its blocks); the engine needs only the resulting map
-        block = RoutingBlock.single(routing, self._pending_event, self._step, self._pending_cues,
-                                    self._pending_combined if self.combined is not None else None)
-        self.policy.run_steps(block, 0, 1, self.state, self.acct)
-        self._pending_event = bool(events)
-        self._pending_cues = [e.cue for e in events if e.cue]
-        self._pending_combined = bool(combined)
+        block = RoutingBlock.engine_step(routing, self._step, bool(events), [e.cue for e in events if e.cue],
+                                         bool(combined) if self.combined is not None else None)
+        # hits and accesses as the policy replayed them: against state.slot_of, which is the map
+        # the native cache had in force for this decode (synced after every decision)
+        c = self.acct.counters
+        hits, accesses = c[A_HIT], c[A_ACCESS]
+        self.policy.run_steps(block, 0, block.n_steps, self.state, self.acct)
+        self.stats.hits += int(c[A_HIT] - hits)
+        self.stats.accesses += int(c[A_ACCESS] - accesses)
         self._step += 1
         self.stats.tokens += 1
         self._sync_to(self.state.slot_of)
         return events
-
-    def _count_hits(self, routing_lk: np.ndarray) -> None:
-        resident = self._native[self._layer_rows, routing_lk] >= 0
-        self.stats.accesses += int(routing_lk.size)
-        self.stats.hits += int(resident.sum())
 
     # --- residency out ---------------------------------------------------------------------
     def _sync_to(self, target: np.ndarray, count: bool = True) -> None:
@@ -179,6 +171,3 @@ class Placement:
         self.detector.reset(0)
         if self.combined is not None:
             self.combined.reset(0)
-        self._pending_event = False
-        self._pending_cues = []
-        self._pending_combined = False

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from saem_gguf import native_api as na
 from saem_gguf.engine import Engine, EngineConfig
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.accounting import K_ASYNC, K_DEMAND, K_EVICT, K_PREFETCH, Accounting
+from saem_gguf.policies.accounting import A_ACCESS, A_HIT, K_ASYNC, K_DEMAND, K_EVICT, K_PREFETCH, Accounting
 from saem_gguf.simulator import build_blocks, detector_events
 from saem_gguf.trace import TraceSet
 
@@ -34,6 +35,29 @@ def residency_decisions(acct: Accounting) -> np.ndarray:
     return rows[np.isin(rows[:, 4], RESIDENCY_KINDS)]
 
 
+def count_native_hits(pl) -> list[int]:
+    """Wrap ``pl.on_token`` to count, independently of the policy, the decoded token's routed
+    experts that the native cache had resident (the slot maps read back from llama.cpp before
+    the placement changes them), and to check the policy's mirror equals those maps.
+    Returns the live [hits, accesses]."""
+    inner = pl.on_token
+    out = [0, 0]
+
+    def on_token(piece: bytes):
+        if na.saem_moe_cache_is_init(pl.ctx):
+            maps = np.array([na.saem_moe_get_slot_map(pl.ctx, il) for il in pl.moe_layers], np.int32)
+        else:  # no slot anywhere (cpu-moe): every expert runs on the host
+            maps = np.full_like(pl.state.slot_of, -1)
+        assert np.array_equal(maps, pl.state.slot_of), "the policy's mirror differs from the native cache"
+        routing = na.saem_moe_get_last_routing(pl.ctx, len(pl.moe_layers) * pl.top_k)[0]
+        out[0] += int((maps[np.arange(len(pl.moe_layers))[:, None], routing] >= 0).sum())
+        out[1] += int(routing.size)
+        return inner(piece)
+
+    pl.on_token = on_token
+    return out
+
+
 @pytest.mark.parametrize("policy", ENGINE_POLICIES)
 def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy):
     """On the embedded model (real cues, its packaged profile's cue routing, the combined
@@ -43,11 +67,14 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy):
     try:
         pl = eng.placement
         pl.acct = Accounting.with_log(1 << 20)
+        native_hits = count_native_hits(pl)
         seqs = []
         for q in questions:
             eng.generate(eng.chat_prompt([{"role": "user", "content": q}]), N_DECODE, 0.0)
             seqs.append(eng.sequence_trace())
         live = residency_decisions(pl.acct)
+        live_hits, live_accesses = eng.stats()["hits"], eng.stats()["expert_accesses"]
+        assert live_hits == native_hits[0] and live_accesses == native_hits[1]
         ctx, detector, sig = pl.policy.ctx, pl.detector, eng.signature()
         live_boundaries = list(getattr(pl.policy, "boundaries", []))
     finally:
@@ -69,3 +96,5 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy):
         assert any(ev[0].size for ev in events), "no cue event: the stage path would be untested"
         assert list(sim.boundaries) == live_boundaries
     assert np.array_equal(live, replayed)
+    # the engine's hit count is the replay's: each decode ran under the map the simulator assumes
+    assert (acct.counters[A_HIT], acct.counters[A_ACCESS]) == (live_hits, live_accesses)

@@ -224,7 +224,8 @@ def test_one_step_blocks_log_the_changes_the_engine_applies(name):
     seen = 0
     for step in range(80):
         routing = np.argsort(rng.random((1, 2, 5)), axis=2)[:, :, :2]
-        pol.run_steps(RoutingBlock.single(routing, False, step), 0, 1, state, acct)
+        blk = RoutingBlock.engine_step(routing, step)
+        pol.run_steps(blk, 0, blk.n_steps, state, acct)
         rows = acct.logged()[seen:]
         seen += rows.shape[0]
         assert set(rows[:, 0].tolist()) <= {step}
@@ -399,8 +400,8 @@ def test_saem_cue_falls_back_to_saem_without_a_usable_profile():
 def test_routing_block_cues_at():
     blk = _two_kind_block()
     assert blk.cues_at(20) == ["Let me verify"] and blk.cues_at(19) == [] and blk.cues_at(0) == []
-    assert RoutingBlock.single(np.zeros((1, 1, 2)), True, 5, ["Wait"]).cues_at(0) == ["Wait"]
-    assert RoutingBlock.single(np.zeros((1, 1, 2)), False, 5).cues_at(0) == []
+    assert RoutingBlock.engine_step(np.zeros((1, 1, 2)), 5, True, ["Wait"]).cues_at(1) == ["Wait"]
+    assert RoutingBlock.engine_step(np.zeros((1, 1, 2)), 5).cues_at(1) == []
     with pytest.raises(SaemError, match="event_cues"):
         RoutingBlock(routing=np.zeros((3, 1, 1, 2), np.int16), event_steps=np.array([1], np.int32), event_cues=[])
 

@@ -45,18 +45,28 @@ from saem_gguf.policies.accounting import (
 )
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import CacheState, RoutingBlock
-from saem_gguf.policies.caching import (
-    KIND_LFU, KIND_LRFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda,
-)
+from saem_gguf.policies.caching import KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda
 from saem_gguf.policies.replay import (
     MISS_RULE, N_TALLY, T_ACCESS, T_CPU_RUNS, T_CPU_TOKENS, T_GPU_RUNS, T_HIT, T_HIT_CPU, T_STALL, T_TEMP,
     active_tokens, fixed_layer, gather, layer_end, step_begin, step_end, time_tables,
 )
 from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy
 
-# Candidate kinds beyond the caching kinds (KIND_LRU, KIND_LFU, KIND_LRFU): sets that change
-# only when the policy says so (at load, or at stage boundaries).
+# Candidate kinds beyond the caching kinds (KIND_LRU, KIND_LFU): sets that change only when the
+# policy says so (at load, or at stage boundaries), and LRFU kept as a scaled linear sum.
 KIND_FIXED = 10
+# LRFU with the key w = v * exp(lam * (g - ref)): an access at step g adds c * exp(lam * (g - ref)),
+# one exp per candidate and step instead of an exp and a log per access (caching.py's log form);
+# the order of keys, which is all admission compares, is the same. ``ref`` moves forward (and the
+# keys shrink) before the factor overflows.
+KIND_DECAY = 11
+RESCALE_AT = 1e150
+
+# Per-candidate parameters (float64 array ``cand`` [C, N_CAND])
+CAND_KIND = 0  # KIND_*
+CAND_LAM = 1  # LRFU decay per step (KIND_DECAY), else 0
+CAND_REF = 2  # KIND_DECAY: the step the keys are scaled to
+N_CAND = 3
 
 # Control block of the kernel (float64 array ``ctl``)
 CTL_LEADER = 0  # index of the candidate the real cache follows
@@ -67,7 +77,7 @@ CTL_SWITCHES = 4  # leader changes so far
 N_CTL = 5
 
 
-DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lru", "lfu", "lrfu-16", "lrfu-64")
+DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
 
 
 def candidate_kind(name: str) -> tuple[int, float]:
@@ -85,7 +95,7 @@ def candidate_kind(name: str) -> tuple[int, float]:
         except ValueError:
             h = 0.0
         if h > 0:
-            return KIND_LRFU, lrfu_lambda(h)
+            return KIND_DECAY, lrfu_lambda(h)
     raise ValueError(f"unknown adaptive saem candidate {name!r}")
 
 
@@ -112,27 +122,28 @@ def _set_diff(c_slot, slot_of, c):
 
 
 @njit(cache=True)
-def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, kinds, lams, c_slot, c_owner,
-                 c_key, stamp, score, led, ctl, cost, clock, acc, log, log_n):
+def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand, c_slot, c_owner, c_key, stamp,
+                 score, led, ctl, cost, clock, acc, log, log_n):
     """Replay steps [s0, s1): price each layer with the real residency (``fixed_layer``, SAEM's
     CPU-vs-transfer rule), update every candidate's shadow cache with the layer's routing, then
     bring the real layer to the leader's set, the copies issued on the link after the layer ran.
 
     routing int16 [S, B, L, K]; step0: global index of step 0; slot_of/owner/n_slots/ready_at:
-    the real CacheState; kinds int64 [C] (KIND_*), lams float64 [C] (LRFU decay, else 0);
+    the real CacheState; cand float64 [C, N_CAND]: each candidate's CAND_* parameters;
     c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]: each candidate's expert->slot and
     slot->expert maps; c_key float64 [C, L, E]: their priority keys (caching.py); stamp int64
     [L, E]: last step each expert was used; score float64 [C]: averaged net hits per step;
     led float64 [C]: steps each candidate led; ctl: CTL_*; cost/clock/acc/log/log_n: as in run_fixed."""
     S, B, L, K = routing.shape
     E = slot_of.shape[1]
-    C = kinds.shape[0]
+    C = cand.shape[0]
+    scale = np.ones(C, np.float64)  # KIND_DECAY: exp(lam * (g - ref)) at this step
     cnt = np.zeros(E, np.int32)
     uniq = np.empty(E, np.int32)
     miss = np.empty(E, np.int32)
     admitted = np.empty((E, 3), np.int32)
     tally = np.zeros(N_TALLY, np.float64)
-    gain = np.zeros(C, np.float64)
+    net = np.zeros(C, np.float64)  # this step's hits minus priced copies, per candidate
     tx = t_xfer(cost)
     tg, tc = time_tables(B, cost)
     dense = cost[C_DENSE_LAYER_S]
@@ -149,14 +160,22 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, kind
         for c in range(C):
             if score[c] > score[best]:
                 best = c
-        if best != lead and (score[best] - score[lead]) * ctl[CTL_HORIZON] > kappa * _set_diff(c_slot, slot_of, best):
+        gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
+        if best != lead and gain > kappa and gain > kappa * _set_diff(c_slot, slot_of, best):
             lead = best
             ctl[CTL_LEADER] = best
             ctl[CTL_SWITCHES] += 1
         led[lead] += 1
+        for c in range(C):
+            if int(cand[c, CAND_KIND]) == KIND_DECAY:
+                scale[c] = np.exp(cand[c, CAND_LAM] * (g - cand[c, CAND_REF]))
+                if scale[c] > RESCALE_AT:
+                    c_key[c] /= scale[c]
+                    cand[c, CAND_REF] = g
+                    scale[c] = 1.0
         now, link, stall = step_begin(clock, cost)
         tally[:] = 0.0
-        gain[:] = 0.0
+        net[:] = 0.0
         n_load = 0.0
         n_async = 0.0
         n_pro = 0.0
@@ -172,20 +191,24 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, kind
                 for i in range(n):
                     e = uniq[i]
                     if c_slot[c, l, e] >= 0:
-                        gain[c] += cnt[e]
+                        net[c] += cnt[e]
                     else:
                         miss[n_miss] = e
                         n_miss += 1
-                kind = kinds[c]
+                kind = int(cand[c, CAND_KIND])
                 if kind == KIND_FIXED:
                     continue
+                key = c_key[c]
                 for i in range(n):
-                    _touch(kind, c_key[c], l, uniq[i], cnt[uniq[i]], g, lams[c])
+                    e = uniq[i]
+                    if kind == KIND_DECAY:
+                        key[l, e] += cnt[e] * scale[c]
+                    else:
+                        _touch(kind, key, l, e, cnt[e], g, 0.0)
                 for i in range(n):
                     stamp[l, uniq[i]] = g
-                n_in = admit_after_use(c_key[c], l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss,
-                                       admitted)
-                gain[c] -= kappa * n_in
+                n_in = admit_after_use(key, l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss, admitted)
+                net[c] -= kappa * n_in
             for i in range(n):
                 stamp[l, uniq[i]] = g
             # the real layer takes the leader's set: evict who left, copy who entered
@@ -226,7 +249,7 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, kind
         acc[A_BYTES] += n_pro * cost[C_EXPERT_BYTES]
         acc[A_EVICT] += n_evict
         for c in range(C):
-            score[c] += alpha * (gain[c] - score[c])
+            score[c] += alpha * (net[c] - score[c])
 
 
 def copy_cost_in_hits(cost: np.ndarray) -> float:
@@ -256,14 +279,16 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
     def start(self, ctx: PolicyContext) -> CacheState:
         state = super().start(ctx)
         C = len(self.candidates)
-        self._kinds = np.array([k for _, k, _ in self.candidates], np.int64)
-        self._lams = np.array([lam for _, _, lam in self.candidates], np.float64)
+        self._cand = np.zeros((C, N_CAND))
         self._c_slot = np.repeat(state.slot_of[None], C, axis=0)
         self._c_owner = np.repeat(state.owner[None], C, axis=0)
         self._c_key = np.zeros((C,) + state.slot_of.shape)
-        for c, (_, kind, _) in enumerate(self.candidates):
-            if kind != KIND_FIXED:
-                self._c_key[c] = initial_keys(kind, ctx.calib, ctx.top_k, self.adaptive.prior_tokens, state.slot_of)
+        for c, (_, kind, lam) in enumerate(self.candidates):
+            self._cand[c, CAND_KIND] = kind
+            self._cand[c, CAND_LAM] = lam
+            if kind != KIND_FIXED:  # KIND_DECAY starts from the prior as evidence at step 0, unscaled
+                self._c_key[c] = initial_keys(KIND_LFU if kind == KIND_DECAY else kind, ctx.calib, ctx.top_k,
+                                              self.adaptive.prior_tokens, state.slot_of)
         self._stamp = np.full(state.slot_of.shape, -1, np.int64)
         self._score = np.zeros(C)
         self._led = np.zeros(C)
@@ -322,7 +347,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                 self._place(self._boundary_scores(block, s, reason), block, s, state, acct, reason)
             nxt = min(self._next_check(block, s, s1), s1)
             run_adaptive(block.routing, s, nxt, block.step0, state.slot_of, state.owner, state.n_slots,
-                         state.ready_at, self._kinds, self._lams, self._c_slot, self._c_owner, self._c_key,
+                         state.ready_at, self._cand, self._c_slot, self._c_owner, self._c_key,
                          self._stamp, self._score, self._led, self._ctl, self.ctx.cost.array, acct.clock, acct.counters,
                          acct.log, acct.log_n)
             self._observe(block, s, nxt)

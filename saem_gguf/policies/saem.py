@@ -194,8 +194,9 @@ class SaemPolicy(Policy):
 
     def _observe(self, block: RoutingBlock, a: int, b: int) -> None:
         self._counts += counts_between(block.routing, a, b, self.ctx.n_expert)
-        self._since_plan += b - a
-        self._group_steps += b - a
+        decoded = int(np.count_nonzero(block.n_tok[a:b]))  # the engine's next step has no token yet
+        self._since_plan += decoded
+        self._group_steps += decoded
         if self._ring is not None and self._det[D_ON] > 0:
             W = self._ring.shape[0]
             for s in range(max(a, b - W), b):

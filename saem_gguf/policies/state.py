@@ -166,15 +166,21 @@ class RoutingBlock:
         return int(self.routing.shape[0])
 
     @classmethod
-    def single(cls, routing: np.ndarray, event: bool, step: int, cues: list[str] | None = None,
-               combined_event: bool | None = None) -> "RoutingBlock":
-        """One engine step: ``routing`` int [n_tokens, L, K]; ``cues``: the event's cue texts;
-        ``combined_event``: whether the combined cue + routing-shift detector reported a
-        boundary before this step (None when it is not run)."""
-        r = np.asarray(routing, np.int16)[None]
-        imp = None if combined_event is None else np.array([0] if combined_event else [], np.int32)
-        return cls(routing=r, event_steps=np.array([0] if event else [], np.int32), step0=step,
-                   event_cues=[list(cues or [])] if event else None, implicit_event_steps=imp)
+    def engine_step(cls, routing: np.ndarray, step: int, event_after: bool = False, cues: list[str] | None = None,
+                    combined_after: bool | None = None) -> "RoutingBlock":
+        """The engine's block for one decoded token: step 0 is the token just decoded (``routing``
+        int [n_tokens, L, K], global step ``step``); step 1 is the next decode, not yet run (no
+        routing), carrying the events the detectors reported after this token: ``event_after``
+        with its ``cues``, and ``combined_after`` from the combined cue + routing-shift detector
+        (None when it is not run). Running both steps replays this token and then makes the
+        decisions due before the next decode, so the native cache has them in force for it,
+        exactly where the simulator places them."""
+        r = np.full((2,) + np.shape(routing), -1, np.int16)
+        r[0] = routing
+        ev = np.array([1] if event_after else [], np.int32)
+        imp = None if combined_after is None else np.array([1] if combined_after else [], np.int32)
+        return cls(routing=r, event_steps=ev, step0=step, event_cues=[list(cues or [])] if event_after else None,
+                   implicit_event_steps=imp)
 
 
 @njit(cache=True)
