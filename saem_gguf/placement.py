@@ -19,7 +19,7 @@ import numpy as np
 from saem_gguf import native_api as na
 from saem_gguf.errors import SaemError
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.accounting import A_ACCESS, A_HIT, Accounting
+from saem_gguf.policies.accounting import A_ACCESS, A_DEMAND, A_EVICT, A_HIT, A_PROACTIVE, Accounting
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import CacheState, RoutingBlock
 from saem_gguf.stage.detector import StageDetector, StageEvent
@@ -92,6 +92,7 @@ class Placement:
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
         self._sync_to(self.state.slot_of, count=False)
         self._step = 0
+        self._block = RoutingBlock.engine_step(np.zeros((1, L, self.top_k), np.int16), 0)  # reused per token
         self.record = record
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
         # a decoded token's routing fits: one native call per token (a prefill ubatch takes two)
@@ -133,18 +134,20 @@ class Placement:
         combined = self.combined.feed([0], [piece], routing) if self.combined is not None else None
         self.stats.events.extend(events)
         self.stats.boundaries += len(events)
-        block = RoutingBlock.engine_step(routing, self._step, bool(events), [e.cue for e in events if e.cue],
-                                         bool(combined) if self.combined is not None else None)
+        block = self._block
+        block.refill_engine_step(routing, self._step, bool(events), [e.cue for e in events if e.cue],
+                                 bool(combined) if self.combined is not None else None)
         # hits and accesses as the policy replayed them: against state.slot_of, which is the map
         # the native cache had in force for this decode (synced after every decision)
         c = self.acct.counters
-        hits, accesses = c[A_HIT], c[A_ACCESS]
+        hits, accesses, moved = c[A_HIT], c[A_ACCESS], c[A_DEMAND] + c[A_PROACTIVE] + c[A_EVICT]
         self.policy.run_steps(block, 0, block.n_steps, self.state, self.acct)
         self.stats.hits += int(c[A_HIT] - hits)
         self.stats.accesses += int(c[A_ACCESS] - accesses)
         self._step += 1
         self.stats.tokens += 1
-        self._sync_to(self.state.slot_of)
+        if c[A_DEMAND] + c[A_PROACTIVE] + c[A_EVICT] != moved:  # residency changes only with a copy or eviction
+            self._sync_to(self.state.slot_of)
         return events
 
     # --- residency out ---------------------------------------------------------------------

@@ -177,10 +177,26 @@ class RoutingBlock:
         exactly where the simulator places them."""
         r = np.full((2,) + np.shape(routing), -1, np.int16)
         r[0] = routing
-        ev = np.array([1] if event_after else [], np.int32)
-        imp = None if combined_after is None else np.array([1] if combined_after else [], np.int32)
-        return cls(routing=r, event_steps=ev, step0=step, event_cues=[list(cues or [])] if event_after else None,
-                   implicit_event_steps=imp)
+        blk = cls(routing=r, event_steps=_NO_STEP, step0=step)
+        blk.refill_engine_step(routing, step, event_after, cues, combined_after)
+        return blk
+
+    def refill_engine_step(self, routing: np.ndarray, step: int, event_after: bool = False,
+                           cues: list[str] | None = None, combined_after: bool | None = None) -> None:
+        """Reuse this ``engine_step`` block for the next token (same shape; no allocation: the
+        engine calls this once per decoded token)."""
+        self.routing[0] = routing
+        self.step0 = step
+        self.event_steps = _NEXT_STEP if event_after else _NO_STEP
+        self.event_cues = [list(cues or [])] if event_after else None
+        self.implicit_event_steps = None if combined_after is None else (_NEXT_STEP if combined_after else _NO_STEP)
+
+
+# event-step arrays of engine_step blocks (never written to)
+_NO_STEP = np.zeros(0, np.int32)
+_NEXT_STEP = np.ones(1, np.int32)
+_NO_STEP.flags.writeable = False
+_NEXT_STEP.flags.writeable = False
 
 
 @njit(cache=True)
