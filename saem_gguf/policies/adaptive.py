@@ -332,12 +332,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         shadow = self._stage_state()
         shadow.place(plan_from_scores(shadow, scores, reason=reason))
         acct.counters[A_PLANS] += 1
-        self.boundaries.append((block.step0 + s, reason))
-        self._counts[:] = 0.0
-        self._since_plan = 0
-        self._fired = False
-        if reason != "request":
-            self._warm_pending = False
+        self._placed(block, s, reason)
 
     def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:
         s = s0

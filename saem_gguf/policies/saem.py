@@ -212,6 +212,10 @@ class SaemPolicy(Policy):
                reason: str) -> None:
         plan = plan_from_scores(state, scores, reason=reason)
         self.apply(plan, state, acct, block.step0 + s)
+        self._placed(block, s, reason)
+
+    def _placed(self, block: RoutingBlock, s: int, reason: str) -> None:
+        """The schedule after a placement at step ``s``: a new stage starts counting."""
         self.boundaries.append((block.step0 + s, reason))
         self._counts[:] = 0.0
         self._since_plan = 0
