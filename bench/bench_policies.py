@@ -16,7 +16,7 @@ calibration sequences from another seed):
   ``trace``), the last 25 % calibrating.
 
 "Best other" is the best tokens/s among the implementable policies: every policy but
-``gpu-all``, ``oracle`` and the wait-for-load caches (``lru``, ``lfu``, ``temporal``).
+``gpu-all``, ``oracle`` and the wait-for-load caches (``simulator.NOT_IMPLEMENTABLE``).
 Simulation is CPU-heavy: run it under the project's lock on a shared machine.
 """
 
@@ -30,12 +30,12 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from saem_gguf.simulator import SimConfig, default_cost, simulate, split_calibration  # noqa: E402
+from saem_gguf.policies import POLICIES  # noqa: E402
+from saem_gguf.simulator import NOT_IMPLEMENTABLE, SimConfig, default_cost, simulate, split_calibration  # noqa: E402
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces  # noqa: E402
 from saem_gguf.trace import load_traces  # noqa: E402
 
-OTHERS = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "temporal-cpu", "saem-stage", "saem-strict",
-          "saem-implicit", "saem-cue", "saem-nocpu")
+OTHERS = tuple(p for p in POLICIES if p != "saem" and p not in NOT_IMPLEMENTABLE)
 SYNTHETIC = {
     "synthetic": SyntheticConfig(),
     "stationary": SyntheticConfig(stationary=True),
