@@ -74,7 +74,10 @@ CTL_ALPHA = 1  # weight of the newest step in the score averages (1 / horizon)
 CTL_COPY_COST = 2  # a copy's cost in hits
 CTL_HORIZON = 3  # steps a switch's gain is expected to last
 CTL_SWITCHES = 4  # leader changes so far
-N_CTL = 5
+CTL_SWITCH_COST = 5  # what one copy of a leader switch must be outweighed by, in hits
+CTL_SCORED = 6  # steps scored so far: the first horizon's averages are plain means (no lag from 0)
+CTL_WARM = 7  # 1: the first steps are averaged as plain means; 0: all with weight 1 / horizon
+N_CTL = 8
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -105,6 +108,10 @@ class AdaptiveConfig:
 
     stage: SaemConfig
     horizon_steps: float = 64.0
+    # a switch must gain this many times its copies' cost over the horizon (the scores are noisy)
+    switch_margin: float = 1.0
+    # average the first horizon's steps as plain means, so the scores are not pulled to 0 at start
+    warm_start: bool = True
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     prior_tokens: float = 64.0  # LFU/LRFU calibration prior, as in caching.py
 
@@ -161,7 +168,8 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
             if score[c] > score[best]:
                 best = c
         gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
-        if best != lead and gain > kappa and gain > kappa * _set_diff(c_slot, slot_of, best):
+        sw = ctl[CTL_SWITCH_COST]
+        if best != lead and gain > sw and gain > sw * _set_diff(c_slot, slot_of, best):
             lead = best
             ctl[CTL_LEADER] = best
             ctl[CTL_SWITCHES] += 1
@@ -248,8 +256,10 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
         acc[A_PROACTIVE] += n_pro
         acc[A_BYTES] += n_pro * cost[C_EXPERT_BYTES]
         acc[A_EVICT] += n_evict
+        ctl[CTL_SCORED] += 1
+        w = max(alpha, 1.0 / ctl[CTL_SCORED]) if ctl[CTL_WARM] > 0 else alpha
         for c in range(C):
-            score[c] += alpha * (net[c] - score[c])
+            score[c] += w * (net[c] - score[c])
 
 
 def copy_cost_in_hits(cost: np.ndarray) -> float:
@@ -267,11 +277,14 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                "the cache follows whichever served best lately")
     default_config = SaemConfig()
 
-    def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0,
-                 candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0, **overrides) -> None:
+    def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
+                 warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
+                 **overrides) -> None:
         super().__init__(config, **overrides)
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
-                                       candidates=tuple(candidates), prior_tokens=float(prior_tokens))
+                                       switch_margin=float(switch_margin), warm_start=bool(warm_start),
+                                       candidates=tuple(candidates),
+                                       prior_tokens=float(prior_tokens))
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (the leader at start)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
@@ -297,6 +310,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_ALPHA] = 1.0 / self.adaptive.horizon_steps
         self._ctl[CTL_COPY_COST] = copy_cost_in_hits(ctx.cost.array)
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
+        self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
+        self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
         return state
 
     def _events(self, block: RoutingBlock) -> np.ndarray:
