@@ -149,6 +149,7 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
     uniq = np.empty(E, np.int32)
     miss = np.empty(E, np.int32)
     admitted = np.empty((E, 3), np.int32)
+    entrants = np.empty(E, np.int32)
     tally = np.zeros(N_TALLY, np.float64)
     net = np.zeros(C, np.float64)  # this step's hits minus priced copies, per candidate
     tx = t_xfer(cost)
@@ -227,11 +228,22 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
                     owner[l, sl] = -1
                     n_evict += 1
                     log_put(log, log_n, g, l, o, sl, K_EVICT)
-            free = 0
+            # entrants best first by the leader's priority (a cache leader's own load order, so
+            # the copies most likely needed land first), in slot order for a fixed set
+            n_new = 0
             for cs in range(n_slots[l]):
                 e = c_owner[lead, l, cs]
                 if e < 0 or slot_of[l, e] >= 0:
                     continue
+                j = n_new
+                while j > 0 and c_key[lead, l, entrants[j - 1]] < c_key[lead, l, e]:
+                    entrants[j] = entrants[j - 1]
+                    j -= 1
+                entrants[j] = e
+                n_new += 1
+            free = 0
+            for i in range(n_new):
+                e = entrants[i]
                 while owner[l, free] >= 0:
                     free += 1
                 owner[l, free] = e
