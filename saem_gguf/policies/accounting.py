@@ -75,6 +75,8 @@ class Accounting:
 
 @njit(cache=True)
 def log_put(log, log_n, step, layer, expert, slot, kind):
+    """Append a decision row to ``log`` int32 [n, 5]; ``log_n`` int64 [1] counts rows, past the
+    capacity too (Accounting.logged reports an overflow)."""
     i = log_n[0]
     if i < log.shape[0]:
         log[i, 0] = step

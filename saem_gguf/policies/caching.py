@@ -39,6 +39,8 @@ NO_KEY = -1e300
 
 @njit(cache=True)
 def _touch(kind, key, l, e, c, g, lam):
+    """Expert ``e`` of layer ``l`` was used by ``c`` tokens at global step ``g``: update its key
+    in ``key`` float64 [L, E] for priority ``kind`` (KIND_*; ``lam``: the LRFU decay per step)."""
     if kind == KIND_LRU:
         key[l, e] = g
     elif kind == KIND_LFU:
@@ -52,7 +54,8 @@ def _touch(kind, key, l, e, c, g, lam):
 @njit(cache=True)
 def _victim(key, l, g, owner, n_slots, stamp, avoid_used):
     """Free slot, else the slot of the lowest-priority resident (skipping experts used at this
-    step when avoid_used). -1 when there is none."""
+    step when avoid_used). -1 when there is none. key float64 [L, E]; owner int32 [L, Smax];
+    n_slots int32 [L]; stamp int64 [L, E]: the last step each expert was used."""
     best = -1
     best_p = 0.0
     for s in range(n_slots[l]):

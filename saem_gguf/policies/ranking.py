@@ -20,7 +20,11 @@ def rank_fill_kernel(scores, n_slots, slot_of, owner, copies, evicts):
     to experts already resident (no churn for equal evidence), then to lower ids. Experts with
     score <= 0 are never copied in (no evidence: leave the slot as it is). Evictions free the
     slots of residents that leave; entrants fill free slots in decreasing score order, layer by
-    layer (layer 0 first: the next step needs it first). Returns (n_copies, n_evictions)."""
+    layer (layer 0 first: the next step needs it first). Returns (n_copies, n_evictions).
+
+    scores float64 [L, E]; n_slots int32 [L]; slot_of int32 [L, E] / owner int32 [L, Smax]: the
+    CacheState (read only); copies / evicts int32 [sum(n_slots), 3]: written with (layer,
+    expert, slot) rows, the first n_copies / n_evictions of them valid."""
     L, E = scores.shape
     nc = 0
     ne = 0

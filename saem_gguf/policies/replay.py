@@ -84,6 +84,9 @@ def cpu_phase(work, start, link, cost):
 
 @njit(cache=True)
 def layer_end(t, gpu_t, cpu_t, n_cpu, cost, link):
+    """When a layer whose experts could start at ``t`` ends: its GPU work ends at ``gpu_t``, its
+    ``n_cpu`` CPU runs take ``cpu_t`` seconds (slowed while the link is busy until ``link``),
+    after the GPU part or alongside it (C_OVERLAP), plus one sync when any ran on the CPU."""
     if n_cpu == 0:
         return gpu_t
     if cost[C_OVERLAP] > 0:
@@ -93,6 +96,7 @@ def layer_end(t, gpu_t, cpu_t, n_cpu, cost, link):
 
 @njit(cache=True)
 def active_tokens(routing, s):
+    """Sequences of ``routing`` [S, B, L, K] with a token at step ``s``."""
     n = 0
     for b in range(routing.shape[1]):
         if routing[s, b, 0, 0] >= 0:
