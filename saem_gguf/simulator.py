@@ -32,8 +32,9 @@ from saem_gguf.stage.coherence import stage_histogram
 from saem_gguf.trace import TraceSet, validate_traces
 
 DEFAULT_ECRS: tuple[float, ...] = (3.125, 6.25, 12.5, 25.0, 50.0)
-# Not comparable with a live placement: an upper bound, the future, misses that wait for a load.
-NOT_IMPLEMENTABLE: tuple[str, ...] = ("gpu-all", "oracle", "lru", "lfu", "temporal")
+# Not comparable with a live placement (the engine cannot run them): an upper bound, the future,
+# misses that wait for a load (into a cache slot, or into the temporary slot: saem-nocpu).
+NOT_IMPLEMENTABLE: tuple[str, ...] = ("gpu-all", "oracle", "lru", "lfu", "temporal", "saem-nocpu")
 
 
 # --------------------------------------------------------------------------------------------

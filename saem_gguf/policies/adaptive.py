@@ -114,6 +114,7 @@ class AdaptiveConfig:
     warm_start: bool = True
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     prior_tokens: float = 64.0  # LFU/LRFU calibration prior, as in caching.py
+    copy_cost: float | None = None  # a copy's cost in hits; None: copy_cost_in_hits(cost model)
 
 
 @njit(cache=True)
@@ -291,12 +292,12 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
-                 **overrides) -> None:
+                 copy_cost: float | None = None, **overrides) -> None:
         super().__init__(config, **overrides)
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
-                                       candidates=tuple(candidates),
-                                       prior_tokens=float(prior_tokens))
+                                       candidates=tuple(candidates), prior_tokens=float(prior_tokens),
+                                       copy_cost=copy_cost)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (the leader at start)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
@@ -320,7 +321,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl = np.zeros(N_CTL)
         self._ctl[CTL_LEADER] = 0  # the stage rule until the routing says otherwise
         self._ctl[CTL_ALPHA] = 1.0 / self.adaptive.horizon_steps
-        self._ctl[CTL_COPY_COST] = copy_cost_in_hits(ctx.cost.array)
+        self._ctl[CTL_COPY_COST] = copy_cost_in_hits(ctx.cost.array) if self.adaptive.copy_cost is None \
+            else self.adaptive.copy_cost
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
