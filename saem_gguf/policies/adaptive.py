@@ -77,7 +77,10 @@ CTL_SWITCHES = 4  # leader changes so far
 CTL_SWITCH_COST = 5  # what one copy of a leader switch must be outweighed by, in hits
 CTL_SCORED = 6  # steps scored so far: the first horizon's averages are plain means (no lag from 0)
 CTL_WARM = 7  # 1: the first steps are averaged as plain means; 0: all with weight 1 / horizon
-N_CTL = 8
+CTL_TIME = 8  # 1: score in seconds saved (hits weighted by t_cpu(n) - t_gpu(n), copies by DMA cost)
+CTL_DMA_COST = 9  # seconds of CPU expert time one copy's DMA takes while CPU experts run
+CTL_CPU_SHARE = 10  # averaged share of step time the real cache spends in CPU expert work
+N_CTL = 11
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -115,6 +118,10 @@ class AdaptiveConfig:
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     prior_tokens: float = 64.0  # LFU/LRFU calibration prior, as in caching.py
     copy_cost: float | None = None  # a copy's cost in hits; None: copy_cost_in_hits(cost model)
+    # "hits": score token hits minus copy_cost per copy; "time": seconds a candidate saves
+    # (t_cpu(n) - t_gpu(n) per hit expert, minus the CPU time a copy's DMA takes at the measured
+    # share of time spent in CPU expert work)
+    score: str = "hits"
 
 
 @njit(cache=True)
@@ -157,12 +164,14 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
     tg, tc = time_tables(B, cost)
     dense = cost[C_DENSE_LAYER_S]
     alpha = ctl[CTL_ALPHA]
-    kappa = ctl[CTL_COPY_COST]
+    timed = ctl[CTL_TIME] > 0
     for s in range(s0, s1):
         ntok = active_tokens(routing, s)
         if ntok == 0:
             continue
         g = step0 + s
+        # a copy's price: in hits, or in seconds (DMA slows the CPU experts only while they run)
+        kappa = ctl[CTL_DMA_COST] * ctl[CTL_CPU_SHARE] if timed else ctl[CTL_COPY_COST]
         # follow a better candidate when its lead pays for the copies of the switch
         lead = int(ctl[CTL_LEADER])
         best = lead
@@ -170,7 +179,7 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
             if score[c] > score[best]:
                 best = c
         gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
-        sw = ctl[CTL_SWITCH_COST]
+        sw = kappa * ctl[CTL_SWITCH_COST] / ctl[CTL_COPY_COST] if timed and ctl[CTL_COPY_COST] > 0 else ctl[CTL_SWITCH_COST]
         if best != lead and gain > sw and gain > sw * _set_diff(c_slot, slot_of, best):
             lead = best
             ctl[CTL_LEADER] = best
@@ -184,6 +193,8 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
                     cand[c, CAND_REF] = g
                     scale[c] = 1.0
         now, link, stall = step_begin(clock, cost)
+        t_step = now
+        cpu_work = 0.0
         tally[:] = 0.0
         net[:] = 0.0
         n_load = 0.0
@@ -196,12 +207,13 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
             gpu_t, cpu_t, n_cpu, link = fixed_layer(g, l, n, uniq, cnt, slot_of, ready_at, t, link, tx, tg, tc,
                                                     MISS_RULE, tally, log, log_n)
             now = layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
+            cpu_work += cpu_t
             for c in range(C):
                 n_miss = 0
                 for i in range(n):
                     e = uniq[i]
                     if c_slot[c, l, e] >= 0:
-                        net[c] += cnt[e]
+                        net[c] += tc[cnt[e]] - tg[cnt[e]] if timed else cnt[e]
                     else:
                         miss[n_miss] = e
                         n_miss += 1
@@ -269,6 +281,8 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
         acc[A_PROACTIVE] += n_pro
         acc[A_BYTES] += n_pro * cost[C_EXPERT_BYTES]
         acc[A_EVICT] += n_evict
+        if now > t_step:
+            ctl[CTL_CPU_SHARE] += alpha * (min(1.0, cpu_work / (now - t_step)) - ctl[CTL_CPU_SHARE])
         ctl[CTL_SCORED] += 1
         w = max(alpha, 1.0 / ctl[CTL_SCORED]) if ctl[CTL_WARM] > 0 else alpha
         for c in range(C):
@@ -292,12 +306,14 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
-                 copy_cost: float | None = None, **overrides) -> None:
+                 copy_cost: float | None = None, score: str = "hits", **overrides) -> None:
         super().__init__(config, **overrides)
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
-                                       copy_cost=copy_cost)
+                                       copy_cost=copy_cost, score=score)
+        if score not in ("hits", "time"):
+            raise ValueError("score must be 'hits' or 'time'")
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (the leader at start)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
@@ -326,6 +342,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
+        self._ctl[CTL_TIME] = 1.0 if self.adaptive.score == "time" else 0.0
+        a = ctx.cost.array
+        self._ctl[CTL_DMA_COST] = float(t_xfer(a) * (1.0 - 1.0 / max(float(a[C_DMA_SLOW]), 1.0)))
+        self._ctl[CTL_CPU_SHARE] = 1.0  # until measured: every copy costs its full DMA slow-down
         return state
 
     def _events(self, block: RoutingBlock) -> np.ndarray:
