@@ -14,7 +14,8 @@ def _style(policy: str) -> dict:
     if policy == "saem":
         return {"linewidth": 2.6, "color": "tab:red", "marker": "o", "zorder": 5}
     if policy.startswith("saem"):
-        c = {"saem-strict": "salmon", "saem-implicit": "darkred", "saem-nocpu": "sienna"}.get(policy, "tab:red")
+        c = {"saem-stage": "indianred", "saem-strict": "salmon", "saem-implicit": "darkred", "saem-nocpu": "sienna",
+             "saem-cue": "orangered"}.get(policy, "tab:red")
         return {"linewidth": 1.6, "marker": "o", "markersize": 4, "linestyle": "-.", "color": c}
     if policy == "oracle":
         return {"linewidth": 1.4, "color": "black", "linestyle": ":", "marker": "^"}
