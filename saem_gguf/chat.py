@@ -33,6 +33,7 @@ class ChatSession:
     notify: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
     messages: list[dict] = field(default_factory=list)
     last_prompt: ChatPrompt | None = None  # what the last turn sent to the model
+    last_finish_reason: str | None = None  # how its answer ended: "stop" or "length"
     decode_tokens: int = 0
     decode_seconds: float = 0.0
 
@@ -56,17 +57,15 @@ class ChatSession:
         n_ctx = eng.llm.n_ctx()
         room = self._answer_room(n_ctx)
         first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        alone = len(eng.chat_prompt(self.messages[:first] + self.messages[-1:]).tokens)
+        if alone >= n_ctx:  # checked first: a refused message costs no history
+            raise SaemError(f"this message does not fit the context ({alone} tokens with the chat "
+                            f"template{' and system prompt' if first else ''}, -c {n_ctx}); it was not sent")
         dropped = 0
         while True:
             prompt = eng.chat_prompt(self.messages)
-            if len(prompt.tokens) + room <= n_ctx:
-                break
-            if len(self.messages) - first <= 1:  # nothing left to drop but this message
-                if len(prompt.tokens) < n_ctx:
-                    break  # it fits, with less room for the answer
-                raise SaemError(f"this message does not fit the context ({len(prompt.tokens)} tokens "
-                                f"with the chat template{' and system prompt' if first else ''}, "
-                                f"-c {n_ctx}); it was not sent")
+            if len(prompt.tokens) + room <= n_ctx or len(self.messages) - first <= 1:
+                break  # fits (the last message alone may leave less room for the answer)
             # one turn: the oldest user message and the replies up to the next user message
             end = first + 1
             while end < len(self.messages) - 1 and self.messages[end]["role"] != "user":
@@ -99,8 +98,9 @@ class ChatSession:
         t0 = None
         n = 0
         interrupted = False
+        steps = eng.stream(prompt, self.n_predict, self.sampling, reuse_prefix=True)
         try:
-            for tok, piece in eng.stream(prompt, self.n_predict, self.sampling, reuse_prefix=True):
+            for tok, piece in steps:
                 if t0 is None:
                     t0 = time.perf_counter()
                 n += tok is not None
@@ -115,6 +115,7 @@ class ChatSession:
                     self._write(out)
         except KeyboardInterrupt:
             interrupted = True
+        self.last_finish_reason = steps.finish_reason
         if t0 is not None:
             self.decode_seconds += time.perf_counter() - t0
             self.decode_tokens += n
