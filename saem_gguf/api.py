@@ -62,6 +62,11 @@ class Llama(_SaemLlama):
         boundaries (the numbers ``chat``'s /stats shows)."""
         return self._saem_engine.stats()
 
+    def close(self) -> None:
+        # a constructor that failed before llama-cpp-python's own init ran has nothing to close
+        if "_stack" in self.__dict__:
+            super().close()
+
     def create_completion(self, prompt, *args, **kwargs):
         if not self._saem_capture:
             self._saem_engine.reset_sequence()  # each completion is a new sequence for the detector
