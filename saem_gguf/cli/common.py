@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from saem_gguf.budget import parse_ecr, parse_size
 from saem_gguf.numa import NUMA_MODES
@@ -95,38 +95,28 @@ def _unit_float(text: str) -> float:
     return v
 
 
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+def _int_at_least(minimum: int, meaning: str = "") -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{meaning}, got {v}")
+        return v
 
-
-def _n_predict(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if v < -1:
-        raise argparse.ArgumentTypeError(f"must be >= -1 (-1 = until the context is full), got {v}")
-    return v
+    return parse
 
 
 def _seed(text: str) -> int | None:
     """llama.cpp's -s: an unsigned 32-bit seed; -1 (= 4294967295) asks for a random one (None)."""
     from saem_gguf.engine import SEED_RANDOM
 
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    v = _int_at_least(-1, " (-1 = a random seed)")(text)
     if v in (-1, SEED_RANDOM):
         return None
-    if not 0 <= v < SEED_RANDOM:
-        raise argparse.ArgumentTypeError(f"must be in 0..{SEED_RANDOM - 1}, or -1 for a random seed; got {v}")
+    if v > SEED_RANDOM:
+        raise argparse.ArgumentTypeError(f"must be at most {SEED_RANDOM - 1}, or -1 for a random seed; got {v}")
     return v
 
 
@@ -135,8 +125,9 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
     chain; the one different default is --temp 0 (greedy)."""
     g = p.add_argument_group("sampling (llama.cpp flags; the default --temp 0 is greedy, unlike "
                              "llama.cpp's 0.8)")
-    g.add_argument("-n", "--predict", "--n-predict", dest="n_predict", type=_n_predict, default=n_predict,
-                   metavar="N", help=f"tokens to generate ({n_predict}; -1 = until end of generation or a "
+    g.add_argument("-n", "--predict", "--n-predict", dest="n_predict", default=n_predict, metavar="N",
+                   type=_int_at_least(-1, " (-1 = until the context is full)"),
+                   help=f"tokens to generate ({n_predict}; -1 = until end of generation or a "
                                      "full context; capped at the room the context has left)")
     g.add_argument("--temp", "--temperature", dest="temp", type=_finite_float, default=0.0, metavar="N",
                    help="temperature (default 0 = greedy; llama.cpp's default is 0.8; <= 0 is greedy)")
@@ -147,7 +138,7 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
                    help="min-p sampling (0.05, 0.0 = disabled)")
     g.add_argument("--typical", "--typical-p", dest="typical", type=_unit_float, default=1.0, metavar="N",
                    help="locally typical sampling, parameter p (1.0 = disabled)")
-    g.add_argument("--repeat-last-n", type=_non_negative, default=64, metavar="N",
+    g.add_argument("--repeat-last-n", type=_int_at_least(0), default=64, metavar="N",
                    help="last n tokens to consider for penalize (64, 0 = disabled)")
     g.add_argument("--repeat-penalty", type=_finite_float, default=1.0, metavar="N",
                    help="penalize repeat sequence of tokens (1.0 = disabled)")
