@@ -3,8 +3,8 @@
 # virtual environment, .venv/ beside this file, so no other Python on the machine is touched (the
 # llama-cpp-python installed here has no native library of its own: saem_gguf binds it to ours):
 #   Python dependencies, llama-cpp-python's bindings WITHOUT their own llama.cpp build, this
-#   package (editable), and the patched llama.cpp (compiled once, cached outside the tree under
-#   ~/.cache/saem_gguf, shared by every checkout).
+#   package (editable), the patched llama.cpp and the same llama.cpp unpatched (the tests' reference;
+#   each compiled once, cached outside the tree under ~/.cache/saem_gguf, shared by every checkout).
 #   SAEM_CUDA=1 bash setup.sh      also builds the CUDA variant (sm_90 by default: SAEM_CUDA_ARCH)
 #   PYTHON=python3.12 bash setup.sh   the interpreter the environment is made from (3.11+)
 set -euo pipefail
@@ -30,6 +30,8 @@ fi
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 
 "$PY" -m saem_gguf build
+# the same llama.cpp unpatched: the reference the fidelity tests compare with (tests/test_fidelity.py)
+"$PY" -m saem_gguf build --variant stock
 if [ "${SAEM_CUDA:-0}" = 1 ]; then
     "$PY" -m saem_gguf build --cuda --cuda-arch "${SAEM_CUDA_ARCH:-90}"
 fi

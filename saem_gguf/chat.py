@@ -1,6 +1,9 @@
 """The interactive chat loop: multi-turn with the model's chat template, streaming, slash commands.
 
-Ctrl-C while the model answers stops that answer (what was said so far stays in the history);
+A conversation that outgrows the context loses its oldest turns (the system message stays), with a
+one-line notice; a single message too long for the context is refused with one line, and the
+session goes on. Ctrl-C while the model answers stops that answer (what was said so far stays in
+the history);
 Ctrl-C at the prompt only reminds how to quit; Ctrl-D or /quit ends. When stdin is not a terminal
 each input line is one user turn, so the chat can be scripted.
 """
@@ -9,10 +12,12 @@ from __future__ import annotations
 
 import codecs
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from saem_gguf.engine import Engine
+from saem_gguf.engine import GREEDY, ChatPrompt, Engine, SamplingConfig
+from saem_gguf.errors import SaemError
 
 HELP = "/stats  placement statistics   /reset  new conversation   /quit  exit   /help  this"
 
@@ -22,10 +27,13 @@ class ChatSession:
     engine: Engine
     system: str | None = None
     n_predict: int = 512
-    temp: float = 0.0
+    sampling: SamplingConfig = GREEDY
     show_stages: bool = False
     out: TextIO = sys.stdout
+    notify: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
     messages: list[dict] = field(default_factory=list)
+    last_prompt: ChatPrompt | None = None  # what the last turn sent to the model
+    last_finish_reason: str | None = None  # how its answer ended: "stop" or "length"
     decode_tokens: int = 0
     decode_seconds: float = 0.0
 
@@ -35,15 +43,53 @@ class ChatSession:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
-    def prompt_text(self) -> str:
-        return self.engine.chat_prompt(self.messages)
+    def _answer_room(self, n_ctx: int) -> int:
+        """Context kept free for the answer when old turns are dropped: -n tokens (a quarter of the
+        context for -n -1), at most half of it."""
+        want = self.n_predict if self.n_predict > 0 else n_ctx // 4
+        return min(want, n_ctx // 2)
 
-    def answer(self, user: str) -> str:
-        """Stream the model's answer to ``user``; returns it (partial if interrupted)."""
+    def _fit_prompt(self) -> ChatPrompt:
+        """The prompt of the conversation so far; when it leaves less than the answer's room, the
+        oldest turns go (the system message stays) with a one-line notice. A last message that
+        cannot fit on its own raises SaemError."""
+        eng = self.engine
+        n_ctx = eng.llm.n_ctx()
+        room = self._answer_room(n_ctx)
+        first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        alone = len(eng.chat_prompt(self.messages[:first] + self.messages[-1:]).tokens)
+        if alone >= n_ctx:  # checked first: a refused message costs no history
+            raise SaemError(f"this message does not fit the context ({alone} tokens with the chat "
+                            f"template{' and system prompt' if first else ''}, -c {n_ctx}); it was not sent")
+        dropped = 0
+        while True:
+            prompt = eng.chat_prompt(self.messages)
+            if len(prompt.tokens) + room <= n_ctx or len(self.messages) - first <= 1:
+                break  # fits (the last message alone may leave less room for the answer)
+            # one turn: the oldest user message and the replies up to the next user message
+            end = first + 1
+            while end < len(self.messages) - 1 and self.messages[end]["role"] != "user":
+                end += 1
+            del self.messages[first:end]
+            dropped += 1
+        if dropped:
+            self.notify(f"[context full (-c {n_ctx}): dropped the {dropped} oldest "
+                        f"turn{'s' if dropped > 1 else ''}]")
+        return prompt
+
+    def answer(self, user: str) -> str | None:
+        """Stream the model's answer to ``user``; returns it (partial if interrupted), or None
+        when the turn could not be sent (it is then not kept in the history)."""
         import time
 
         self.messages.append({"role": "user", "content": user})
-        prompt = self.prompt_text()
+        try:
+            prompt = self._fit_prompt()
+        except SaemError as e:
+            self.messages.pop()
+            self.notify(f"error: {e}")
+            return None
+        self.last_prompt = prompt
         eng = self.engine
         ev_seen = len(eng.placement.stats.events) if eng.placement else 0
         text = bytearray()
@@ -52,11 +98,12 @@ class ChatSession:
         t0 = None
         n = 0
         interrupted = False
+        steps = eng.stream(prompt, self.n_predict, self.sampling, reuse_prefix=True)
         try:
-            for _tok, piece in eng.stream(prompt, self.n_predict, self.temp, reuse_prefix=True):
+            for tok, piece in steps:
                 if t0 is None:
                     t0 = time.perf_counter()
-                n += 1
+                n += tok is not None
                 if self.show_stages and eng.placement and len(eng.placement.stats.events) > ev_seen:
                     for e in eng.placement.stats.events[ev_seen:]:
                         self._write(f"\x1b[2m⟦{e.source}: {e.cue or 'routing shift'}⟧\x1b[0m"
@@ -68,10 +115,12 @@ class ChatSession:
                     self._write(out)
         except KeyboardInterrupt:
             interrupted = True
+        self.last_finish_reason = steps.finish_reason
         if t0 is not None:
             self.decode_seconds += time.perf_counter() - t0
             self.decode_tokens += n
-        reply = text.decode("utf-8", errors="replace")
+        # the history holds what llama-cpp-python's create_chat_completion would return
+        reply = text.decode("utf-8", errors="ignore")
         self._write(decoder.decode(b"", final=True) + "\n" + ("[interrupted]\n" if interrupted else ""))
         self.messages.append({"role": "assistant", "content": reply})
         return reply

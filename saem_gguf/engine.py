@@ -11,12 +11,15 @@ residency changes are issued as async expert copies before the next decode.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 import numpy as np
 
@@ -46,20 +49,104 @@ class EngineConfig:
     vram_budget: int | None = None
     profile: Path | None = None
     hw: str = "rtx4090-ddr5"  # cost-model preset the policy prices CPU runs vs copies with
-    seed: int = 0
+    # sampling seed, llama.cpp's meaning: any value is a fixed seed (0 too); None or -1: a random
+    # one, drawn at load (Engine.seed says which, to repeat the run)
+    seed: int | None = None
+    chat_template: str | None = None  # a Jinja file or a llama-cpp-python chat format name
     verbose: bool = False
     record: bool = False  # keep a routing trace of what is decoded
     progress: bool = True  # a loading progress bar (on a terminal)
+
+
+SEED_RANDOM = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp draws a seed itself
+
+
+def resolve_seed(seed: int | None) -> int:
+    """``seed`` if it is a fixed seed, else a random one (never SEED_RANDOM itself)."""
+    if seed is None or seed == -1 or seed == SEED_RANDOM:
+        return random.SystemRandom().randrange(SEED_RANDOM)
+    if not 0 <= seed < SEED_RANDOM:
+        raise SaemError(f"seed {seed} is out of range (0 .. {SEED_RANDOM - 1}, or -1 for a random one)")
+    return seed
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """llama.cpp's sampling settings (``common/arg.cpp`` names and defaults), sampled by
+    llama-cpp-python's own chain (penalties, then greedy at temp <= 0, else top-k, typical, top-p,
+    min-p, temperature, a seeded draw), so the same settings give llama-cpp-python's tokens.
+
+    Unlike llama.cpp the default temperature is 0 (greedy: reproducible, placement-independent)."""
+
+    temp: float = 0.0
+    top_k: int = 40  # <= 0: off
+    top_p: float = 0.95  # 1: off
+    min_p: float = 0.05  # 0: off
+    typical_p: float = 1.0  # 1: off
+    repeat_penalty: float = 1.0  # 1: off
+    repeat_last_n: int = 64  # tokens the penalties look back on; 0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None: the engine's seed
+    ignore_eos: bool = False  # end-of-generation tokens get logit -inf (llama.cpp's --ignore-eos)
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
+
+    def __post_init__(self) -> None:
+        for name in ("temp", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise SaemError(f"{name} must be a finite number, got {v}")
+        for name in ("top_p", "min_p", "typical_p"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise SaemError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.repeat_last_n < 0:
+            raise SaemError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
+        if any(not s for s in self.stop):
+            raise SaemError("a stop string must not be empty")
+
+
+GREEDY = SamplingConfig()
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat rendered and tokenized as llama-cpp-python's ``create_chat_completion`` does (the
+    same chat format, BOS/EOS texts and BOS rule), message contents kept literal."""
+
+    text: str
+    tokens: list[int]
+    stop: tuple[str, ...]  # the chat format's stop strings
+
+
+class TokenStream:
+    """Iterates (token, text) while generating: ``text`` is the output that token releases (it
+    may be empty while a possible stop string is held back; a final (None, text) flushes). After
+    the loop: ``finish_reason`` ("stop": end of generation or a stop string; "length": -n or the
+    context is exhausted) and ``tokens``, the generated ids."""
+
+    def __init__(self, prompt_token_ids: list[int], seed: int) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.seed = seed
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self._steps: Iterator[tuple[int | None, bytes]] = iter(())
+
+    def __iter__(self) -> Iterator[tuple[int | None, bytes]]:
+        return self._steps
 
 
 @dataclass
 class GenerationResult:
     text: str
     tokens: list[int]
-    prompt_tokens: int
+    prompt_tokens: int  # how many prompt tokens were evaluated
     seconds_prompt: float
     seconds_decode: float
     events: list = field(default_factory=list)
+    finish_reason: str = "length"
+    seed: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,6 +160,16 @@ def _with_extra(cues, extra):
     return cues.merged(extra) if len(extra) else cues
 
 
+class _PromptCaptured(Exception):
+    """Raised by a capturing SaemLlama.create_completion: what a chat handler would generate from."""
+
+    def __init__(self, tokens: list[int], stop) -> None:
+        super().__init__("prompt captured")
+        self.tokens = tokens
+        self.stop = tuple([stop] if isinstance(stop, str) else stop or ())
+
+
+@functools.cache  # one class per process: saem_gguf.Llama subclasses the one Engine loads with
 def _make_llama_class(llama_cpp):
     class SaemLlama(llama_cpp.Llama):
         """``Llama`` whose every ubatch is followed by the engine's hook (routing -> placement).
@@ -122,6 +219,55 @@ def _make_llama_class(llama_cpp):
                 params.progress_callback = self._saem_progress_cb
             self._saem_model_params = params
 
+        # --- fidelity: the chat prompt's message contents stay literal; --ignore-eos ----------
+        _saem_chat_contents: list[str] | None = None  # set while a chat prompt is tokenized
+        _saem_capture = False  # create_completion raises _PromptCaptured instead of generating
+        _saem_logit_bias: dict[int, float] | None = None
+        _saem_specials = None
+
+        def create_chat_completion(self, messages, *args, **kw):
+            """llama-cpp-python's, with message contents tokenized as plain text."""
+            from saem_gguf.tokenization import content_strings
+
+            self._saem_chat_contents = content_strings(messages)
+            try:
+                return super().create_chat_completion(messages, *args, **kw)
+            finally:
+                self._saem_chat_contents = None
+
+        def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+            contents = self._saem_chat_contents
+            if contents is None or not special:
+                return super().tokenize(text, add_bos, special)
+            # the chat handler tokenizes the rendered prompt (the only special=True call in it)
+            from saem_gguf.tokenization import SpecialTokens, protected_spans, tokenize_protected
+
+            if self._saem_specials is None:
+                self._saem_specials = SpecialTokens.of(llama_cpp, self._model.vocab, self.n_vocab())
+            spans = protected_spans(text, contents, self._saem_specials)
+            if not spans:
+                return super().tokenize(text, add_bos, special)
+            bos = super().tokenize(b"", add_bos, False)  # [BOS] when the model adds one, else []
+            return bos + tokenize_protected(text, spans, self._saem_specials,
+                                            lambda b: super(SaemLlama, self).tokenize(b, False, False))
+
+        def create_completion(self, prompt, *args, **kw):
+            if self._saem_capture:
+                raise _PromptCaptured(list(prompt), kw.get("stop"))
+            return super().create_completion(prompt, *args, **kw)
+
+        def _init_sampler(self, *args, **kw):
+            sampler = super()._init_sampler(*args, **kw)
+            if self._saem_logit_bias:
+                # llama.cpp's logit bias comes first in its chain: put it before the others
+                chain = sampler.sampler
+                members = [llama_cpp.llama_sampler_chain_remove(chain, 0)
+                           for _ in range(llama_cpp.llama_sampler_chain_n(chain))]
+                sampler.add_logit_bias(self.n_vocab(), self._saem_logit_bias)
+                for m in members:
+                    llama_cpp.llama_sampler_chain_add(chain, m)
+            return sampler
+
         def eval(self, tokens):
             hook = self._saem_hook
             if hook is None:
@@ -137,7 +283,10 @@ def _make_llama_class(llama_cpp):
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, log: Callable[[str], None] | None = None,
+                 construct: Callable[..., Any] | None = None) -> None:
+        """``construct``: called with the ``Llama`` keyword arguments in place of the SaemLlama
+        class, to load into an existing object (saem_gguf.Llama does: it is the engine's llm)."""
         self.cfg = cfg
         self.notes: list[str] = []
         self._log = log or (lambda s: None)
@@ -159,7 +308,7 @@ class Engine:
         self.policy_name = "off"
         slots = self._slots_per_layer()
         n_threads = cfg.n_threads or max(1, len(self.numa_plan.cpus))
-        Cls = _make_llama_class(llama_cpp)
+        Cls = construct or _make_llama_class(llama_cpp)
         # the bar writes to a duplicate of fd 2, taken before llama.cpp's log silences fd 2
         bar_out = os.fdopen(os.dup(2), "w") if cfg.progress and sys.stderr.isatty() else None
         try:
@@ -188,8 +337,23 @@ class Engine:
         if slots is not None:
             self._attach_placement(slots)
         self.llm._saem_hook = self._on_ubatch
+        self._setup_generation()
 
     # --- setup -------------------------------------------------------------------------------
+    def _setup_generation(self) -> None:
+        cfg, llm = self.cfg, self.llm
+        self.seed = resolve_seed(cfg.seed)
+        if cfg.verbose:
+            self.note(f"seed {self.seed}")
+        # llama-cpp-python 0.3.36 reads a constructor seed of 0 as "random": the engine seeds
+        # every generation itself (stream), with llama.cpp's meaning of the value
+        llm.set_seed(self.seed)
+        vocab = llm._model.vocab
+        self.eog_tokens = [t for t in range(llm.n_vocab()) if self._llama_cpp.llama_vocab_is_eog(vocab, t)]
+        self._fallback_noted = False
+        if cfg.chat_template is not None:
+            self.set_chat_template(cfg.chat_template)
+
     def note(self, msg: str) -> None:
         self.notes.append(msg)
         self._log(msg)
@@ -311,61 +475,192 @@ class Engine:
         return self.llm._model.detokenize([token], special=True)
 
     # --- generation --------------------------------------------------------------------------
-    def stream(self, prompt: str | list[int], n_predict: int = 256, temp: float = 0.0,
-               special: bool = True, reuse_prefix: bool = False) -> Iterator[tuple[int, bytes]]:
-        """Yield (token, piece) as they are decoded. Greedy at temp 0.
+    def prompt_tokens(self, prompt: str, parse_special: bool = False) -> list[int]:
+        """A raw prompt's tokens as llama-cpp-python's ``create_completion`` makes them: BOS
+        first when the GGUF says so (``tokenizer.ggml.add_bos_token``), then the text, with special
+        tokens parsed only if ``parse_special`` (create_completion always parses them)."""
+        llm = self.llm
+        bos = llm._model.token_cls()
+        bos = bos if bos != -1 else llm.token_bos()
+        head = [bos] if llm._model.add_bos_token() and bos != -1 else []
+        return head + (llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=parse_special)
+                       if prompt else [])
+
+    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
+        """``messages`` as llama-cpp-python's ``create_chat_completion`` would prompt the model:
+        the chat format it picks (the GGUF's template, a known format it recognises, or
+        ``--chat-template``), the real BOS/EOS texts, BOS added only when the format does not write
+        it; message contents stay literal text (saem_gguf.tokenization)."""
+        import jinja2
+
+        llm = self.llm
+        if not llm.metadata.get("tokenizer.chat_template") and self.cfg.chat_template is None \
+                and not self._fallback_noted:
+            self._fallback_noted = True
+            self.note(f"{self.path.name} has no chat template: using llama-cpp-python's fallback "
+                      f"format {llm.chat_format!r} (--chat-template FILE|NAME sets one)")
+        llm._saem_capture = True
+        try:
+            llm.create_chat_completion(messages, max_tokens=1)
+        except _PromptCaptured as got:
+            tokens, stop = got.tokens, got.stop
+        except jinja2.TemplateError as e:
+            raise SaemError(f"the chat template failed: {e}") from None
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            # raise_exception() in a template, or a template indexing messages it did not get
+            raise SaemError(f"the chat template failed: {e}") from None
+        finally:
+            llm._saem_capture = False
+        return ChatPrompt(llm.detokenize(tokens, special=True).decode("utf-8", errors="replace"),
+                          tokens, stop)
+
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` for chat: a Jinja file (rendered like a GGUF's own template) or the
+        name of one of llama-cpp-python's chat formats."""
+        import jinja2
+        from llama_cpp import llama_chat_format as lcf
+
+        llm = self.llm
+        path = Path(template)
+        if path.is_file():
+            eos, bos = llm.token_eos(), llm.token_bos()
+            try:
+                handler = lcf.Jinja2ChatFormatter(
+                    template=path.read_text(encoding="utf-8"),
+                    eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+                    bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+                    stop_token_ids=[eos]).to_chat_handler()
+            except jinja2.TemplateSyntaxError as e:
+                raise SaemError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise SaemError(f"--chat-template {path}: {e}") from None
+            llm.chat_handler = handler
+            return
+        names = sorted(lcf.LlamaChatCompletionHandlerRegistry()._chat_handlers)
+        if template not in names:
+            raise SaemError(f"--chat-template {template!r} is neither a file nor a chat format "
+                            f"(known formats: {', '.join(names)})")
+        llm.chat_handler = None
+        llm.chat_format = template
+
+    def stream(self, prompt: str | list[int] | ChatPrompt, n_predict: int = 256,
+               sampling: SamplingConfig = GREEDY, reuse_prefix: bool = False,
+               parse_special: bool = False) -> TokenStream:
+        """Generate from ``prompt`` (text: tokenized by ``prompt_tokens``; a ChatPrompt also brings
+        its format's stop strings), as llama-cpp-python's ``create_completion`` does: up to
+        ``n_predict`` tokens (-1: until the context is full; capped at the context's room),
+        stopping at any end-of-generation token and at stop strings.
 
         ``reuse_prefix`` keeps the KV cache of a common prefix with the previous call (chat turns);
         otherwise the whole prompt is evaluated, so prompt timings and traces cover all of it."""
         llm = self.llm
-        toks = prompt if isinstance(prompt, list) else llm.tokenize(prompt.encode(), add_bos=False,
-                                                                  special=special)
+        stop = sampling.stop
+        if isinstance(prompt, ChatPrompt):
+            toks, stop = prompt.tokens, stop + prompt.stop
+        elif isinstance(prompt, str):
+            toks = self.prompt_tokens(prompt, parse_special)
+        else:
+            toks = list(prompt)
         if not toks:
             raise SaemError("empty prompt")
-        if len(toks) + max(n_predict, 0) > llm.n_ctx():
-            raise SaemError(f"prompt ({len(toks)} tokens) + -n {n_predict} exceed the context "
-                            f"(-c {llm.n_ctx()})")
+        n_ctx = llm.n_ctx()
+        if len(toks) >= n_ctx:
+            raise SaemError(f"the prompt ({len(toks)} tokens) does not fit the context (-c {n_ctx})")
+        room = n_ctx - len(toks)
+        limit = room if n_predict < 0 else min(n_predict, room)
+        seed = self.seed if sampling.seed is None else resolve_seed(sampling.seed)
+        out = TokenStream(toks, seed)
+        out._steps = self._steps(out, limit, sampling, tuple(s.encode("utf-8") for s in stop),
+                                 reuse_prefix)
+        return out
+
+    def _steps(self, out: TokenStream, limit: int, sampling: SamplingConfig, stops: tuple[bytes, ...],
+               reuse_prefix: bool) -> Iterator[tuple[int | None, bytes]]:
+        llm, lc = self.llm, self._llama_cpp
         self.reset_sequence()
         if not reuse_prefix:
             llm.reset()
         self._in_prompt = True  # evals before the first sampled token are the prompt's
-        n = 0
-        for tok in llm.generate(toks, top_k=1 if temp <= 0 else 40, temp=temp, reset=True):
+        if limit == 0:  # -n 0: the prompt is evaluated (timings, traces), nothing generated
+            llm.reset()
+            llm.eval(out.prompt_token_ids)
             self._in_prompt = False
-            if llm._model.token_is_eog(tok) if hasattr(llm._model, "token_is_eog") else tok == llm.token_eos():
-                break
-            yield tok, self.piece(tok)
-            n += 1
-            if 0 <= n_predict <= n:
-                break
+            out.finish_reason = "length"
+            return
+        llm.set_seed(out.seed)
+        llm.last_n_tokens_size = sampling.repeat_last_n
+        llm._saem_logit_bias = {t: -math.inf for t in self.eog_tokens} if sampling.ignore_eos else None
+        text = bytearray()
+        released = 0  # bytes of text handed out
+        out.finish_reason = "length"
+        try:
+            for tok in llm.generate(out.prompt_token_ids, top_k=sampling.top_k, top_p=sampling.top_p,
+                                    min_p=sampling.min_p, typical_p=sampling.typical_p,
+                                    temp=max(sampling.temp, 0.0), repeat_penalty=sampling.repeat_penalty,
+                                    frequency_penalty=sampling.frequency_penalty,
+                                    presence_penalty=sampling.presence_penalty, reset=True):
+                self._in_prompt = False
+                if lc.llama_vocab_is_eog(llm._model.vocab, tok):
+                    out.finish_reason = "stop"
+                    break
+                out.tokens.append(tok)
+                text += self._piece_after(out.tokens)
+                hit = next((s for s in stops if s in text), None)  # first in list order, as it does
+                if hit is not None:
+                    cut = text.index(hit)
+                    del text[cut:]
+                    out.finish_reason = "stop"
+                    yield tok, bytes(text[released:])
+                    return
+                last = len(out.tokens) >= limit
+                keep = 0 if last else _held_back(text, stops)
+                yield tok, bytes(text[released:len(text) - keep])
+                released = len(text) - keep
+                if last:
+                    return
+        finally:
+            llm._saem_logit_bias = None
+        if released < len(text):
+            yield None, bytes(text[released:])
 
-    def generate(self, prompt: str | list[int], n_predict: int = 256, temp: float = 0.0,
-                 on_piece: Callable[[bytes], None] | None = None) -> GenerationResult:
+    def _piece_after(self, tokens: list[int]) -> bytes:
+        """The text the last of ``tokens`` adds to llama-cpp-python's ``detokenize(tokens)``:
+        control tokens print nothing, and only the first token loses a SentencePiece leading space
+        (a lone detokenize([t]) would strip every token's)."""
+        detok = self.llm.detokenize
+        if len(tokens) == 1:
+            return detok(tokens)
+        return detok(tokens[-2:])[len(detok(tokens[-2:-1])):]
+
+    def generate(self, prompt: str | list[int] | ChatPrompt, n_predict: int = 256,
+                 sampling: SamplingConfig = GREEDY, on_piece: Callable[[bytes], None] | None = None,
+                 parse_special: bool = False) -> GenerationResult:
         t0 = time.perf_counter()
-        out_toks: list[int] = []
         out = bytearray()
         t_first = None
         ev0 = len(self.placement.stats.events) if self.placement else 0
-        for tok, piece in self.stream(prompt, n_predict, temp):
-            if t_first is None:
+        steps = self.stream(prompt, n_predict, sampling, parse_special=parse_special)
+        for tok, piece in steps:
+            if t_first is None and tok is not None:
                 t_first = time.perf_counter()
-            out_toks.append(tok)
             out += piece
-            if on_piece:
+            if on_piece and piece:
                 on_piece(piece)
         t1 = time.perf_counter()
         events = self.placement.stats.events[ev0:] if self.placement else []
         t_first = t_first or t1
         # stream() evaluated the whole prompt (no prefix reuse), so this is its token count
-        return GenerationResult(out.decode("utf-8", errors="replace"), out_toks, self._seq_prompt_tokens,
-                                t_first - t0, t1 - t_first, list(events))
+        return GenerationResult(out.decode("utf-8", errors="ignore"), steps.tokens, self._seq_prompt_tokens,
+                                t_first - t0, t1 - t_first, list(events), steps.finish_reason or "length",
+                                steps.seed, steps.prompt_token_ids)
 
     def replay(self, prompt: str, continuation: str) -> GenerationResult:
         """Decode ``continuation`` token by token after ``prompt`` (teacher forcing): the same
         one-token decode steps as generation, on text chosen by the caller, so routing follows a
-        known reasoning text even on a model that cannot write one. Used by bench --replay."""
+        known reasoning text even on a model that cannot write one. Used by bench --replay.
+        Special tokens are parsed in both texts (they carry chat markup)."""
         llm = self.llm
-        p_toks = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+        p_toks = self.prompt_tokens(prompt, parse_special=True)
         c_toks = llm.tokenize(continuation.encode(), add_bos=False, special=True)
         if not p_toks or not c_toks:
             raise SaemError("replay needs a non-empty prompt and continuation")
@@ -384,17 +679,8 @@ class Engine:
             llm.eval([t])
         t2 = time.perf_counter()
         events = self.placement.stats.events[ev0:] if self.placement else []
-        return GenerationResult(continuation, c_toks, len(p_toks), t1 - t0, t2 - t1, list(events))
-
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """The prompt text the model's own chat template makes of ``messages``."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        tpl = self.llm.metadata.get("tokenizer.chat_template")
-        if not tpl:
-            raise SaemError(f"{self.path} has no chat template (tokenizer.chat_template)")
-        fmt = Jinja2ChatFormatter(template=tpl, eos_token="", bos_token="")
-        return fmt(messages=messages).prompt
+        return GenerationResult(continuation, c_toks, len(p_toks), t1 - t0, t2 - t1, list(events),
+                                prompt_token_ids=p_toks)
 
     def reset_sequence(self) -> None:
         self._seq_prompt_tokens = 0
@@ -435,6 +721,17 @@ class Engine:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def _held_back(text: bytearray, stops: tuple[bytes, ...]) -> int:
+    """How many bytes at the end of ``text`` could begin a stop string (not shown yet)."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
 
 
 @contextlib.contextmanager

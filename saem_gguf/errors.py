@@ -1,4 +1,4 @@
-"""Exceptions that the CLI turns into one line on stderr (exit code 1), never a traceback."""
+"""Exceptions that the CLI turns into one line on stderr (exit code 1; 2 for UsageError), never a traceback."""
 
 
 class SaemError(Exception):
@@ -11,3 +11,7 @@ class GGUFFormatError(SaemError):
 
 class BuildError(SaemError):
     """The patched llama.cpp could not be fetched, patched or built, or is not built yet."""
+
+
+class UsageError(SaemError):
+    """Flags that cannot go together (found after parsing): a usage error, exit code 2."""

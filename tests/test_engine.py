@@ -20,7 +20,7 @@ POLICIES = ["cpu-moe", "n-cpu-moe", "static-hot", "lru", "lfu", "temporal", "sae
 
 
 def greedy(eng: Engine, n: int = 20) -> tuple[list[int], np.ndarray]:
-    res = eng.generate(PROMPT, n, 0.0)
+    res = eng.generate(PROMPT, n)
     # the logits of the last decode, read from the context: without logits_all llama-cpp-python
     # (0.3.x) never fills Llama.scores, an uninitialised np.ndarray (comparing it was a flake)
     llama_cpp = eng._llama_cpp

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             if args.replay:
                 eng.replay(prompts[0][0], prompts[0][1][:40])
             else:
-                eng.generate(prompts[0], min(8, args.n_predict), 0.0)
+                eng.generate(prompts[0], min(8, args.n_predict))
         bar = tqdm(total=args.reps * len(configs) * len(prompts), desc="bench", file=sys.stderr,
                    disable=args.quiet)
         for _rep in range(args.reps):
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 pp_tok = pp_s = tg_tok = tg_s = 0.0
                 texts = []
                 for prompt in prompts:
-                    res = eng.replay(*prompt) if args.replay else eng.generate(prompt, args.n_predict, 0.0)
+                    res = eng.replay(*prompt) if args.replay else eng.generate(prompt, args.n_predict)
                     pp_tok += res.prompt_tokens
                     pp_s += res.seconds_prompt
                     tg_tok += len(res.tokens)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from saem_gguf.chat import ChatSession, run_repl
-from saem_gguf.cli.common import add_model_args, add_placement_args, add_sampling_args
+from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
+                                  sampling_config)
 from saem_gguf.cli.engine_args import open_engine
 
 
@@ -13,9 +14,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat (default: the embedded model)",
                        description="Chat with a MoE GGUF using stage-aware expert placement. Commands: "
                                    "/stats, /reset, /quit. Ctrl-C stops the current answer. When stdin "
-                                   "is not a terminal, each line is one user turn.")
+                                   "is not a terminal, each line is one user turn. A conversation longer "
+                                   "than -c loses its oldest turns (the system prompt stays).")
     add_model_args(p)
-    p.add_argument("--system", default=None, help="system message")
+    add_chat_args(p)
     p.add_argument("--show-stages", action="store_true", help="mark stage boundaries in the output")
     add_sampling_args(p, n_predict=512)
     add_placement_args(p)
@@ -23,9 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    sampling = sampling_config(args)
     eng = open_engine(args)
     try:
-        run_repl(ChatSession(eng, system=args.system, n_predict=args.n_predict, temp=args.temp,
+        run_repl(ChatSession(eng, system=args.system, n_predict=args.n_predict, sampling=sampling,
                              show_stages=args.show_stages))
     finally:
         eng.close()

@@ -12,7 +12,8 @@ def engine_config(args: argparse.Namespace, **over) -> EngineConfig:
     kw = dict(model=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
               n_gpu_layers=args.n_gpu_layers, numa=args.numa, policy=getattr(args, "policy", "saem"),
               ecr=getattr(args, "ecr", None), vram_budget=getattr(args, "vram_budget", None),
-              profile=getattr(args, "profile", None), seed=args.seed, verbose=args.verbose,
+              profile=getattr(args, "profile", None), seed=getattr(args, "seed", None),
+              chat_template=getattr(args, "chat_template", None), verbose=args.verbose,
               progress=not getattr(args, "quiet", False))
     kw.update(over)
     return EngineConfig(**kw)

@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from saem_gguf import __version__
-from saem_gguf.errors import SaemError
+from saem_gguf.errors import SaemError, UsageError
 
 # Order is the order shown by --help.
 COMMANDS = (
@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except SaemError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -32,7 +32,7 @@ def record_traces(eng, prompts: list[str], n_predict: int, raw: bool, quiet: boo
     for prompt in tqdm(prompts, desc="trace", file=sys.stderr, disable=quiet):
         text = prompt if raw or not eng.llm.metadata.get("tokenizer.chat_template") else \
             eng.chat_prompt([{"role": "user", "content": prompt}])
-        eng.generate(text, n_predict, 0.0)
+        eng.generate(text, n_predict)
         seqs.append(eng.sequence_trace())
     return TraceSet(eng.signature(), seqs, source="engine",
                     meta={"model": str(eng.path), "n_predict": n_predict})

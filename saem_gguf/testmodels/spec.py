@@ -46,11 +46,21 @@ class ModelSpec:
     # quick to write; routing lives in the router, so it is unaffected)
     expert_pool: int = 0
     name: str = ""
+    # tokenizer.ggml.add_bos_token: llama.cpp (and llama-cpp-python's create_completion) put BOS
+    # before a raw prompt when true, as for Gemma, Llama and Mixtral GGUFs
+    add_bos_token: bool = False
+    # "chatml" (the default), "gemma" (writes {{ bos_token }}, BOS <bos>, turns end with the EOT
+    # <end_of_turn>, which is not EOS) or "none" (no tokenizer.chat_template at all)
+    chat_template: str = "chatml"
     extra: tuple[tuple[str, str], ...] = field(default=())  # arch-specific knobs, as strings
 
     def __post_init__(self) -> None:
         if self.expert_type not in EXPERT_TYPES:
             raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}")
+        from saem_gguf.testmodels.vocab import CHAT_TEMPLATES
+
+        if self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"chat_template must be one of {sorted(CHAT_TEMPLATES)}, got {self.chat_template!r}")
         if not self.dense and not (0 < self.n_expert_used <= self.n_expert):
             raise ValueError("need 0 < n_expert_used <= n_expert")
         if self.n_embd % (256 if self.expert_type == "q4_k" else 32):

@@ -27,6 +27,11 @@ SPECIAL_TOKENS = (
     ("<|im_end|>", 3),
     ("<think>", 4),
     ("</think>", 4),
+    # Gemma-style turn markup and BOS (the "gemma" chat template): <end_of_turn> ends a turn and
+    # is not EOS, the case of a GGUF whose end-of-turn token differs from its EOS
+    ("<bos>", 3),
+    ("<start_of_turn>", 3),
+    ("<end_of_turn>", 3),
 )
 
 CHATML_TEMPLATE = (
@@ -35,6 +40,25 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# Gemma-like: the template writes {{ bos_token }} itself, roles are user/model, the system message
+# is folded into the first user turn, and every turn ends with <end_of_turn> (an EOT that is not EOS)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') "
+    "+ message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+# the chat templates a test model can carry (ModelSpec.chat_template); "none" writes no template
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "gemma": GEMMA_TEMPLATE, "none": None}
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from saem_gguf.build.paths import cache_root
 from saem_gguf.testmodels.archs import get_arch
 from saem_gguf.testmodels.quant import quantize
 from saem_gguf.testmodels.spec import ModelSpec
-from saem_gguf.testmodels.vocab import CHATML_TEMPLATE, Vocab, load_vocab
+from saem_gguf.testmodels.vocab import CHAT_TEMPLATES, CHATML_TEMPLATE, Vocab, load_vocab
 from saem_gguf.testmodels.weights import PooledExperts, Weights
 
-GENERATOR_VERSION = 2  # bump when the bytes written for a given spec change
+GENERATOR_VERSION = 3  # bump when the bytes written for a given spec change
 
 FILE_TYPE = {"f16": 1, "q8_0": 7, "q4_0": 2, "q4_k": 15}  # llama_ftype of the expert tensors
 
@@ -37,13 +37,14 @@ def random_tensors(spec: ModelSpec, vocab: Vocab) -> Iterator[tuple[str, np.ndar
 def write_model(spec: ModelSpec, path: Path) -> Path:
     """A random test model for ``spec``."""
     vocab = load_vocab()
-    return write_gguf(path, spec, vocab, random_tensors(spec, vocab))
+    return write_gguf(path, spec, vocab, random_tensors(spec, vocab),
+                      chat_template=CHAT_TEMPLATES[spec.chat_template])
 
 
 def write_gguf(path: Path, spec: ModelSpec, vocab: Vocab,
                tensors: Iterable[tuple[str, np.ndarray, str]], *, name: str | None = None,
                description: str = "saem_gguf generated test model (random weights, planted routing)",
-               chat_template: str = CHATML_TEMPLATE) -> Path:
+               chat_template: str | None = CHATML_TEMPLATE) -> Path:
     """Write ``tensors`` ((name, float32 array in NumPy order, kind) with kind "f32" | "f16" |
     "expert" = the spec's expert type) with the spec's hyperparameters and ``vocab``."""
     arch = get_arch(spec.arch)
@@ -80,7 +81,7 @@ def write_gguf(path: Path, spec: ModelSpec, vocab: Vocab,
 
 
 def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, arch, vocab: Vocab, name: str,
-                    description: str, chat_template: str) -> None:
+                    description: str, chat_template: str | None) -> None:
     w.add_name(name)
     w.add_description(description)
     w.add_file_type(1 if spec.dense else FILE_TYPE[spec.expert_type])
@@ -106,10 +107,14 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, arch, vocab: Vocab, nam
     w.add_token_types(list(vocab.token_types))
     w.add_token_merges(list(vocab.merges))
     w.add_eos_token_id(vocab.eos_id)
-    w.add_bos_token_id(vocab.id_of("<|endoftext|>"))
+    gemma = spec.chat_template == "gemma"
+    w.add_bos_token_id(vocab.id_of("<bos>" if gemma else "<|endoftext|>"))
+    if gemma:
+        w.add_eot_token_id(vocab.id_of("<end_of_turn>"))
     w.add_pad_token_id(vocab.id_of("<|endoftext|>"))
-    w.add_add_bos_token(False)
-    w.add_chat_template(chat_template)
+    w.add_add_bos_token(spec.add_bos_token)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
 
 def model_cache_dir() -> Path:

@@ -1,0 +1,64 @@
+"""Shared by the fidelity tests: the stock-build reference runner and the model matrix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from native_helpers import spec
+from saem_gguf.build import BuildConfig, find_build
+from saem_gguf.engine import Engine, EngineConfig
+from saem_gguf.testmodels import ensure_model
+
+REFERENCE = REPO / "tests" / "fidelity_reference.py"
+N_CTX = 512
+
+
+def model_for(arch: str, template: str, add_bos: bool):
+    return ensure_model(spec(arch, "q8_0", chat_template=template, add_bos_token=add_bos))
+
+
+@pytest.fixture(scope="session")
+def stock_lib():
+    lib = find_build(BuildConfig(variant="stock"))
+    if lib is None:
+        pytest.fail("the stock llama.cpp build is missing: run `python -m saem_gguf build --variant stock` "
+                    "(setup.sh does)")
+    return lib
+
+
+def reference(stock_lib, model, cases: list[dict], n_ctx: int = N_CTX) -> list[list[dict]]:
+    """Per case, the stock side's calls: prompt tokens, text, finish_reason."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["LLAMA_CPP_LIB_PATH"] = str(stock_lib)
+    r = subprocess.run([sys.executable, str(REFERENCE)], input=json.dumps(
+        {"model": str(model), "n_ctx": n_ctx, "cases": cases}), capture_output=True, text=True,
+        env=env, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    for res in out:  # the reference really ran on the stock library
+        assert res["library"] == stock_lib.as_posix(), res["library"]
+    return [res["calls"] for res in out]
+
+
+def engine(model, policy: str = "saem", n_ctx: int = N_CTX, **kw) -> Engine:
+    eng = Engine(EngineConfig(model=model, n_ctx=n_ctx, n_threads=2, policy=policy, ecr=0.25,
+                              **{"seed": 0, **kw}))
+    assert eng.placement is not None and eng.policy_name == policy  # expert management is on
+    return eng
+
+
+def same(ours: dict, ref: dict, what: str) -> None:
+    assert ours["prompt_tokens"] == ref["prompt_tokens"], f"{what}: prompt tokens differ"
+    assert ours["text"] == ref["text"], f"{what}: text differs"
+    assert ours["finish_reason"] == ref["finish_reason"], f"{what}: finish_reason differs"
+
+
+def result_row(res) -> dict:
+    """An engine GenerationResult as the reference reports a call."""
+    return {"prompt_tokens": res.prompt_token_ids, "text": res.text, "finish_reason": res.finish_reason}

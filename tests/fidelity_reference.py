@@ -1,0 +1,67 @@
+"""The reference side of the fidelity tests: STOCK llama-cpp-python on the STOCK llama.cpp build.
+
+Run as a subprocess with LLAMA_CPP_LIB_PATH set to the unpatched build's lib dir; it never imports
+saem_gguf (one libllama per process). Reads a JSON job on stdin, prints JSON results:
+
+    {"model": PATH, "n_ctx": N, "cases": [
+        {"kind": "completion", "prompt": TEXT, "max_tokens": N, "temperature": T, "seed": S,
+         "stop": [TEXT, ...]},
+        {"kind": "chat", "system": TEXT|null, "turns": [TEXT, ...], "max_tokens": N}]}
+
+Each result holds, per call, the prompt tokens create_completion / create_chat_completion handed
+to ``Llama.generate`` and the text and finish_reason they returned. A chat's turns run on one
+``Llama`` (its history grows with each answer, as a chat client does); every case gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import llama_cpp
+
+
+class RecordingLlama(llama_cpp.Llama):
+    """Stock ``Llama`` that notes the prompt tokens each completion starts generating from."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prompts: list[list[int]] = []
+
+    def generate(self, tokens, *args, **kwargs):
+        self.prompts.append([int(t) for t in tokens])
+        return super().generate(tokens, *args, **kwargs)
+
+
+def run_case(model: str, n_ctx: int, case: dict) -> dict:
+    llm = RecordingLlama(model_path=model, n_ctx=n_ctx, n_threads=2, verbose=False)
+    calls = []
+    try:
+        if case["kind"] == "completion":
+            r = llm.create_completion(case["prompt"], max_tokens=case["max_tokens"],
+                                      temperature=case.get("temperature", 0.0), seed=case.get("seed"),
+                                      stop=case.get("stop", []))
+            c = r["choices"][0]
+            calls.append({"prompt_tokens": llm.prompts[-1], "text": c["text"],
+                          "finish_reason": c["finish_reason"]})
+        else:
+            messages = [{"role": "system", "content": case["system"]}] if case.get("system") else []
+            for user in case["turns"]:
+                messages.append({"role": "user", "content": user})
+                r = llm.create_chat_completion(messages, max_tokens=case["max_tokens"], temperature=0.0)
+                c = r["choices"][0]
+                calls.append({"prompt_tokens": llm.prompts[-1], "text": c["message"]["content"],
+                              "finish_reason": c["finish_reason"]})
+                messages.append({"role": "assistant", "content": c["message"]["content"]})
+    finally:
+        llm.close()
+    return {"library": llama_cpp.llama_cpp._base_path.as_posix(), "calls": calls}
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    json.dump([run_case(job["model"], job["n_ctx"], c) for c in job["cases"]], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The public Python API: ``from saem_gguf import Llama`` is llama-cpp-python's Llama with expert
+management on, and the README's example runs as printed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from fidelity_helpers import model_for
+
+
+def test_readme_python_example_runs():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Python API"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "82" in r.stdout and "expert cache hit rate:" in r.stdout, r.stdout
+
+
+def test_llama_is_llama_cpp_pythons_with_expert_management(llama_cpp):
+    from saem_gguf import Llama
+    from saem_gguf.engine import _make_llama_class
+
+    assert issubclass(Llama, llama_cpp.Llama) and issubclass(Llama, _make_llama_class(llama_cpp))
+    model = model_for("qwen3moe", "chatml", True)
+    llm = Llama(str(model), n_ctx=256, n_threads=2, expert_policy="lru", ecr="50%", verbose=False)
+    try:
+        assert llm._saem_engine.llm is llm  # one object: the engine drives this very Llama
+        text = llm("First, compute 12 + 7.", max_tokens=6, temperature=0)["choices"][0]["text"]
+        streamed = "".join(c["choices"][0]["text"] for c in
+                           llm.create_completion("First, compute 12 + 7.", max_tokens=6, temperature=0,
+                                                 stream=True))
+        assert text and streamed == text
+        stats = llm.expert_stats()
+        assert stats["policy"] == "lru" and stats["slots_per_layer"] == 4 and stats["tokens"] > 0
+        assert llm.tokenize(b"hi")[0] == llm.token_bos()  # llama-cpp-python's tokenize, unchanged
+    finally:
+        llm.close()
+
+
+def test_seed_zero_is_fixed_in_the_api(llama_cpp):
+    from saem_gguf import Llama
+
+    model = model_for("qwen3moe", "chatml", False)
+    outs = []
+    for _ in range(2):
+        llm = Llama(str(model), n_ctx=256, n_threads=2, seed=0, verbose=False)
+        try:
+            assert llm._seed == 0  # llama-cpp-python would hold its random default here
+            outs.append(llm("Hello", max_tokens=12, temperature=1.0, top_k=0, top_p=1.0,
+                            min_p=0.0)["choices"][0]["text"])
+        finally:
+            llm.close()
+    assert outs[0] == outs[1]
+
+
+def test_bad_api_arguments_are_clear(llama_cpp):
+    from saem_gguf import Llama
+    from saem_gguf.errors import SaemError
+
+    model = model_for("qwen3moe", "chatml", False)
+    with pytest.raises(SaemError, match="out of range|ecr"):
+        Llama(str(model), ecr="250%", verbose=False)
+    with pytest.raises(SaemError, match="no such file|not found|does not exist"):
+        Llama("/nonexistent/model.gguf", verbose=False)

@@ -1,0 +1,219 @@
+"""Fidelity: the same prompt tokens and the same text as llama-cpp-python on the STOCK llama.cpp.
+
+The reference runs in a subprocess (one libllama per process): stock llama-cpp-python bound to the
+unpatched build of the same llama.cpp (``python -m saem_gguf build --variant stock``; setup.sh makes
+it), calling ``create_completion`` / ``create_chat_completion`` (tests/fidelity_reference.py). Our
+side runs here on the patched build with expert management on: the engine's raw generation, a
+chat prompt (``generate --chat``), a multi-turn ``ChatSession`` and the public ``saem_gguf.Llama``.
+Models: every architecture the test-model generator writes, with and without
+``tokenizer.ggml.add_bos_token``, with ChatML and with a Gemma-like template that writes
+``{{ bos_token }}`` and ends turns with an EOT that is not EOS; every placement policy on some of
+them. A compact matrix runs by default, the full one under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from fidelity_helpers import N_CTX, engine, model_for, reference, result_row, same, stock_lib  # noqa: F401
+from saem_gguf.chat import ChatSession
+from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
+from saem_gguf.policies import POLICIES
+
+PROMPT = "First, compute 12 + 7. Wait, let me verify the sum."
+SYSTEM = "You check every step."
+TURNS = ["What is 2 + 3?", "And that times 4?", "Check it again, please."]
+N_COMPLETION, N_CHAT = 12, 8
+
+ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "deepseek2", "gpt-oss", "glm4moe")
+TEMPLATES = (("chatml", False), ("chatml", True), ("gemma", True))  # (chat template, add_bos_token)
+LIVE_POLICIES = tuple(p for p in POLICIES if p != "oracle")
+
+
+# the default (fast) matrix: both template kinds, BOS on and off, four policies
+FAST = {("qwen3moe", "chatml", False): "saem", ("qwen3moe", "gemma", True): "lru",
+        ("llama", "chatml", True): "saem-cue", ("gpt-oss", "gemma", True): "cpu-moe"}
+
+
+def _matrix() -> list:
+    """Every (architecture, template/BOS variant); the other policies go round the slow rows, so
+    every policy runs on some architecture."""
+    others = [p for p in LIVE_POLICIES if p not in FAST.values()]
+    rows, j = [], 0
+    for arch in ARCHS:
+        for template, add_bos in TEMPLATES:
+            key = (arch, template, add_bos)
+            if key in FAST:
+                rows.append(pytest.param(*key, FAST[key], id=f"{arch}-{template}-{add_bos}-{FAST[key]}"))
+            else:
+                policy = others[j % len(others)]
+                j += 1
+                rows.append(pytest.param(*key, policy, id=f"{arch}-{template}-{add_bos}-{policy}",
+                                         marks=pytest.mark.slow))
+    assert {r.values[3] for r in rows} == set(LIVE_POLICIES)
+    return rows
+
+
+MATRIX = _matrix()
+
+
+CASES = [{"kind": "completion", "prompt": PROMPT, "max_tokens": N_COMPLETION},
+         {"kind": "chat", "system": SYSTEM, "turns": TURNS[:1], "max_tokens": N_COMPLETION},
+         {"kind": "chat", "system": SYSTEM, "turns": TURNS, "max_tokens": N_CHAT}]
+
+
+def _engine_side(eng: Engine) -> list[list[dict]]:
+    raw = [result_row(eng.generate(PROMPT, N_COMPLETION))]
+    prompt = eng.chat_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}])
+    res = eng.generate(prompt, N_COMPLETION)
+    one = [{"prompt_tokens": prompt.tokens, "text": res.text, "finish_reason": res.finish_reason}]
+    session = ChatSession(eng, system=SYSTEM, n_predict=N_CHAT, out=io.StringIO())
+    multi = []
+    for user in TURNS:
+        reply = session.answer(user)
+        multi.append({"prompt_tokens": session.last_prompt.tokens, "text": reply,
+                      "finish_reason": session.last_finish_reason})
+    return [raw, one, multi]
+
+
+def _api_side(model, policy: str) -> list[list[dict]]:
+    from saem_gguf import Llama
+
+    class Recording(Llama):
+        def generate(self, tokens, *args, **kwargs):
+            self.prompts.append([int(t) for t in tokens])
+            return super().generate(tokens, *args, **kwargs)
+
+    def fresh():
+        llm = Recording(str(model), n_ctx=N_CTX, n_threads=2, expert_policy=policy, ecr="25%",
+                        verbose=False)
+        llm.prompts = []
+        assert llm.expert_stats()["policy"] == policy
+        return llm
+
+    out = []
+    llm = fresh()
+    c = llm.create_completion(PROMPT, max_tokens=N_COMPLETION, temperature=0.0)["choices"][0]
+    out.append([{"prompt_tokens": llm.prompts[-1], "text": c["text"], "finish_reason": c["finish_reason"]}])
+    llm.close()
+    for turns, n in ((TURNS[:1], N_COMPLETION), (TURNS, N_CHAT)):
+        llm = fresh()
+        messages = [{"role": "system", "content": SYSTEM}]
+        calls = []
+        for user in turns:
+            messages.append({"role": "user", "content": user})
+            c = llm.create_chat_completion(messages, max_tokens=n, temperature=0.0)["choices"][0]
+            calls.append({"prompt_tokens": llm.prompts[-1], "text": c["message"]["content"],
+                          "finish_reason": c["finish_reason"]})
+            messages.append({"role": "assistant", "content": c["message"]["content"]})
+        out.append(calls)
+        llm.close()
+    return out
+
+
+@pytest.mark.parametrize("arch,template,add_bos,policy", MATRIX)
+def test_same_tokens_and_text_as_stock_llama_cpp_python(llama_cpp, stock_lib, arch, template, add_bos,
+                                                         policy):
+    model = model_for(arch, template, add_bos)
+    ref = reference(stock_lib, model, CASES)
+    bos_first = ref[0][0]["prompt_tokens"][0]
+    eng = engine(model, policy)
+    try:
+        if add_bos:  # the GGUF asks for BOS, and the stock side put it first
+            assert bos_first == eng.llm.token_bos()
+        ours = _engine_side(eng)
+    finally:
+        eng.close()
+    api = _api_side(model, policy)
+    for name, side in (("engine", ours), ("Llama API", api)):
+        for case, (got, want) in enumerate(zip(side, ref)):
+            assert len(got) == len(want)
+            for turn, (g, w) in enumerate(zip(got, want)):
+                same(g, w, f"{name}, case {case}, turn {turn}")
+
+
+def test_gemma_like_bos_template_has_one_bos(llama_cpp, stock_lib):
+    """The template writes {{ bos_token }} and the GGUF says add_bos_token: one BOS, as
+    create_chat_completion (Jinja formatter: added_special) makes it."""
+    model = model_for("qwen3moe", "gemma", True)
+    eng = engine(model, "saem")
+    try:
+        p = eng.chat_prompt([{"role": "user", "content": TURNS[0]}])
+        assert p.text.startswith("<bos><start_of_turn>user\n")
+        assert p.tokens.count(eng.llm.token_bos()) == 1 and p.tokens[0] == eng.llm.token_bos()
+    finally:
+        eng.close()
+
+
+def test_cli_generate_and_chat_match_stock(stock_lib):
+    """The commands themselves (not only the engine): generate --json raw and --chat, and a scripted
+    multi-turn chat, on the Gemma-like model."""
+    model = model_for("qwen3moe", "gemma", True)
+    ref = reference(stock_lib, model, CASES)
+    base = [sys.executable, "-m", "saem_gguf"]
+    common = ["-m", str(model), "-c", str(N_CTX), "-t", "2", "--quiet"]
+    raw = subprocess.run(base + ["generate", *common, "-p", PROMPT, "-n", str(N_COMPLETION), "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert raw.returncode == 0, raw.stderr
+    d = json.loads(raw.stdout)
+    same({"prompt_tokens": d["prompt_tokens"], "text": d["text"], "finish_reason": d["finish_reason"]},
+          ref[0][0], "generate")
+    chat1 = subprocess.run(base + ["generate", *common, "--chat", "-sys", SYSTEM, "-p", TURNS[0], "-n",
+                                   str(N_COMPLETION), "--json"], capture_output=True, text=True, timeout=300,
+                           cwd=REPO)
+    assert chat1.returncode == 0, chat1.stderr
+    d = json.loads(chat1.stdout)
+    same({"prompt_tokens": d["prompt_tokens"], "text": d["text"], "finish_reason": d["finish_reason"]},
+          ref[1][0], "generate --chat")
+    chat = subprocess.run(base + ["chat", *common, "-sys", SYSTEM, "-n", str(N_CHAT)],
+                          input="".join(t + "\n" for t in TURNS), capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert chat.returncode == 0, chat.stderr
+    # the terminal shows undecodable bytes as U+FFFD; llama-cpp-python's text drops them
+    assert chat.stdout.replace("\ufffd", "") == "".join(c["text"] + "\n" for c in ref[2])
+
+
+def test_seeded_sampling_matches_stock(llama_cpp, stock_lib):
+    """temperature > 0 with a fixed seed: llama-cpp-python's sampler, the same draws."""
+    model = model_for("qwen2moe", "chatml", True)
+    cases = [{"kind": "completion", "prompt": PROMPT, "max_tokens": 24, "temperature": 0.9, "seed": s}
+             for s in (0, 1234)]
+    ref = reference(stock_lib, model, cases)
+    assert ref[0][0]["text"] != ref[1][0]["text"]  # the seed matters (else this proves nothing)
+    eng = engine(model, "lru")
+    try:
+        for s, want in zip((0, 1234), ref):
+            same(result_row(eng.generate(PROMPT, 24, SamplingConfig(temp=0.9, seed=s))), want[0],
+                 f"seed {s}")
+    finally:
+        eng.close()
+    from saem_gguf import Llama
+
+    llm = Llama(str(model), n_ctx=N_CTX, n_threads=2, verbose=False)
+    try:
+        for s, want in zip((0, 1234), ref):
+            c = llm.create_completion(PROMPT, max_tokens=24, temperature=0.9, seed=s)["choices"][0]
+            assert c["text"] == want[0]["text"], f"API, seed {s}"
+    finally:
+        llm.close()
+
+
+def test_model_without_template_falls_back_like_llama_cpp_python(llama_cpp, stock_lib):
+    model = model_for("qwen3moe", "none", False)
+    ref = reference(stock_lib, model, CASES[1:2])
+    notes: list[str] = []
+    eng = Engine(EngineConfig(model=model, n_ctx=N_CTX, n_threads=2, seed=0), log=notes.append)
+    try:
+        p = eng.chat_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURNS[0]}])
+        res = eng.generate(p, N_COMPLETION)
+    finally:
+        eng.close()
+    assert any("no chat template" in n and "llama-2" in n and "--chat-template" in n for n in notes)
+    same({"prompt_tokens": p.tokens, "text": res.text, "finish_reason": res.finish_reason}, ref[0][0],
+          "fallback chat format")
