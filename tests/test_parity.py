@@ -70,7 +70,7 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy):
         native_hits = count_native_hits(pl)
         seqs = []
         for q in questions:
-            eng.generate(eng.chat_prompt([{"role": "user", "content": q}]), N_DECODE, 0.0)
+            eng.generate(eng.chat_prompt([{"role": "user", "content": q}]), N_DECODE)
             seqs.append(eng.sequence_trace())
         live = residency_decisions(pl.acct)
         live_hits, live_accesses = eng.stats()["hits"], eng.stats()["expert_accesses"]
