@@ -23,8 +23,9 @@ before its own update, copies it made); the score is an exponential average over
 residents that left the leader's set are evicted and the leader's new residents copied in (for
 a leader that keeps its set, that is exactly its own loads). The leader changes when another
 candidate's score beats it by more than the copies a switch costs, spread over the horizon.
-``copy_cost`` is in hits: the CPU time a copy's DMA takes from CPU experts
-(``t_xfer * (1 - 1/f)``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
+``copy_cost`` is in hits: the CPU time a copy's DMA takes from CPU experts (the part of
+``t_xfer`` not hidden behind the next layer's dense part, times ``1 - 1/f``, f the DMA
+slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
 
 Because the baselines' own rules are candidates, the real cache trails the best of them only by
 the switching copies and the lag of the average: robust by construction, not by tuning.
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, t_cpu, t_gpu, t_xfer
+from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, C_OVERLAP, t_cpu, t_gpu, t_xfer
 from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.accounting import (
     A_ASYNC, A_BYTES, A_EVICT, A_HIT_CPU, A_PLANS, A_PROACTIVE, A_TEMP, K_ASYNC, K_EVICT, K_PREFETCH,
@@ -290,12 +291,16 @@ def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand
 
 
 def copy_cost_in_hits(cost: np.ndarray) -> float:
-    """What one copy costs, in hits: the CPU expert time its DMA takes (the link is busy for
-    ``t_xfer``; CPU experts run ``f`` times slower meanwhile) over the time a hit saves against a
-    one-token CPU run."""
+    """What one copy costs, in hits. Host-to-device DMA reads host memory, so CPU experts run
+    ``f`` times slower while it lasts (C_DMA_SLOW). A copy issued after a layer first overlaps the
+    next layer's dense part, when no CPU expert runs (unless CPU and GPU overlap): only the rest
+    of its ``t_xfer`` slows CPU experts. That loss, over the time a hit saves against a one-token
+    CPU run (``t_cpu(1) - t_gpu(1)``), is the copy's price."""
     saved = t_cpu(1, cost) - t_gpu(1, cost)
     f = max(float(cost[C_DMA_SLOW]), 1.0)
-    return float(t_xfer(cost) * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
+    hidden = 0.0 if cost[C_OVERLAP] > 0 else float(cost[C_DENSE_LAYER_S])
+    busy = max(0.0, t_xfer(cost) - hidden)
+    return float(busy * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
 
 
 class AdaptiveSaemPolicy(SaemCuePolicy):
