@@ -282,3 +282,62 @@ def test_thirty_turn_scripted_chat_on_a_small_context(gemma_model):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "dropped the" in r.stderr and "error" not in r.stderr
     assert "policy saem" in r.stdout  # /stats after the 30th turn: the session lived through all
+
+
+# --- the partition mirrors llama.cpp's -----------------------------------------------------------
+PIECES = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<bos>", "<end_of_turn>", "<|endoftext|>",
+          "user", "assistant", "\n", " ", "Hello", " world", "12 + 7", "<", "|", ">", "ü", "<|im_", "think>"]
+
+
+@pytest.fixture(scope="module")
+def chatml_llm(chatml_model):
+    eng = engine(chatml_model)
+    yield eng.llm
+    eng.close()
+
+
+def test_markup_partition_is_llama_cpps(llama_cpp, chatml_llm):
+    """With nothing protected, tokenize_protected is llama.cpp's parse_special tokenization, on
+    texts that mix special tokens, their fragments and plain words."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from saem_gguf.tokenization import SpecialTokens, tokenize_protected
+
+    llm = chatml_llm
+    specials = SpecialTokens.of(llama_cpp, llm._model.vocab, llm.n_vocab())
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.sampled_from(PIECES), max_size=12))
+    def check(parts):
+        text = "".join(parts).encode()
+        plain = lambda b: llm.tokenize(b, add_bos=False, special=False)  # noqa: E731
+        assert tokenize_protected(text, [], specials, plain) == llm.tokenize(text, add_bos=False, special=True)
+
+    check()
+
+
+def test_protected_content_has_no_special_tokens(llama_cpp, chatml_llm):
+    """Whatever a message holds, its tokens are no special tokens, and they spell its text."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from saem_gguf.tokenization import SpecialTokens, tokenize_protected
+
+    llm = chatml_llm
+    specials = SpecialTokens.of(llama_cpp, llm._model.vocab, llm.n_vocab())
+    special_ids = set(specials.ids)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.sampled_from(PIECES), min_size=1, max_size=12))
+    def check(parts):
+        content = "".join(parts).encode()
+        prompt = b"<|im_start|>user\n" + content + b"<|im_end|>\n"
+        span = (len(b"<|im_start|>user\n"), len(b"<|im_start|>user\n") + len(content))
+        plain = lambda b: llm.tokenize(b, add_bos=False, special=False)  # noqa: E731
+        toks = tokenize_protected(prompt, [span], specials, plain)
+        # the markup's <|im_start|> and <|im_end|> are the only special tokens
+        assert [t for t in toks if t in special_ids] == [toks[0], toks[-2]]
+        assert llm.detokenize(toks, special=True) == prompt  # the text itself is unchanged
+
+    check()
