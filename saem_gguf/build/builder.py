@@ -34,10 +34,20 @@ class BuildConfig:
     cuda_arch: str = "90"
     build_type: str = "Release"
     native_cpu: bool = True  # GGML_NATIVE: tune for this CPU (key includes its feature flags)
+    # FlashAttention CUDA kernels (GGML_CUDA_FA). Off: they are about half of libggml-cuda's compile
+    # time, and llama.cpp's flash_attn "auto" then runs attention without them on every policy alike.
+    cuda_fa: bool = False
 
     @property
     def flavor(self) -> str:
         return f"{self.variant}-{'cuda' + self.cuda_arch if self.cuda else 'cpu'}"
+
+    def key_fields(self) -> dict[str, object]:
+        """What the build key hashes: CUDA-only fields only for a CUDA build (CPU keys stay as they were)."""
+        fields = asdict(self)
+        if not self.cuda:
+            fields.pop("cuda_fa")
+        return fields
 
     def cmake_args(self) -> list[str]:
         args = [f"-DCMAKE_BUILD_TYPE={self.build_type}",
@@ -45,8 +55,50 @@ class BuildConfig:
                 f"-DSAEM_CUDA={'ON' if self.cuda else 'OFF'}",
                 f"-DSAEM_WITH_NATIVE={'ON' if self.variant == 'saem' else 'OFF'}"]
         if self.cuda:
-            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}")
+            # NO_VMM: no link against the driver's libcuda, so the library builds on a machine
+            # without a GPU driver; NCCL: one GPU, and the wheel is not there to link against.
+            args += [f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}", "-DGGML_CUDA_NO_VMM=ON",
+                     "-DGGML_CUDA_NCCL=OFF", f"-DGGML_CUDA_FA={'ON' if self.cuda_fa else 'OFF'}"]
         return args
+
+
+def cublas_root() -> Path | None:
+    """A directory holding include/cublas_v2.h and lib/libcublas.so*, when the CUDA toolkit has none.
+
+    $CUBLAS_ROOT first; else None when nvcc's toolkit ships cuBLAS; else the ``nvidia-cublas``
+    wheel (``nvidia/cu13``) in ``$SAEM_GGUF_CACHE/cuda-deps`` (where ``pip install --target`` puts it)
+    or on this Python's path."""
+    env = os.environ.get("CUBLAS_ROOT")
+    if env:
+        return Path(env)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        toolkit = Path(nvcc).resolve().parent.parent
+        if any(toolkit.glob("lib64/libcublas.so*")) or any(toolkit.glob("targets/*/lib/libcublas.so*")):
+            return None
+    bases = [cache_root() / "cuda-deps" / "nvidia"] + [Path(p) / "nvidia" for p in sys.path if p]
+    for base in bases:
+        for d in sorted(base.glob("*")) if base.is_dir() else []:
+            if (d / "include" / "cublas_v2.h").exists() and any(d.glob("lib/libcublas.so*")):
+                return d
+    return None
+
+
+def _cublas_cmake_args(root: Path, links: Path) -> list[str]:
+    """Point FindCUDAToolkit at a wheel's cuBLAS: it ships only libcublas.so.13, so link names are made."""
+    links.mkdir(parents=True, exist_ok=True)
+    for name in ("cublas", "cublasLt"):
+        found = sorted(root.glob(f"lib/lib{name}.so*"))
+        if not found:
+            raise BuildError(f"{root}/lib has no lib{name}.so*: not a cuBLAS directory")
+        link = links / f"lib{name}.so"
+        link.unlink(missing_ok=True)
+        link.symlink_to(found[0])
+    inc = f"-I{root / 'include'}"
+    return [f"-DCUDA_cublas_LIBRARY={links / 'libcublas.so'}",
+            f"-DCUDA_cublasLt_LIBRARY={links / 'libcublasLt.so'}",
+            f"-DCMAKE_CUDA_FLAGS={inc}", f"-DCMAKE_CXX_FLAGS={inc}",
+            f"-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath-link,{links}"]
 
 
 def _cpu_signature() -> str:
@@ -71,7 +123,7 @@ def _hash_tree(h: "hashlib._Hash", root: Path) -> None:
 def build_key(cfg: BuildConfig) -> str:
     h = hashlib.sha256()
     h.update(SDIST_SHA256.encode())
-    h.update(json.dumps(asdict(cfg), sort_keys=True).encode())
+    h.update(json.dumps(cfg.key_fields(), sort_keys=True).encode())
     h.update(CMAKELISTS.read_bytes())
     if cfg.variant == "saem":
         for p in patch_files(PATCHES_DIR):
@@ -151,6 +203,12 @@ def build(cfg: BuildConfig = BuildConfig(), jobs: int | None = None, force: bool
     t_src = time.time() - t0
     configure = ["cmake", "-S", str(REPO_ROOT), "-B", str(bld), f"-DSAEM_LLAMA_SRC={src}",
                  *cfg.cmake_args()]
+    if cfg.cuda:
+        if not shutil.which("nvcc"):
+            raise BuildError("a CUDA build needs nvcc (the CUDA toolkit) on PATH")
+        cublas = cublas_root()
+        if cublas is not None:
+            configure += _cublas_cmake_args(cublas, work / "cublas-links")
     if shutil.which("ccache"):
         configure += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
         if cfg.cuda:

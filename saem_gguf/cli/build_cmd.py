@@ -15,6 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "patches/, compile it with native/ and cache the libraries.")
     p.add_argument("--cuda", action="store_true", help="build the CUDA backend (GGML_CUDA)")
     p.add_argument("--cuda-arch", default="90", help="CUDA architectures (default: 90)")
+    p.add_argument("--cuda-fa", action="store_true",
+                   help="also compile the FlashAttention CUDA kernels (GGML_CUDA_FA; about doubles "
+                        "the CUDA compile time)")
     p.add_argument("--variant", choices=("saem", "stock"), default="saem",
                    help="saem = patched (default); stock = unpatched, for baselines")
     p.add_argument("--portable", action="store_true", help="no -march=native (GGML_NATIVE=OFF)")
@@ -26,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = BuildConfig(variant=args.variant, cuda=args.cuda, cuda_arch=args.cuda_arch,
-                      native_cpu=not args.portable)
+                      native_cpu=not args.portable, cuda_fa=args.cuda_fa)
     t0 = time.time()
     lib = build(cfg, jobs=args.jobs, force=args.force, quiet=args.quiet)
     if not args.quiet:
