@@ -377,10 +377,11 @@ void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {
             d.dev     = dev;
             d.buft    = ggml_backend_dev_buffer_type(dev);
             d.is_host = ggml_backend_buft_is_host(d.buft);
-            // test hook: SAEM_MOE_ZERO_SLOT=1 (zero slot) / =2 (+ aux copies): the GPU scheme on the CPU
+            // SAEM_MOE_ZERO_SLOT=1 (zero slot) / =2 (+ aux copies): the GPU scheme on the CPU (test
+            // hook); =0: non-resident rows skipped on a GPU too (patch 0007; quantized experts only)
             const char * zs = getenv("SAEM_MOE_ZERO_SLOT");
-            const int zsv = zs ? atoi(zs) : 0;
-            d.zero_slot = !d.is_host || zsv >= 1;
+            const int zsv = zs ? atoi(zs) : -1;
+            d.zero_slot = zsv >= 1 || (!d.is_host && zsv != 0);
             d.copy_aux  = !d.is_host || zsv >= 2;
             ggml_init_params ip = {
                 /*.mem_size   =*/ ggml_tensor_overhead() * 16 * layers.size(),

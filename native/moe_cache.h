@@ -46,7 +46,8 @@ struct saem_device {
     ggml_backend_buffer_type_t buft    = nullptr;
     bool                       is_host = true;     // CPU device: sync copies, aux tensors read in place
     bool                       zero_slot = false;  // non-resident rows hit an all-zero slot (GPU) instead
-                                                   // of being skipped (CPU; SAEM_MOE_ZERO_SLOT=1 forces it)
+                                                   // of being skipped (CPU; SAEM_MOE_ZERO_SLOT=1 forces it,
+                                                   // =0 skips on a GPU too: patch 0007)
     bool                       copy_aux = false;   // whole device copies of the per-expert biases/scales
                                                    // (GPU; SAEM_MOE_ZERO_SLOT=2 forces it on the CPU too)
     ggml_context *             ctx     = nullptr;  // metadata of this device's tensors
