@@ -1,94 +1,39 @@
 #!/usr/bin/env bash
-# Build the CUDA variant of the patched llama.cpp (+ native/) for one architecture (sm_90 by default),
-# to check that the patched sources compile with CUDA on. Long on a small machine: run it as
-#   nice -n 15 bash bench/build_cuda.sh > /tmp/cuda-build.log 2>&1 &
+# Build the CUDA variant of the patched llama.cpp (+ native/) for one architecture (sm_90 by
+# default) with the project's builder, then link-check it. Long on a small machine (about 50 min on
+# 2 cores from scratch; the CMake tree persists under ~/.cache/saem_gguf/work/, so a later change
+# recompiles only what it touched). Run it niced, in the background:
+#   nice -n 19 bash bench/build_cuda.sh > /tmp/cuda-build.log 2>&1 &
 #
-#   bash bench/build_cuda.sh [--touched-only] [--arch 90] [--dir DIR] [-j N]
+#   bash bench/build_cuda.sh [--arch 90] [-j N] [--fa]
 #
-# --touched-only  compile only the CUDA source the patches touch (ggml-cuda.cu) with nvcc, plus
-#                 the ggml-base files declaring the new API, in the CUDA configuration: a quick check.
-# Default: the whole library set (libggml-cuda.so, libllama.so with native/), installed in DIR/prefix.
-#
-# cuBLAS: ggml-cuda needs it. When the CUDA toolkit has no libcublas, set CUBLAS_ROOT to a
-# directory holding include/cublas_v2.h and lib/libcublas.so* (e.g. the nvidia-cublas wheel's
-# nvidia/cu13), or have that wheel installed in the Python environment; it is found there.
-# libcuda (driver) is not needed: the build uses GGML_CUDA_NO_VMM=ON.
-# FlashAttention kernels stay on (GGML_CUDA_FA), the default set of FA quants only.
+# What is built (saem_gguf/build/builder.py, BuildConfig(cuda=True, native_cpu=False)): the portable
+# CPU code (the GPU machine's processor is not this one), GGML_CUDA_NO_VMM (no link against the
+# driver's libcuda), no NCCL, and no FlashAttention kernels unless --fa (they are about half of
+# the compile; llama.cpp's flash_attn "auto" then runs attention without them, on every policy).
+# cuBLAS: when the CUDA toolkit has none, from the nvidia-cublas wheel, found at $CUBLAS_ROOT, in
+# ~/.cache/saem_gguf/cuda-deps (pip install --no-deps --target ~/.cache/saem_gguf/cuda-deps
+# nvidia-cublas), or on this Python's path. libcudart/libcublas are found at run time through
+# LD_LIBRARY_PATH (bench/device/run.sh sets it from the GPU image's nvidia wheels).
 set -euo pipefail
-
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ARCH=90
-DIR=/tmp/saem-cuda-build
-JOBS=2
-TOUCHED=0
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+ARCH=90; JOBS=2; FA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --touched-only) TOUCHED=1; shift ;;
         --arch) ARCH="$2"; shift 2 ;;
-        --dir) DIR="$2"; shift 2 ;;
         -j) JOBS="$2"; shift 2 ;;
-        *) echo "unknown argument: $1" >&2; exit 2 ;;
+        --fa) FA=(--cuda-fa); shift ;;
+        *) echo "error: unknown argument $1" >&2; exit 2 ;;
     esac
 done
-
-command -v nvcc >/dev/null || { echo "nvcc not found" >&2; exit 1; }
-mkdir -p "$DIR"
-SRC="$DIR/llama.cpp-patched"
-BLD="$DIR/build"
-
-echo "== patched source -> $SRC"
-(cd "$REPO" && PYTHONPATH="$REPO" python -m saem_gguf.build.source --out "$SRC")
-
-# cuBLAS location
-CUBLAS_ARGS=()
-if [[ -z "${CUBLAS_ROOT:-}" ]]; then
-    NVCC_DIR="$(dirname "$(readlink -f "$(command -v nvcc)")")"
-    if ! ls "$NVCC_DIR"/../lib64/libcublas.so* >/dev/null 2>&1 && ! ls "$NVCC_DIR"/../targets/*/lib/libcublas.so* >/dev/null 2>&1; then
-        CUBLAS_ROOT="$(python - <<'EOF' 2>/dev/null || true
-import importlib.util, pathlib
-spec = importlib.util.find_spec("nvidia")
-for base in (spec.submodule_search_locations if spec else []):
-    for d in sorted(pathlib.Path(base).glob("*")):
-        if (d / "include" / "cublas_v2.h").exists():
-            print(d); raise SystemExit
-EOF
-)"
-    fi
-fi
-if [[ -n "${CUBLAS_ROOT:-}" ]]; then
-    echo "== cuBLAS from $CUBLAS_ROOT"
-    LINKS="$DIR/cublas-lib"
-    mkdir -p "$LINKS"
-    for l in cublas cublasLt; do
-        f="$(ls "$CUBLAS_ROOT"/lib/lib$l.so* | head -1)"
-        ln -sf "$f" "$LINKS/lib$l.so"
-    done
-    CUBLAS_ARGS=(-DCUDA_cublas_LIBRARY="$LINKS/libcublas.so" -DCUDA_cublasLt_LIBRARY="$LINKS/libcublasLt.so"
-                 "-DCMAKE_CUDA_FLAGS=-I$CUBLAS_ROOT/include" "-DCMAKE_CXX_FLAGS=-I$CUBLAS_ROOT/include"
-                 "-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath-link,$LINKS")
-fi
-
-LAUNCH=()
-if command -v ccache >/dev/null; then
-    LAUNCH=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
-fi
-
-echo "== configure (sm_$ARCH) -> $BLD"
-cmake -S "$REPO" -B "$BLD" -DSAEM_LLAMA_SRC="$SRC" -DSAEM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
-      -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_CUDA_NO_VMM=ON -DGGML_CUDA_NCCL=OFF \
-      "${LAUNCH[@]}" "${CUBLAS_ARGS[@]}" > "$DIR/configure.log"
+command -v nvcc >/dev/null || { echo "error: nvcc not found" >&2; exit 1; }
 
 t0=$(date +%s)
-if [[ $TOUCHED == 1 ]]; then
-    echo "== compile the touched CUDA-configured sources only"
-    # the one .cu the patches touch, with nvcc, and the ggml-base files that declare its API; the
-    # llama/native/ggml-cpu sources do not depend on the CUDA configuration (built by the CPU build)
-    ( cd "$BLD/llama.cpp/ggml/src/ggml-cuda" && make "ggml-cuda.cu.o" ) || { echo "FAILED: ggml-cuda.cu" >&2; exit 1; }
-    ( cd "$BLD/llama.cpp/ggml/src" && make "ggml.c.o" "ggml-backend.cpp.o" ) || { echo "FAILED: ggml-base" >&2; exit 1; }
-else
-    echo "== build everything (-j $JOBS)"
-    cmake --build "$BLD" -j "$JOBS"
-    cmake --install "$BLD" --prefix "$DIR/prefix" > /dev/null
-    ls -la "$DIR/prefix/lib"
-fi
-echo "== OK in $(( $(date +%s) - t0 )) s"
+lib=$("$PY" -m saem_gguf build --cuda --cuda-arch "$ARCH" --portable "${FA[@]}" -j "$JOBS" --quiet)
+echo "== built in $(( $(date +%s) - t0 )) s: $lib"
+ls -la "$lib"
+cublas=$("$PY" -c "from saem_gguf.build.builder import cublas_root; r = cublas_root(); print(r / 'lib' if r else '')")
+echo "== link check"
+"$PY" -m saem_gguf.build.link_check "$lib" ${cublas:+--extra-path "$cublas"}

@@ -1,35 +1,93 @@
 #!/usr/bin/env bash
-# Runs ON the GPU machine (one H200, 16 cores, CUDA 13, no network), from the repo root, with
-# .device/ carried (bench/device/prepare.sh makes it). Target: done within 9 minutes.
-# 1. builds the CUDA variant (sm_90 only, no FlashAttention kernels, to keep the build short);
-# 2. generates a Qwen3-30B-A3B-shaped MoE GGUF (128 experts, top-8, n_embd 2048, expert FFN 768,
-#    Q4_0; $LAYERS layers, default 8) with stage-planted routing;
-# 3. runs `bench --replay` for gpu-all, cpu-moe, n-cpu-moe, static-hot, lru, saem at ECR
-#    3.125 / 12.5 / 25 / 50 %; the table and JSON go to $OUT.
+# Runs ON the GPU machine (one H200, 16 cores, CUDA 13, no network), from the repo root, with the
+# bundle carried (bench/device/prepare.sh makes it):
+#   run(command="bash bench/device/run.sh", carry=[".device"], timeout_s=560)
+# Target: <= 8 minutes end to end with prebuilt libraries; <= 8 files in $OUT:
+#   log.txt (timeline + everything printed), env.txt (nvidia-smi, build key, library check),
+#   correctness.json, bench.md, bench.json, overlap.json (bench/device/device_bench.py).
+# With prebuilt libraries whose build key is not the current sources' the run stops at once (a
+# stale bundle); with only the source in the bundle it compiles first (minutes).
+#
+#   bash bench/device/run.sh --dry-run [--bundle DIR]   # HERE, on the CPU build, tiny models:
+#       the same steps, so the script never fails on the device for a reason a CPU could catch.
+# Env: OUT (/tmp/saem-out), LAYERS (16), REPS (3), JOBS (16, fallback compile only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/saem-out}; mkdir -p "$OUT"
-LAYERS=${LAYERS:-8}; JOBS=${JOBS:-16}; REPS=${REPS:-2}
-t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/log.txt"; }
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/whl/*.whl
-export PYTHONPATH="$PWD:/tmp/site:$PWD/.device/py"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" || true
-stamp "unpacking source"
-mkdir -p /tmp/src && tar -xzf .device/llama.cpp.tar.gz -C /tmp/src
-stamp "building CUDA variant"
-cmake -S . -B /tmp/bld -G Ninja -DSAEM_LLAMA_SRC=/tmp/src/llama.cpp -DCMAKE_BUILD_TYPE=Release \
-    -DSAEM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF \
-    -DGGML_NATIVE=ON -DSAEM_BUILD_TESTS=OFF > "$OUT/cmake.txt" 2>&1
-cmake --build /tmp/bld -j "$JOBS" > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
-cmake --install /tmp/bld --prefix /tmp/prefix > /dev/null
-export SAEM_GGUF_LIB_DIR=/tmp/prefix/lib
-stamp "generating model ($LAYERS layers)"
-python3 -m saem_gguf gen-model --arch qwen3moe --expert-type q4_0 --experts 128 --top-k 8 \
-    --layers "$LAYERS" --embd 2048 --ff 768 --heads 32 --kv-heads 4 --head-dim 128 \
-    --stage-routing --expert-pool 8 -o /tmp/qwen3-30b-shape.gguf
-python3 -m saem_gguf inspect /tmp/qwen3-30b-shape.gguf --ecr 0.125 | tee "$OUT/inspect.txt"
-stamp "bench"
-python3 -m saem_gguf bench -m /tmp/qwen3-30b-shape.gguf -ngl 99 -c 2048 \
-    --policies gpu-all,cpu-moe,n-cpu-moe,static-hot,lru,saem --ecr 0.03125,0.125,0.25,0.5 \
-    --replay --max-prompts 3 --reps "$REPS" --json "$OUT/bench.json" | tee "$OUT/bench.md"
-stamp "done"
+LAYERS=${LAYERS:-16}; REPS=${REPS:-3}; JOBS=${JOBS:-16}
+DRY=0; BUNDLE=.device
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --dry-run) DRY=1; shift ;;
+        --bundle) BUNDLE="$2"; shift 2 ;;
+        *) echo "error: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+exec > >(tee -a "$OUT/log.txt") 2>&1
+t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+WORK=$(mktemp -d /tmp/saem-device.XXXX)
+if [[ $DRY == 1 ]]; then
+    PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
+    export PYTHONPATH="$PWD"
+    BUNDLE_KIND=(--cpu)
+else
+    PY=python3
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$BUNDLE"/whl/*.whl
+    export PYTHONPATH="$PWD:$WORK/site:$BUNDLE/py"
+    BUNDLE_KIND=()
+    # cuBLAS and the CUDA runtime: the image's nvidia-* wheels (libggml-cuda's RUNPATH is $ORIGIN)
+    NV_LIBS=$("$PY" - <<'PY'
+import importlib.util, pathlib
+spec = importlib.util.find_spec("nvidia")
+dirs = {str(p.parent) for base in (spec.submodule_search_locations if spec else [])
+        for p in pathlib.Path(base).glob("*/lib/lib*.so*")}
+print(":".join(sorted(dirs)))
+PY
+)
+    export LD_LIBRARY_PATH="$NV_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export PYTHONUNBUFFERED=1
+
+stamp "libraries"
+if [[ -f "$BUNDLE/bundle.json" ]]; then
+    # refuses (exit 1, one line) a bundle built from other sources
+    LIB=$("$PY" -m saem_gguf.build.bundle unpack "${BUNDLE_KIND[@]}" --bundle "$BUNDLE" --dest "$WORK/lib")
+elif [[ -f "$BUNDLE/llama.cpp.tar.gz" && $DRY == 0 ]]; then
+    stamp "no prebuilt libraries in $BUNDLE: compiling the CUDA variant (sm_90, -j $JOBS)"
+    mkdir -p "$WORK/src" && tar -xzf "$BUNDLE/llama.cpp.tar.gz" -C "$WORK/src"
+    cmake -S . -B "$WORK/bld" -G Ninja -DSAEM_LLAMA_SRC="$WORK/src/llama.cpp" -DCMAKE_BUILD_TYPE=Release \
+        -DSAEM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF \
+        -DGGML_CUDA_NO_VMM=ON -DGGML_NATIVE=OFF -DSAEM_BUILD_TESTS=OFF > "$WORK/cmake.log" 2>&1 \
+        || { tail -30 "$WORK/cmake.log"; exit 1; }
+    cmake --build "$WORK/bld" -j "$JOBS" > "$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
+    cmake --install "$WORK/bld" --prefix "$WORK/prefix" > /dev/null
+    LIB="$WORK/prefix/lib"
+else
+    echo "error: $BUNDLE holds neither prebuilt libraries nor the source: run bench/device/prepare.sh" \
+         "${BUNDLE_KIND[*]:+--dry-run }first"
+    exit 1
+fi
+export SAEM_GGUF_LIB_DIR="$LIB"
+
+stamp "environment -> env.txt"
+{
+    echo "== build"; cat "$BUNDLE/bundle.json" 2>/dev/null || echo "compiled here from source"
+    echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "(no nvidia-smi)"
+    echo "== libraries"; ls -la "$LIB"
+    for l in "$LIB"/libllama.so "$LIB"/libggml-cuda.so; do
+        [[ -e $l ]] && { echo "-- ldd $l"; ldd "$l"; }
+    done
+    echo "== python"; "$PY" --version
+} > "$OUT/env.txt" 2>&1
+if grep -q "not found" "$OUT/env.txt"; then
+    grep "not found" "$OUT/env.txt"; echo "error: a library dependency does not resolve (env.txt)"; exit 1
+fi
+
+stamp "device_bench ($([[ $DRY == 1 ]] && echo dry run || echo "$LAYERS layers, $REPS reps"))"
+DB=(--out "$OUT" --layers "$LAYERS" --reps "$REPS")
+[[ $DRY == 1 ]] && DB+=(--dry-run)
+rc=0
+"$PY" bench/device/device_bench.py "${DB[@]}" || rc=$?
+rm -rf "$WORK"
+stamp "done (exit $rc)"
+exit $rc

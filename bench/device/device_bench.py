@@ -1,0 +1,390 @@
+"""The device run's measurements, in order: correctness, the policy bench, the copy/decode overlap.
+
+Called by bench/device/run.sh (on the GPU machine; or with --dry-run here, on the CPU build with
+tiny models, so the script cannot fail there for a reason a CPU could have caught). Each phase
+writes one file into --out and a line to stdout; a failed correctness check stops the run (exit 1)
+before anything is timed, since a bench of wrong results means nothing.
+
+  correctness.json  greedy tokens of cpu-moe / saem / gpu-all at two ECRs (identical?), per expert-
+                    slot mode on a GPU (zero slot, and skipped ids: patch 0007); logits of the GPU
+                    run vs the CPU backend's (a child process with no GPU visible) within a
+                    tolerance; native routing counts vs the per-token routing read back
+  bench.md / .json  decode tok/s (mean ± stddev over reps) and prefill tok/s per policy x ECR, on a
+                    Qwen3-30B-A3B-shaped model (replayed reasoning text: real stage structure)
+  overlap.json      per decode step: time with K async expert copies issued before it, without,
+                    and the copies alone; hidden = copy time not added to the step
+
+  python bench/device/device_bench.py --out DIR [--dry-run] [--layers 16] [--reps 3]
+  python bench/device/device_bench.py logits --model M --tokens T.json --n-prompt N --out L.npy
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from saem_gguf import native_api as na
+from saem_gguf.budget import AUTO
+from saem_gguf.engine import Engine, EngineConfig
+from saem_gguf.gpu_memory import gpu_memory
+from saem_gguf.testmodels import STAGE_PLANT, ModelSpec, ensure_model
+
+PROMPT = ("Question: a train leaves at 3 pm and travels 120 km at 80 km/h. When does it arrive? "
+          "Let me think step by step. First, compute the time.")
+CHECK_POLICIES = ("cpu-moe", "saem", "gpu-all")
+BENCH_POLICIES = ("gpu-all", "cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "saem",
+                  "saem-cue")
+ECR_FREE_POLICIES = ("gpu-all", "cpu-moe")  # measured once: they ignore the cache size
+# GPU vs CPU-backend logits: |diff| <= LOGIT_RTOL * max|logit| per step. The GPU quantizes
+# activations to q8_1 (mmvq) where the CPU uses q8_0, and reduces in another order; 2 % of the
+# logit range bounds that on these models while any wrong expert row moves logits by O(range).
+LOGIT_RTOL = 0.02
+
+
+@dataclass(frozen=True)
+class RunSizes:
+    check_model: ModelSpec
+    bench_model: ModelSpec
+    check_tokens: int  # greedy tokens per correctness run
+    bench_tokens: int  # decode tokens per bench replay
+    reps: int
+    ecrs: tuple[float, ...]
+    check_ecrs: tuple[float, ...]
+    overlap_steps: int
+    overlap_copies: int  # async expert copies issued before each measured step
+    bench_budget_s: float  # the bench stops repeating (noted) once it has used this much
+    n_ctx: int = 1024
+
+
+def sizes(dry_run: bool, layers: int, reps: int) -> RunSizes:
+    if dry_run:
+        tiny = ModelSpec(arch="qwen3moe", expert_type="q4_0", n_layer=2, n_embd=64, n_ff_exp=64,
+                         n_expert=8, n_expert_used=2, n_head=4, n_head_kv=2, head_dim=16,
+                         planted=STAGE_PLANT, name="device-dry-run")
+        return RunSizes(tiny, tiny, check_tokens=12, bench_tokens=12, reps=reps,
+                        ecrs=(0.125, 0.25, 0.5), check_ecrs=(0.25, 0.5), overlap_steps=4,
+                        overlap_copies=2, bench_budget_s=120, n_ctx=512)
+    check = ModelSpec(arch="qwen3moe", expert_type="q4_0", n_layer=4, n_embd=512, n_ff_exp=256,
+                      n_expert=32, n_expert_used=4, n_head=8, n_head_kv=2, head_dim=64,
+                      planted=STAGE_PLANT, name="device-check")
+    # Qwen3-30B-A3B's expert shapes (128 experts, top-8, n_embd 2048, expert FFN 768, GQA 32/4 x 128)
+    bench = ModelSpec(arch="qwen3moe", expert_type="q4_0", n_layer=layers, n_embd=2048, n_ff_exp=768,
+                      n_expert=128, n_expert_used=8, n_head=32, n_head_kv=4, head_dim=128,
+                      expert_pool=8, planted=STAGE_PLANT, name="qwen3-30b-a3b-shape")
+    return RunSizes(check, bench, check_tokens=48, bench_tokens=96, reps=reps,
+                    ecrs=(0.125, 0.25, 0.5), check_ecrs=(0.25, 0.5), overlap_steps=48,
+                    overlap_copies=16, bench_budget_s=210)
+
+
+def _log(msg: str) -> None:
+    print(f"[device-bench] {msg}", flush=True)
+
+
+def _engine(model: Path, policy: str, ecr: float, n_ctx: int) -> Engine:
+    return Engine(EngineConfig(model=model, n_ctx=n_ctx, policy=policy, ecr=ecr, progress=False))
+
+
+@contextlib.contextmanager
+def _zero_slot_mode(value: str | None):
+    """SAEM_MOE_ZERO_SLOT for the cache inits inside (native/moe_cache.cpp reads it at init)."""
+    old = os.environ.get("SAEM_MOE_ZERO_SLOT")
+    if value is None:
+        os.environ.pop("SAEM_MOE_ZERO_SLOT", None)
+    else:
+        os.environ["SAEM_MOE_ZERO_SLOT"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SAEM_MOE_ZERO_SLOT", None)
+        else:
+            os.environ["SAEM_MOE_ZERO_SLOT"] = old
+
+
+def _slots(eng: Engine, ecr: float) -> int:
+    return round(ecr * eng.info.n_expert)
+
+
+def last_logits(eng: Engine) -> np.ndarray:
+    llama_cpp = sys.modules["llama_cpp"]
+    ptr = llama_cpp.llama_get_logits_ith(eng.llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(eng.llm.n_vocab(),)).astype(np.float32).copy()
+
+
+def forced_logits(eng: Engine, tokens: list[int], n_prompt: int) -> np.ndarray:
+    """Logits after the prompt and after each further token, teacher-forced ([1 + T - n_prompt, V])."""
+    eng.reset_sequence()
+    eng.llm.reset()
+    eng.llm.eval(tokens[:n_prompt])
+    rows = [last_logits(eng)]
+    for t in tokens[n_prompt:]:
+        eng.llm.eval([t])
+        rows.append(last_logits(eng))
+    return np.stack(rows)
+
+
+def counts_match_routing(eng: Engine, n_tokens: int) -> dict:
+    """Generate with the native counters reset; compare them with the per-ubatch routing read back."""
+    ctx = eng.llm.ctx
+    n_layers = len(eng.info.moe_layers)
+    seen = np.zeros((n_layers, eng.info.n_expert), np.int64)
+    engine_hook = eng.llm._saem_hook
+
+    def hook(tokens: list[int]) -> None:
+        routing = na.saem_moe_get_last_routing(ctx)
+        for li in range(n_layers):
+            ids = routing[:, li, :].ravel()
+            seen[li] += np.bincount(ids[ids >= 0], minlength=eng.info.n_expert)
+        engine_hook(tokens)
+
+    na.saem_moe_reset_counts(ctx)
+    eng.llm._saem_hook = hook
+    try:
+        eng.generate(PROMPT, n_tokens, 0.0)
+    finally:
+        eng.llm._saem_hook = engine_hook
+    native = np.array([na.saem_moe_get_counts(ctx, layer.index) for layer in eng.info.moe_layers])
+    return {"equal": bool(np.array_equal(native, seen)), "routed_ids": int(seen.sum()),
+            "native_ids": int(native.sum())}
+
+
+def correctness(model: Path, rs: RunSizes, have_gpu: bool, out: Path) -> bool:
+    # on a GPU: the zero-slot device branch (default) and skipped ids (SAEM_MOE_ZERO_SLOT=0, 0007)
+    modes = {"zero-slot": None, "skip-ids": "0"} if have_gpu else {"cpu": None}
+    eng = _engine(model, CHECK_POLICIES[0], rs.check_ecrs[0], rs.n_ctx)
+    report: dict = {"model": str(model), "gpu": have_gpu, "logit_rtol": LOGIT_RTOL, "modes": {}}
+    ok = True
+    try:
+        reference = None
+        for mode, env in modes.items():
+            with _zero_slot_mode(env):
+                runs = {}
+                for ecr in rs.check_ecrs:
+                    for pol in CHECK_POLICIES:
+                        eng.set_placement(pol, _slots(eng, ecr))
+                        runs[f"{pol}@{ecr:g}"] = eng.generate(PROMPT, rs.check_tokens, 0.0).tokens
+                reference = reference or next(iter(runs.values()))
+                same = {k: v == reference for k, v in runs.items()}
+                eng.set_placement("saem", _slots(eng, rs.check_ecrs[0]))
+                counts = counts_match_routing(eng, rs.check_tokens)
+            ok &= all(same.values()) and counts["equal"]
+            report["modes"][mode] = {"greedy_identical": same, "counts": counts}
+            _log(f"correctness [{mode}]: greedy identical {sum(same.values())}/{len(same)}, "
+                 f"native counts == routing: {counts['equal']}")
+        report["tokens"] = reference
+        n_prompt = len(eng.llm.tokenize(PROMPT.encode(), add_bos=False, special=True))
+        seq = eng.llm.tokenize(PROMPT.encode(), add_bos=False, special=True) + list(reference)
+        device = {}
+        for pol, ecr in (("gpu-all", 1.0), ("saem", rs.check_ecrs[0])):
+            eng.set_placement(pol, _slots(eng, ecr))
+            device[pol] = forced_logits(eng, seq, n_prompt)
+    finally:
+        eng.close()
+    cpu = _cpu_backend_logits(model, seq, n_prompt, rs.n_ctx, out)
+    report["logits_vs_cpu"] = {}
+    for pol, logits in device.items():
+        scale = np.abs(cpu).max(axis=1)
+        err = (np.abs(logits - cpu).max(axis=1) / np.maximum(scale, 1e-30))
+        within = bool((err <= LOGIT_RTOL).all())
+        same_argmax = bool((logits.argmax(axis=1) == cpu.argmax(axis=1)).all())
+        report["logits_vs_cpu"][pol] = {"max_rel_err": float(err.max()), "mean_rel_err": float(err.mean()),
+                                        "within_tolerance": within, "same_argmax": same_argmax,
+                                        "steps": int(len(err))}
+        ok &= within
+        _log(f"logits {pol} vs CPU backend: max rel err {err.max():.2e} (tolerance {LOGIT_RTOL}), "
+             f"same argmax every step: {same_argmax}")
+    report["ok"] = bool(ok)
+    (out / "correctness.json").write_text(json.dumps(report, indent=1) + "\n")
+    return bool(ok)
+
+
+def _cpu_backend_logits(model: Path, seq: list[int], n_prompt: int, n_ctx: int, out: Path) -> np.ndarray:
+    """The same sequence's logits from the CPU backend of the same libraries (no GPU visible), cpu-moe."""
+    tok_file, npy = out / "_seq.json", out / "_cpu_logits.npy"
+    tok_file.write_text(json.dumps(seq))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        subprocess.run([sys.executable, __file__, "logits", "--model", str(model), "--tokens", str(tok_file),
+                        "--n-prompt", str(n_prompt), "--n-ctx", str(n_ctx), "--out", str(npy)],
+                       check=True, env=env)
+        return np.load(npy)
+    finally:
+        tok_file.unlink(missing_ok=True)
+        npy.unlink(missing_ok=True)
+
+
+def bench(model: Path, rs: RunSizes, out: Path) -> None:
+    from saem_gguf.defaultmodel.corpus import heldout_examples
+
+    ex = heldout_examples(1, seed=7)[0]
+    auto = Engine(EngineConfig(model=model, n_ctx=rs.n_ctx, policy="saem", vram_budget=AUTO, progress=False))
+    auto_notes = [n for n in auto.notes if "vram-budget" in n or "expert cache" in n]
+    auto.close()
+    for n in auto_notes:
+        _log(n)
+    eng = _engine(model, "cpu-moe", rs.ecrs[0], rs.n_ctx)
+    try:
+        c_toks = eng.llm.tokenize(ex.completion.encode(), add_bos=False, special=True)[: rs.bench_tokens]
+        continuation = eng.llm.detokenize(c_toks).decode("utf-8", errors="ignore")
+        configs = [(p, None) for p in BENCH_POLICIES if p in ECR_FREE_POLICIES]
+        configs += [(p, e) for e in rs.ecrs for p in BENCH_POLICIES if p not in ECR_FREE_POLICIES]
+        rows = {c: {"pp": [], "tg": [], "stats": {}} for c in configs}
+        for pol, ecr in configs:  # warm-up: kernels, planner JIT, pages
+            eng.set_placement(pol, eng.info.n_expert if ecr is None else _slots(eng, ecr))
+            eng.replay(ex.prompt, continuation)
+        t0, reps_done = time.perf_counter(), 0
+        for rep in range(rs.reps):
+            if rep >= 3 and time.perf_counter() - t0 > rs.bench_budget_s:
+                break
+            for pol, ecr in configs:
+                eng.set_placement(pol, eng.info.n_expert if ecr is None else _slots(eng, ecr))
+                res = eng.replay(ex.prompt, continuation)
+                r = rows[(pol, ecr)]
+                r["pp"].append(res.prompt_tokens / res.seconds_prompt)
+                r["tg"].append(len(res.tokens) / res.seconds_decode)
+                r["stats"] = eng.stats()
+            reps_done += 1
+            _log(f"bench rep {rep + 1}: {time.perf_counter() - t0:.0f} s")
+    finally:
+        eng.close()
+    results = []
+    lines = [f"model: {model.name} ({rs.bench_model.n_layer} layers), prompt {res.prompt_tokens} tokens, "
+             f"{len(c_toks)} decode tokens per rep, {reps_done} reps",
+             "", "| policy | ECR | decode tok/s (mean ± sd) | prefill tok/s | hit rate | MB/token |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for (pol, ecr), r in rows.items():
+        tg_mean, tg_sd = statistics.mean(r["tg"]), statistics.stdev(r["tg"]) if len(r["tg"]) > 1 else 0.0
+        pp = statistics.mean(r["pp"])
+        s = r["stats"]
+        results.append({"policy": pol, "ecr": ecr, "decode_tps": r["tg"], "prefill_tps": r["pp"],
+                        "decode_mean": tg_mean, "decode_sd": tg_sd, "prefill_mean": pp,
+                        **{k: s.get(k) for k in ("hit_rate", "mb_moved_per_token", "copies", "boundaries")}})
+        lines.append(f"| {pol} | {'all' if ecr is None else f'{ecr:.1%}'} | {tg_mean:.1f} ± {tg_sd:.1f} | "
+                     f"{pp:.0f} | {s.get('hit_rate', 0):.1%} | {s.get('mb_moved_per_token', 0):.2f} |")
+    table = "\n".join(lines)
+    print(table, flush=True)
+    (out / "bench.md").write_text(table + "\n")
+    (out / "bench.json").write_text(json.dumps({"model": str(model), "spec": asdict(rs.bench_model),
+                                                "reps": reps_done, "decode_tokens": len(c_toks),
+                                                "vram_budget_auto": auto_notes,
+                                                "results": results}, indent=1) + "\n")
+
+
+def overlap(model: Path, rs: RunSizes, out: Path) -> None:
+    """Do async expert copies hide behind decode? Host-timed: each step ends in llama_decode's own
+    synchronisation, and ``copies alone`` ends in saem_moe_copy_sync."""
+    eng = _engine(model, "static-hot", rs.ecrs[-1], rs.n_ctx)
+    try:
+        ctx = eng.llm.ctx
+        toks = eng.llm.tokenize(PROMPT.encode(), add_bos=False, special=True)
+        eng.reset_sequence()
+        eng.llm.reset()
+        eng.llm.eval(toks)
+        # re-copy resident experts into their own slots: real copies, unchanged residency
+        work = [(layer.index, e, s) for layer in eng.info.moe_layers
+                for s, e in enumerate(na.saem_moe_get_slot_owner(ctx, layer.index)) if e >= 0]
+        work = work[: rs.overlap_copies]
+        if not work:
+            raise RuntimeError("overlap: the static-hot placement left no resident expert to copy")
+
+        def copies() -> None:
+            for il, e, s in work:
+                na.saem_moe_copy_expert_async(ctx, il, e, s, True)
+
+        def step(with_copies: bool) -> float:
+            t = time.perf_counter()
+            if with_copies:
+                copies()
+            eng.llm.eval([toks[-1]])
+            return time.perf_counter() - t
+
+        def copy_only() -> float:
+            t = time.perf_counter()
+            copies()
+            na.saem_moe_copy_sync(ctx)
+            return time.perf_counter() - t
+
+        for _ in range(3):
+            step(False), step(True), copy_only()
+        plain, with_c, alone = [], [], []
+        for _ in range(rs.overlap_steps):  # interleaved, so drift hits all three alike
+            plain.append(step(False))
+            with_c.append(step(True))
+            alone.append(copy_only())
+    finally:
+        eng.close()
+    med = statistics.median
+    exposed = max(0.0, med(with_c) - med(plain))
+    hidden = max(0.0, med(alone) - exposed)
+    nbytes = sum(eng.info.moe_layers[0].bytes_per_expert for _ in work)
+    rep = {"copies_per_step": len(work), "bytes_per_step": nbytes,
+           "step_ms_median": med(plain) * 1e3, "step_with_copies_ms_median": med(with_c) * 1e3,
+           "copies_alone_ms_median": med(alone) * 1e3, "exposed_ms": exposed * 1e3,
+           "hidden_ms": hidden * 1e3, "hidden_fraction": hidden / med(alone) if med(alone) > 0 else None,
+           "copy_GBps": nbytes / med(alone) / 1e9 if med(alone) > 0 else None,
+           "steps": rs.overlap_steps, "timing": "host perf_counter around synchronising calls"}
+    _log(f"overlap: {len(work)} copies ({nbytes / 2**20:.1f} MiB) alone {rep['copies_alone_ms_median']:.2f} ms, "
+         f"step {rep['step_ms_median']:.2f} ms -> {rep['step_with_copies_ms_median']:.2f} ms with copies "
+         f"(exposed {rep['exposed_ms']:.2f} ms, hidden {rep['hidden_ms']:.2f} ms)")
+    (out / "overlap.json").write_text(json.dumps(rep, indent=1) + "\n")
+
+
+def _logits_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--tokens", type=Path, required=True)
+    ap.add_argument("--n-prompt", type=int, required=True)
+    ap.add_argument("--n-ctx", type=int, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    eng = _engine(a.model, "cpu-moe", 0.25, a.n_ctx)
+    try:
+        np.save(a.out, forced_logits(eng, json.loads(a.tokens.read_text()), a.n_prompt))
+    finally:
+        eng.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["logits"]:
+        return _logits_main(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true", help="tiny models (this machine's CPU build)")
+    ap.add_argument("--layers", type=int, default=16, help="layers of the bench model (16)")
+    ap.add_argument("--reps", type=int, default=3, help="bench repetitions (3)")
+    ap.add_argument("--models", type=Path, default=None,
+                    help="where the generated models are cached (default: the test-model cache)")
+    a = ap.parse_args(argv)
+    rs = sizes(a.dry_run, a.layers, a.reps)
+    a.out.mkdir(parents=True, exist_ok=True)
+    gpus = gpu_memory()
+    _log("GPUs: " + (", ".join(f"{g.name} {g.description} {g.free_bytes / 2**30:.1f}/"
+                               f"{g.total_bytes / 2**30:.1f} GiB free" for g in gpus) or "none"))
+    t = time.perf_counter()
+    check_model = ensure_model(rs.check_model, a.models)
+    _log(f"check model written in {time.perf_counter() - t:.1f} s")
+    if not correctness(check_model, rs, bool(gpus), a.out):
+        _log("CORRECTNESS FAILED: see correctness.json; nothing was timed")
+        return 1
+    t = time.perf_counter()
+    bench_model = ensure_model(rs.bench_model, a.models)
+    _log(f"bench model ready in {time.perf_counter() - t:.1f} s ({bench_model.stat().st_size / 2**30:.2f} GiB)")
+    bench(bench_model, rs, a.out)
+    overlap(bench_model, rs, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
