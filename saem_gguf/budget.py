@@ -91,3 +91,33 @@ def plan_from_ecr(info: ModelInfo, ecr: float, n_ctx: int = 4096,
         f"ECR {ecr:g} rounded to {slots}/{info.n_expert} slots per layer")
     return CachePlan(n_ctx, slots, slots / info.n_expert, ne + kv + comp + cache, ne, kv, comp, cache,
                      note)
+
+
+# --vram-budget auto: what is left free on the GPU. The reserved compute buffers cover a graph's
+# tensors, but CUDA's memory pool also grows during decode (quantized activations, MUL_MAT_ID
+# scratch) and the driver keeps some for itself: 1 GiB plus 2 % of the card.
+AUTO = "auto"
+AUTO_MARGIN_BYTES = 1 << 30
+AUTO_MARGIN_FRACTION = 0.02
+
+
+def auto_margin(total_bytes: int) -> int:
+    return AUTO_MARGIN_BYTES + int(AUTO_MARGIN_FRACTION * total_bytes)
+
+
+def plan_auto(info: ModelInfo, free_bytes: int, total_bytes: int, n_ctx: int = 4096) -> CachePlan:
+    """Before loading: free VRAM minus the margin is the budget; the non-expert weights, KV cache
+    and compute buffers are taken out of it as ``inspect`` estimates them (plan_from_budget)."""
+    budget = free_bytes - auto_margin(total_bytes)
+    try:
+        return plan_from_budget(info, max(budget, 0), n_ctx)
+    except SaemError as e:
+        raise SaemError(f"--vram-budget auto: {format_size(free_bytes)} free on the GPU, "
+                        f"{format_size(auto_margin(total_bytes))} kept as margin; {e}") from None
+
+
+def slots_fitting(info: ModelInfo, free_bytes: int, total_bytes: int) -> int:
+    """After loading: expert slots per layer that fit in what llama.cpp left free (its weights, KV
+    cache and compute buffers are allocated by then), keeping the margin."""
+    room = free_bytes - auto_margin(total_bytes)
+    return int(max(0, min(info.n_expert, room // info.bytes_per_expert_all_layers)))

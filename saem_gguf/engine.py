@@ -24,9 +24,12 @@ from typing import Any, Callable, Iterator, TextIO
 import numpy as np
 
 from saem_gguf import numa
-from saem_gguf.budget import format_size, plan_from_budget, plan_from_ecr
+from saem_gguf.budget import (
+    AUTO, auto_margin, format_size, plan_auto, plan_from_budget, plan_from_ecr, slots_fitting,
+)
 from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo, read_model_info
+from saem_gguf.gpu_memory import gpu_memory
 from saem_gguf.llama_lib import load_llama_cpp
 from saem_gguf.trace import ModelSignature, SequenceTrace
 
@@ -46,7 +49,7 @@ class EngineConfig:
     numa: str = "off"
     policy: str = "saem"
     ecr: float | None = None
-    vram_budget: int | None = None
+    vram_budget: int | str | None = None  # bytes, or budget.AUTO (free VRAM; the default with a GPU)
     profile: Path | None = None
     hw: str = "rtx4090-ddr5"  # cost-model preset the policy prices CPU runs vs copies with
     # sampling seed, llama.cpp's meaning: any value is a fixed seed (0 too); None or -1: a random
@@ -306,6 +309,7 @@ class Engine:
         self._llama_cpp = llama_cpp
         self.placement = None
         self.policy_name = "off"
+        self._auto_gpu = None
         slots = self._slots_per_layer()
         n_threads = cfg.n_threads or max(1, len(self.numa_plan.cpus))
         Cls = construct or _make_llama_class(llama_cpp)
@@ -335,7 +339,7 @@ class Engine:
         self._pieces: list[bytes] = []
         self._trace_tokens: list[int] = []
         if slots is not None:
-            self._attach_placement(slots)
+            self._attach_placement(self._auto_slots_after_load(slots))
         self.llm._saem_hook = self._on_ubatch
         self._setup_generation()
 
@@ -364,7 +368,18 @@ class Engine:
             self.note(f"{info.architecture} is a dense model: expert management is off "
                       f"(--policy {cfg.policy} has nothing to place)")
             return None
-        if cfg.vram_budget is not None:
+        gpus = gpu_memory() if cfg.vram_budget == AUTO or (cfg.vram_budget is None and cfg.ecr is None) else []
+        self._auto_gpu = gpus[0] if gpus else None  # sized from free VRAM, corrected after loading
+        if self._auto_gpu is not None:
+            g = self._auto_gpu
+            plan = plan_auto(info, g.free_bytes, g.total_bytes, cfg.n_ctx)
+            self.note(f"--vram-budget auto: {g.description or g.name} has {format_size(g.free_bytes)} free "
+                      f"of {format_size(g.total_bytes)}; keeping {format_size(auto_margin(g.total_bytes))}")
+        elif cfg.vram_budget == AUTO:
+            self.note(f"--vram-budget auto: no GPU (a CPU-only build, or none visible): the expert cache "
+                      f"uses the default ECR {DEFAULT_ECR:.0%}")
+            plan = plan_from_ecr(info, DEFAULT_ECR, cfg.n_ctx)
+        elif cfg.vram_budget is not None:
             plan = plan_from_budget(info, cfg.vram_budget, cfg.n_ctx)
         else:
             plan = plan_from_ecr(info, DEFAULT_ECR if cfg.ecr is None else cfg.ecr, cfg.n_ctx)
@@ -373,6 +388,20 @@ class Engine:
                   f"(ECR {plan.ecr:.1%}, {format_size(plan.cache_bytes)})"
                   + (f"; {plan.note}" if plan.note else ""))
         return plan.slots_per_layer
+
+    def _auto_slots_after_load(self, planned: int) -> int:
+        """--vram-budget auto: what llama.cpp left free once the weights, KV cache and compute
+        buffers are allocated replaces the estimate the plan was made with, if it is smaller."""
+        g = self._auto_gpu
+        if g is None:
+            return planned
+        now = next((x for x in gpu_memory() if x.name == g.name), g)
+        fits = slots_fitting(self.info, now.free_bytes, now.total_bytes)
+        slots = min(planned, fits)
+        self.note(f"--vram-budget auto: {format_size(now.free_bytes)} free after loading: {fits} slots per "
+                  f"layer fit, {planned} estimated before; using {slots}/{self.info.n_expert} "
+                  f"(ECR {slots / self.info.n_expert:.1%})")
+        return slots
 
     def _attach_placement(self, slots: int) -> None:
         from saem_gguf import native_api as na

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from saem_gguf.budget import parse_ecr, parse_size
+from saem_gguf.budget import AUTO, parse_ecr, parse_size
 from saem_gguf.numa import NUMA_MODES
 
 if TYPE_CHECKING:
@@ -42,6 +42,10 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _vram_budget(text: str) -> int | str:
+    return AUTO if text.strip().lower() == AUTO else _size(text)
+
+
 def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     g = p.add_argument_group("model (llama.cpp flags)")
     g.add_argument("-m", "--model", type=Path, required=model_required, default=None,
@@ -72,8 +76,9 @@ def add_placement_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
         x = g.add_mutually_exclusive_group()
         x.add_argument("--ecr", type=_ecr, default=None, metavar="R",
                        help="expert cache ratio: slots per layer / n_expert (default 0.25)")
-        x.add_argument("--vram-budget", type=_size, default=None, metavar="SIZE",
-                       help="device memory for the model, e.g. 8G: sizes the expert cache")
+        x.add_argument("--vram-budget", type=_vram_budget, default=None, metavar="SIZE",
+                       help="device memory for the model, e.g. 8G, or auto (free GPU memory at start "
+                            "minus a margin; the default when a GPU is present): sizes the expert cache")
     g.add_argument("--profile", type=Path, default=None, metavar="PROFILE.json",
                    help="calibration profile (cue set, thresholds) from `calibrate`")
 
