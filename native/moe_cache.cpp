@@ -357,6 +357,14 @@ void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {
         return;
     }
 
+    // the CUDA skip of negative ids (patch 0007) covers the quantized paths only
+    bool all_quantized = true;
+    for (int il = 0; il < n_layers; ++il) {
+        for (int k = 0; n_slots[il] > 0 && k < layers[il].n_mats; ++k) {
+            all_quantized = all_quantized && ggml_is_quantized(layers[il].h_mat[k]->type);
+        }
+    }
+
     // group the layers by device, one tensor context + buffer per device
     for (int il = 0; il < n_layers; ++il) {
         if (n_slots[il] == 0) {
@@ -378,10 +386,11 @@ void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {
             d.buft    = ggml_backend_dev_buffer_type(dev);
             d.is_host = ggml_backend_buft_is_host(d.buft);
             // SAEM_MOE_ZERO_SLOT=1 (zero slot) / =2 (+ aux copies): the GPU scheme on the CPU (test
-            // hook); =0: non-resident rows skipped on a GPU too (patch 0007; quantized experts only)
+            // hook); =0: non-resident rows skipped on a GPU too (patch 0007), where the CUDA skip
+            // is implemented: quantized expert matrices (mmvq/mmq), else the zero slot stays
             const char * zs = getenv("SAEM_MOE_ZERO_SLOT");
             const int zsv = zs ? atoi(zs) : -1;
-            d.zero_slot = zsv >= 1 || (!d.is_host && zsv != 0);
+            d.zero_slot = zsv >= 1 || (!d.is_host && (zsv != 0 || !all_quantized));
             d.copy_aux  = !d.is_host || zsv >= 2;
             ggml_init_params ip = {
                 /*.mem_size   =*/ ggml_tensor_overhead() * 16 * layers.size(),

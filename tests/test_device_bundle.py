@@ -4,6 +4,7 @@ bit-identical, and refuses a bundle built from other sources, or a library that 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -86,3 +87,21 @@ def test_missing_or_corrupt_bundle(bundle, tmp_path):
     (broken / MANIFEST).write_text("{not json")
     with pytest.raises(BuildError, match="not a device bundle manifest"):
         check(broken, CPU)
+
+
+def test_link_check_of_the_build_and_of_an_incomplete_set(lib_dir, tmp_path):
+    from saem_gguf.build import link_check
+
+    rep = link_check.check(lib_dir)
+    assert rep.ok, (rep.libraries, rep.missing)
+    assert rep.native_symbols >= 25 and rep.binding_symbols > 200
+    # libllama without the library it needs: ldd -r complains, and our API is missing
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copy((lib_dir / "libllama.so").resolve(), part / "libllama.so")
+    rep = link_check.check(part)
+    assert not rep.ok and "not found" in rep.libraries["libllama.so"]
+    assert not any(m.startswith("saem_") for m in rep.missing)  # libllama itself exports them
+    r = subprocess.run([sys.executable, "-m", "saem_gguf.build.link_check", str(part)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "error: the library set does not link completely" in r.stderr

@@ -23,9 +23,11 @@ while [[ $# -gt 0 ]]; do
         *) echo "error: unknown argument $1" >&2; exit 2 ;;
     esac
 done
+[[ -d $BUNDLE ]] && BUNDLE=$(cd "$BUNDLE" && pwd)  # PYTHONPATH and children need it absolute
 exec > >(tee -a "$OUT/log.txt") 2>&1
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 WORK=$(mktemp -d /tmp/saem-device.XXXX)
+trap 'rm -rf "$WORK"' EXIT
 if [[ $DRY == 1 ]]; then
     PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
     export PYTHONPATH="$PWD"
@@ -79,8 +81,8 @@ stamp "environment -> env.txt"
     done
     echo "== python"; "$PY" --version
 } > "$OUT/env.txt" 2>&1
-if grep -q "not found" "$OUT/env.txt"; then
-    grep "not found" "$OUT/env.txt"; echo "error: a library dependency does not resolve (env.txt)"; exit 1
+if grep -q "=> not found" "$OUT/env.txt"; then
+    grep "=> not found" "$OUT/env.txt"; echo "error: a library dependency does not resolve (env.txt)"; exit 1
 fi
 
 stamp "device_bench ($([[ $DRY == 1 ]] && echo dry run || echo "$LAYERS layers, $REPS reps"))"
@@ -88,6 +90,5 @@ DB=(--out "$OUT" --layers "$LAYERS" --reps "$REPS")
 [[ $DRY == 1 ]] && DB+=(--dry-run)
 rc=0
 "$PY" bench/device/device_bench.py "${DB[@]}" || rc=$?
-rm -rf "$WORK"
 stamp "done (exit $rc)"
 exit $rc

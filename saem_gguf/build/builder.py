@@ -95,10 +95,12 @@ def _cublas_cmake_args(root: Path, links: Path) -> list[str]:
         link.unlink(missing_ok=True)
         link.symlink_to(found[0])
     inc = f"-I{root / 'include'}"
+    # executables linked against libggml-cuda (native/tests) need its libcublas.so.13 at link time
+    rpath_link = f"-Wl,-rpath-link,{root / 'lib'}"
     return [f"-DCUDA_cublas_LIBRARY={links / 'libcublas.so'}",
             f"-DCUDA_cublasLt_LIBRARY={links / 'libcublasLt.so'}",
             f"-DCMAKE_CUDA_FLAGS={inc}", f"-DCMAKE_CXX_FLAGS={inc}",
-            f"-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath-link,{links}"]
+            f"-DCMAKE_SHARED_LINKER_FLAGS={rpath_link}", f"-DCMAKE_EXE_LINKER_FLAGS={rpath_link}"]
 
 
 def _cpu_signature() -> str:
