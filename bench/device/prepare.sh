@@ -11,13 +11,13 @@
 #   bash bench/device/prepare.sh                      # and, with the device tool:
 #   run(command="bash bench/device/run.sh", carry=[".device"], timeout_s=560)
 #
-#   bash bench/device/prepare.sh --dry-run [--bundle DIR]   # this machine's CPU build, no download:
-#                                                          # what `run.sh --dry-run` unpacks
+#   bash bench/device/prepare.sh --dry-run [--bundle DIR]   # this machine's CPU build, no download,
+#       (default /tmp/saem-device-dry, never .device/): what `run.sh --dry-run` unpacks
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-$( [[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3 )}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-DRY=0; BUNDLE=.device; ARCH=90
+DRY=0; BUNDLE=; ARCH=90
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --dry-run) DRY=1; shift ;;
@@ -26,6 +26,8 @@ while [[ $# -gt 0 ]]; do
         *) echo "error: unknown argument $1" >&2; exit 2 ;;
     esac
 done
+# the dry run's CPU bundle never replaces the device bundle in .device/
+[[ -z $BUNDLE ]] && BUNDLE=$( [[ $DRY == 1 ]] && echo /tmp/saem-device-dry || echo .device )
 LIMIT_MIB=48  # the work tree travels with at most 64 MiB; leave room for the tree itself
 
 rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/py"

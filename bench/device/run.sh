@@ -8,14 +8,15 @@
 # With prebuilt libraries whose build key is not the current sources' the run stops at once (a
 # stale bundle); with only the source in the bundle it compiles first (minutes).
 #
-#   bash bench/device/run.sh --dry-run [--bundle DIR]   # HERE, on the CPU build, tiny models:
+#   bash bench/device/run.sh --dry-run [--bundle DIR]   # HERE, on the CPU build (bundle from
+#       prepare.sh --dry-run, default /tmp/saem-device-dry), tiny models:
 #       the same steps, so the script never fails on the device for a reason a CPU could catch.
 # Env: OUT (/tmp/saem-out), LAYERS (16), REPS (3), JOBS (16, fallback compile only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/saem-out}; mkdir -p "$OUT"
 LAYERS=${LAYERS:-16}; REPS=${REPS:-3}; JOBS=${JOBS:-16}
-DRY=0; BUNDLE=.device
+DRY=0; BUNDLE=
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --dry-run) DRY=1; shift ;;
@@ -23,6 +24,8 @@ while [[ $# -gt 0 ]]; do
         *) echo "error: unknown argument $1" >&2; exit 2 ;;
     esac
 done
+# the dry run's CPU bundle never replaces the device bundle in .device/
+[[ -z $BUNDLE ]] && BUNDLE=$( [[ $DRY == 1 ]] && echo /tmp/saem-device-dry || echo .device )
 [[ -d $BUNDLE ]] && BUNDLE=$(cd "$BUNDLE" && pwd)  # PYTHONPATH and children need it absolute
 exec > >(tee -a "$OUT/log.txt") 2>&1
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
