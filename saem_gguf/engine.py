@@ -368,7 +368,8 @@ class Engine:
             self.note(f"{info.architecture} is a dense model: expert management is off "
                       f"(--policy {cfg.policy} has nothing to place)")
             return None
-        gpus = gpu_memory() if cfg.vram_budget == AUTO or (cfg.vram_budget is None and cfg.ecr is None) else []
+        auto = cfg.vram_budget == AUTO or (cfg.vram_budget is None and cfg.ecr is None)
+        gpus = gpu_memory() if auto else []
         self._auto_gpu = gpus[0] if gpus else None  # sized from free VRAM, corrected after loading
         if self._auto_gpu is not None:
             g = self._auto_gpu

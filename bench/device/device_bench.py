@@ -151,7 +151,7 @@ def counts_match_routing(eng: Engine, n_tokens: int) -> dict:
     na.saem_moe_reset_counts(ctx)
     eng.llm._saem_hook = hook
     try:
-        eng.generate(PROMPT, n_tokens, 0.0)
+        eng.generate(PROMPT, n_tokens)
     finally:
         eng.llm._saem_hook = engine_hook
     native = np.array([na.saem_moe_get_counts(ctx, layer.index) for layer in eng.info.moe_layers])
@@ -183,7 +183,7 @@ def correctness(model: Path, rs: RunSizes, have_gpu: bool, out: Path) -> bool:
                 for ecr in rs.check_ecrs:
                     for pol in CHECK_POLICIES:
                         eng.set_placement(pol, _slots(eng, ecr))
-                        runs[f"{pol}@{ecr:g}"] = eng.generate(PROMPT, rs.check_tokens, 0.0).tokens
+                        runs[f"{pol}@{ecr:g}"] = eng.generate(PROMPT, rs.check_tokens).tokens
                 if reference is None:
                     reference = next(iter(runs.values()))
                 diverge = {k: _first_divergence(v, reference) for k, v in runs.items()}
