@@ -7,7 +7,8 @@ run (exit 1), but the bench still runs, marked invalid: device minutes are scarc
 help find the fault.
 
   correctness.json  greedy tokens of cpu-moe / saem / gpu-all at two ECRs (identical?), per expert-
-                    slot mode on a GPU (zero slot, and skipped ids: patch 0007); logits of the GPU
+                    slot mode on a GPU (zero slot, and skipped ids: patch 0007); teacher-forced
+                    logits (ubatches of 1, 3 and 12 tokens: mmvq, its MoE kernel, mmq) of the GPU
                     run vs the CPU backend's (a child process with no GPU visible) within a
                     tolerance; native routing counts vs the per-token routing read back
   bench.md / .json  decode tok/s (mean ± stddev over reps) and prefill tok/s per policy x ECR, on a
@@ -46,6 +47,8 @@ CHECK_POLICIES = ("cpu-moe", "saem", "gpu-all")
 BENCH_POLICIES = ("gpu-all", "cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "saem",
                   "saem-cue")
 ECR_FREE_POLICIES = ("gpu-all", "cpu-moe")  # measured once: they ignore the cache size
+# ubatch sizes of the teacher-forced logits: 1 (mmvq), 3 (mmvq's multi-token MoE kernel), 12 (mmq)
+FORCED_UBATCHES = (1, 3, 12)
 # GPU vs CPU-backend logits: |diff| <= LOGIT_RTOL * max|logit| per step. The GPU quantizes
 # activations to q8_1 (mmvq) where the CPU uses q8_0, and reduces in another order; 2 % of the
 # logit range bounds that on these models while any wrong expert row moves logits by O(range).
@@ -123,14 +126,19 @@ def last_logits(eng: Engine) -> np.ndarray:
 
 
 def forced_logits(eng: Engine, tokens: list[int], n_prompt: int) -> np.ndarray:
-    """Logits after the prompt and after each further token, teacher-forced ([1 + T - n_prompt, V])."""
+    """Teacher-forced logits of the last token of each ubatch: the prompt (>= 32 tokens: the stock
+    graph), then the rest in ubatches of FORCED_UBATCHES sizes in turn, so the device branch runs
+    every CUDA MUL_MAT_ID path it takes below stock_min_batch."""
     eng.reset_sequence()
     eng.llm.reset()
     eng.llm.eval(tokens[:n_prompt])
     rows = [last_logits(eng)]
-    for t in tokens[n_prompt:]:
-        eng.llm.eval([t])
+    i, k = n_prompt, 0
+    while i < len(tokens):
+        n = FORCED_UBATCHES[k % len(FORCED_UBATCHES)]
+        eng.llm.eval(tokens[i:i + n])
         rows.append(last_logits(eng))
+        i, k = i + n, k + 1
     return np.stack(rows)
 
 
