@@ -28,9 +28,10 @@ from saem_gguf.budget import (
     AUTO, auto_margin, format_size, plan_auto, plan_from_budget, plan_from_ecr, slots_fitting,
 )
 from saem_gguf.errors import SaemError
-from saem_gguf.gguf_info import ModelInfo, read_model_info
+from saem_gguf.gguf_info import ModelInfo
 from saem_gguf.gpu_memory import gpu_memory
 from saem_gguf.llama_lib import load_llama_cpp
+from saem_gguf.resources import checked_engine_inputs
 from saem_gguf.trace import ModelSignature, SequenceTrace
 
 DEFAULT_ECR = 0.25
@@ -290,16 +291,11 @@ class Engine:
                  construct: Callable[..., Any] | None = None) -> None:
         """``construct``: called with the ``Llama`` keyword arguments in place of the SaemLlama
         class, to load into an existing object (saem_gguf.Llama does: it is the engine's llm)."""
-        self.cfg = cfg
         self.notes: list[str] = []
         self._log = log or (lambda s: None)
-        path = cfg.model
-        if path is None:
-            from saem_gguf.default_model import default_model_path
-
-            path = default_model_path()
-        self.info: ModelInfo = read_model_info(path)
-        self.path = Path(path)
+        # the model file against what llama.cpp asserts on, -c against memory, -t clamped
+        self.cfg, self.info, self.path = checked_engine_inputs(cfg, self.note)
+        cfg = self.cfg
         if cfg.ecr is not None and cfg.vram_budget is not None:
             raise SaemError("give --ecr or --vram-budget, not both")
         self.numa_plan = numa.plan(cfg.numa)

@@ -1,7 +1,8 @@
 """What a GGUF holds, read with the `gguf` package (no llama.cpp load): the MoE shape and its bytes.
 
-Every way a file can be wrong (missing, a directory, not GGUF, truncated, absurd metadata) ends
-in GGUFFormatError with a one-line message; nothing here lets a raw exception through.
+Every way a file can be wrong (missing, a directory, not GGUF, truncated, absurd metadata, and
+everything llama.cpp would abort on: model_check) ends in GGUFFormatError with a one-line message;
+nothing here lets a raw exception through.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from saem_gguf.errors import GGUFFormatError
+from saem_gguf.model_check import check_model
 
 GGUF_MAGIC = b"GGUF"
 # Routed-expert tensors (and their per-expert biases/scales): llama.cpp's LLM_FFN_EXPS_REGEX.
@@ -120,7 +122,8 @@ def _int_field(reader, key: str, default: int, lo: int = 0, hi: int = 1 << 31) -
     return v
 
 
-def read_model_info(path: str | Path) -> ModelInfo:
+def read_model_info(path: str | Path, for_load: bool = False) -> ModelInfo:
+    """The file's MoE shape; ``for_load`` also requires every key a llama.cpp load needs."""
     path = Path(path)
     _check_header(path)
     try:
@@ -133,6 +136,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GGUFFormatError(f"{path}: truncated or corrupt GGUF ({msg})") from None
     try:
+        check_model(reader, path.stat().st_size, for_load)
         return _info_from_reader(path, reader)
     except GGUFFormatError as e:
         raise GGUFFormatError(f"{path}: {e}") from None
@@ -165,12 +169,8 @@ def _info_from_reader(path: Path, reader) -> ModelInfo:
     expert_bytes = total_bytes = 0
     types: set[str] = set()
     has_shexp = False
-    for t in reader.tensors:
+    for t in reader.tensors:  # offsets, sizes and types: checked by check_model
         nbytes = int(t.n_bytes)
-        end = int(t.data_offset) + nbytes
-        if end > file_bytes:
-            raise GGUFFormatError(f"tensor {t.name} ends at byte {end}, past the end of the file "
-                                  f"({file_bytes} bytes): truncated")
         total_bytes += nbytes
         if SHARED_EXPERT_TENSOR.match(t.name):
             has_shexp = True

@@ -3,7 +3,10 @@ policy, one column per batch size."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from saem_gguf.errors import SaemError
+from saem_gguf.fileio import atomic_output
 
 _LABELS = {"hit_rate": "hit rate (%)", "adj_hit_rate": "adjusted hit rate (%)", "tok_s": "estimated tokens/s",
            "load_mb_per_token": "Load (MB/token)", "cpu_share": "CPU-executed share (%)"}
@@ -72,9 +75,11 @@ def plot_results(result, path: str, metrics: tuple[str, ...] = ("hit_rate", "tok
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0, 1, 0.97 if title else 1))
     try:
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-    except OSError as e:
-        raise SaemError(f"{path}: cannot write plot ({e.strerror or e})") from None
+        # the format named by the target's extension (simulate checked it), not matplotlib's guess
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight", format=Path(path).suffix.lstrip(".").lower() or "png")
+    except (OSError, ValueError) as e:
+        raise SaemError(f"{path}: cannot write plot ({getattr(e, 'strerror', None) or e})") from None
     finally:
         plt.close(fig)
     return path

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from saem_gguf.errors import SaemError
+from saem_gguf.fileio import atomic_open
 
 
 @dataclass
@@ -189,16 +190,11 @@ def save_traces(ts: TraceSet, path: str, compress: bool = True) -> None:
     except (TypeError, ValueError) as e:
         raise TraceError(f"trace meta is not JSON-serialisable: {e}") from None
     arrays["header"] = np.frombuffer(hdr, np.uint8)
-    # Write to a buffer first so an exception never leaves a half-written file behind.
+    # Built in memory, then written atomically: a failure never leaves a half-written file.
     buf = io.BytesIO()
     (np.savez_compressed if compress else np.savez)(buf, **arrays)
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise SaemError(f"{path}: cannot write trace ({e.strerror or e})") from None
+    with atomic_open(path, "wb") as f:
+        f.write(buf.getvalue())
 
 
 def _json_default(o):

@@ -17,6 +17,7 @@ from saem_gguf.budget import parse_ecr
 from saem_gguf.cli.common import add_model_args
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.errors import SaemError
+from saem_gguf.fileio import check_output_path, write_text_atomic
 from saem_gguf.prompts import load_prompts
 
 
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     ecrs = [parse_ecr(x) for x in _split(args.ecr, "ecr")]
     if args.reps < 1 or args.n_predict < 1:
         raise SaemError("--reps and -n must be >= 1")
+    if args.max_prompts < 1 or (args.n_prompt is not None and args.n_prompt < 1):
+        raise SaemError("--max-prompts and -p must be >= 1")
+    if args.json_out:
+        check_output_path(args.json_out, "--json")
     eng = open_engine(args, policy=policies[0], ecr=ecrs[0])
     try:
         if not eng.info.is_moe:
@@ -107,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
     table, out = _report(rows, configs, policies, args, eng)
     print(table)
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(out, f, indent=2)
+        write_text_atomic(args.json_out, json.dumps(out, indent=2))
     return 0
 
 

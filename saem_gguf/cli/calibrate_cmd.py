@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from saem_gguf.cli.common import add_model_args
+from saem_gguf.fileio import check_output_path
 from saem_gguf.trace import TraceSet, check_signature, load_traces
 
 
@@ -32,17 +33,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from saem_gguf.cli.trace_cmd import check_n_predict
     from saem_gguf.engine import FAMILY_CUES
     from saem_gguf.errors import SaemError
     from saem_gguf.simulator import calibration_counts
     from saem_gguf.stage.calibrate import CalibrationConfig, calibrate_traceset
     from saem_gguf.stage.cues import CueSet
 
-    ts = _traces(args)
-    arch = ts.signature.arch
-    candidates = CueSet.load(args.cues or FAMILY_CUES.get(arch, "general"))
+    check_output_path(args.output, "calibrate -o")
     if args.min_stage_tokens < 1:
         raise SaemError("--min-stage-tokens must be >= 1")
+    if args.prompts is not None:
+        check_n_predict(args.n_predict)
+    ts = _traces(args)
+    if not ts.sequences or not any(s.n_tokens for s in ts.sequences):
+        raise SaemError("no traced tokens to calibrate on")
+    arch = ts.signature.arch
+    candidates = CueSet.load(args.cues or FAMILY_CUES.get(arch, "general"))
     prof = calibrate_traceset(ts, candidates, CalibrationConfig(min_stage_tokens=args.min_stage_tokens))
     counts = calibration_counts(ts, ts.signature.n_layer, ts.signature.n_expert)
     prof.stats["expert_counts"] = counts.astype(int).tolist()

@@ -1,18 +1,29 @@
-"""Entry point: builds the argparse tree from the subcommand modules and maps errors to exit codes.
+"""Entry point: builds the argparse tree from the subcommand modules and maps errors and signals
+to exit codes.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func=run`` with ``run(args) -> int``. A module listed here that is not present yet is skipped,
 so parallel work can add commands without touching this file.
+
+Exit codes: 0 done; 1 bad input (one ``error: ...`` line on stderr); 2 usage (argparse);
+130 Ctrl-C (SIGINT); 128 + signal for SIGTERM (143) and SIGHUP (129), after the same cleanup as
+Ctrl-C (temporary output files removed, the model closed). ``SAEM_DEBUG=1`` re-raises unexpected
+exceptions with their traceback instead of the one-line ``internal error``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
 import sys
+import threading
+from typing import Iterator
 
 from saem_gguf import __version__
-from saem_gguf.errors import SaemError, UsageError
+from saem_gguf.errors import SaemError, Terminated, UsageError
 
 # Order is the order shown by --help.
 COMMANDS = (
@@ -26,6 +37,7 @@ COMMANDS = (
     "simulate",
     "build",
 )
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,22 +61,68 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def terminating_signals_raise() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise Terminated in the main thread (Python's default
+    would end the process without running any ``finally``); the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, _frame) -> None:
+        raise Terminated(signum)
+
+    previous = {s: signal.signal(s, raise_terminated) for s in TERMINATING_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    with terminating_signals_raise():
+        return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _fail(str(e))
         return 2
     except SaemError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _fail(str(e))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly, and keep the interpreter's final flush of
+        # stdout from raising a second BrokenPipeError at exit
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"{where}{e.strerror or e}")
+    except MemoryError:
+        return _fail("out of memory (lower -c, or use a smaller model)")
+    except Exception as e:  # noqa: BLE001 - a bug must still end in one line, not a traceback
+        if os.environ.get("SAEM_DEBUG"):
+            raise
+        first = str(e).splitlines()[0] if str(e) else ""
+        return _fail(f"internal error ({type(e).__name__}{': ' + first if first else ''}); "
+                     "SAEM_DEBUG=1 shows the traceback")
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1

@@ -7,6 +7,7 @@ import json
 import sys
 
 from saem_gguf.errors import SaemError
+from saem_gguf.fileio import PLOT_SUFFIXES, check_output_path, write_text_atomic
 
 
 def _floats(s: str) -> tuple[float, ...]:
@@ -120,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
         raise SaemError("--ecr values must be in (0, 100]")
     if not args.batch or any(b < 1 for b in args.batch):
         raise SaemError("--batch values must be >= 1")
+    if args.json and args.json != "-":
+        check_output_path(args.json, "--json")
+    if args.plot:
+        check_output_path(args.plot, "--plot", suffixes=PLOT_SUFFIXES)
 
     if args.synthetic:
         ts, calib = _synthetic(args)
@@ -133,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
             if not 0 <= args.calib_frac < 1:
                 raise SaemError("--calib-frac must be in [0, 1)")
             ts, calib = split_calibration(ts, args.calib_frac)
+        if not ts.sequences:
+            raise SaemError(f"{args.trace}: no sequences left to replay"
+                            + ("" if args.calib_trace else f" after holding out --calib-frac {args.calib_frac}"))
 
     from saem_gguf.costmodel import get_hw
 
@@ -169,11 +177,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            try:
-                with open(args.json, "w", encoding="utf-8") as f:
-                    f.write(text)
-            except OSError as e:
-                raise SaemError(f"{args.json}: cannot write ({e.strerror or e})") from None
+            write_text_atomic(args.json, text)
     if args.plot:
         from saem_gguf.plots import plot_results
 

@@ -8,6 +8,7 @@ import sys
 from saem_gguf.cli.common import add_model_args
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.errors import SaemError
+from saem_gguf.fileio import check_output_path
 from saem_gguf.prompts import load_prompts
 from saem_gguf.trace import TraceSet, save_traces
 
@@ -25,6 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_n_predict(n_predict: int) -> None:
+    if n_predict < 1:
+        raise SaemError(f"-n {n_predict}: a trace needs at least 1 generated token per prompt")
+
+
 def record_traces(eng, prompts: list[str], n_predict: int, raw: bool, quiet: bool) -> TraceSet:
     from tqdm import tqdm
 
@@ -39,6 +45,8 @@ def record_traces(eng, prompts: list[str], n_predict: int, raw: bool, quiet: boo
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_path(args.output, "trace -o")
+    check_n_predict(args.n_predict)
     prompts = load_prompts(args.prompts)
     eng = open_engine(args, record=True, policy="cpu-moe", ecr=0.0)
     try:

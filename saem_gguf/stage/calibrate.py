@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from saem_gguf.errors import SaemError
+from saem_gguf.fileio import write_text_atomic
 from saem_gguf.stage.coherence import (
     TCSeq,
     _summarise,
@@ -112,8 +113,7 @@ class Profile:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(_jsonable(self.to_dict()), indent=2, ensure_ascii=False) + "\n",
-                              encoding="utf-8")
+        write_text_atomic(path, json.dumps(_jsonable(self.to_dict()), indent=2, ensure_ascii=False) + "\n")
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "profile", expect: ModelSignature | None = None) -> Profile:
@@ -148,6 +148,7 @@ class Profile:
         stats = d.get("stats", {})
         if not isinstance(stats, dict):
             raise SaemError(f"{where}: stats must be an object")
+        _check_stats(stats, sig, where)
         return cls(sig, cues, th, implicit, stats, ver)
 
     @classmethod
@@ -161,6 +162,27 @@ class Profile:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise SaemError(f"profile {p} is not valid JSON: {e}") from e
         return cls.from_dict(d, str(p), expect)
+
+
+def _check_stats(stats: dict, sig: ModelSignature, where: str) -> None:
+    """The statistics the engine reads as arrays: expert_counts (n_layer x n_expert, finite, >= 0)
+    and cue_profiles' outline (its per-cue arrays are checked where they are read)."""
+    counts = stats.get("expert_counts")
+    if counts is not None:
+        shape = (sig.n_layer, sig.n_expert)
+        rows_ok = isinstance(counts, list) and len(counts) == shape[0] and all(
+            isinstance(r, list) and len(r) == shape[1] for r in counts)
+        if not rows_ok:
+            raise SaemError(f"{where}: stats.expert_counts must be {shape[0]} lists of {shape[1]} "
+                            "numbers (one per MoE layer and expert)")
+        for row in counts:
+            for v in row:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise SaemError(f"{where}: stats.expert_counts holds {v!r}: counts are finite "
+                                    "numbers >= 0")
+    profiles = stats.get("cue_profiles")
+    if profiles is not None and not (isinstance(profiles, dict) and {"cues", "counts"} <= set(profiles)):
+        raise SaemError(f"{where}: stats.cue_profiles must be an object with 'cues' and 'counts'")
 
 
 def _signature_from(d, where: str) -> ModelSignature:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -11,6 +9,7 @@ import gguf
 import numpy as np
 
 from saem_gguf.build.paths import cache_root
+from saem_gguf.fileio import atomic_output
 from saem_gguf.testmodels.archs import get_arch
 from saem_gguf.testmodels.quant import quantize
 from saem_gguf.testmodels.spec import ModelSpec
@@ -50,33 +49,29 @@ def write_gguf(path: Path, spec: ModelSpec, vocab: Vocab,
     arch = get_arch(spec.arch)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # write to a temporary name and rename: a crash never leaves a truncated model in the cache
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    w = gguf.GGUFWriter(tmp, arch.name)
-    try:
-        _write_metadata(w, spec, arch, vocab, name or spec.name or f"saem-test-{spec.arch}",
-                        description, chat_template)
-        for tname, arr, kind in tensors:
-            qkind = spec.expert_type if kind == "expert" else kind
-            if isinstance(arr, PooledExperts):
-                data, qt = quantize(arr.pool, qkind)
-                data = np.ascontiguousarray(data[arr.index])
-            else:
-                data, qt = quantize(arr, qkind)
-            if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-                w.add_tensor(tname, data)
-            else:
-                w.add_tensor(tname, data, raw_shape=data.shape, raw_dtype=qt)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    except BaseException:
-        w.close()
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    w.close()
-    os.replace(tmp, path)
+    # a temporary file renamed into place when complete: a crash, Ctrl-C or SIGTERM never leaves a
+    # truncated model behind (in the cache or at -o)
+    with atomic_output(path) as tmp:
+        w = gguf.GGUFWriter(tmp, arch.name)
+        try:
+            _write_metadata(w, spec, arch, vocab, name or spec.name or f"saem-test-{spec.arch}",
+                            description, chat_template)
+            for tname, arr, kind in tensors:
+                qkind = spec.expert_type if kind == "expert" else kind
+                if isinstance(arr, PooledExperts):
+                    data, qt = quantize(arr.pool, qkind)
+                    data = np.ascontiguousarray(data[arr.index])
+                else:
+                    data, qt = quantize(arr, qkind)
+                if qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                    w.add_tensor(tname, data)
+                else:
+                    w.add_tensor(tname, data, raw_shape=data.shape, raw_dtype=qt)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     return path
 
 

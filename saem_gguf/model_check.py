@@ -1,0 +1,290 @@
+"""What llama.cpp asserts on, checked in a GGUF before llama.cpp sees it.
+
+llama.cpp (the one llama-cpp-python 0.3.36 vendors) aborts the process (GGML_ASSERT -> SIGABRT)
+on some bad values instead of returning an error: a NaN or negative norm epsilon, heads that do
+not divide, zero head sizes, an unknown RoPE scaling type, more layers or experts than its fixed
+arrays hold. Others it rejects with a generic "failed to load model" (wrong metadata types,
+misplaced tensor data). ``check_model`` runs on the ``gguf`` package's reader of the file and turns
+each into one GGUFFormatError that names the key or tensor. Sources of the rules, under
+vendor/llama.cpp: ggml/src/gguf.cpp (tensor infos), src/llama-model.cpp (load_hparams),
+src/llama-model-loader.cpp (key types, arrays), src/llama-vocab.cpp (tokenizer arrays),
+src/llama-hparams.h (limits), ggml-cpu's rms_norm / rope (eps >= 0, even rope dims).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from saem_gguf.errors import GGUFFormatError
+
+GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 64
+LLAMA_MAX_LAYERS = 512
+LLAMA_MAX_EXPERTS = 1024
+# positions are int32 (llama_pos) and llama-cpp-python sizes arrays by the context
+MAX_CONTEXT = 2**31 - 1
+INT64_MAX = 2**63 - 1
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+
+U32, I32, F32, BOOL, STR = (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.FLOAT32,
+                            GGUFValueType.BOOL, GGUFValueType.STRING)
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """The GGUF type llama.cpp reads a key as (it throws on any other) and whether a per-layer
+    array of that type is accepted instead (llama_model_loader::get_key_or_arr)."""
+    type: GGUFValueType
+    per_layer: bool = False
+
+
+# "{arch}." keys llama.cpp's load_hparams reads for the architectures we support
+ARCH_KEYS: dict[str, KeyRule] = {
+    "context_length": KeyRule(U32), "embedding_length": KeyRule(U32), "block_count": KeyRule(U32),
+    "feed_forward_length": KeyRule(U32, True), "expert_count": KeyRule(U32),
+    "expert_used_count": KeyRule(U32, True), "expert_shared_count": KeyRule(U32),
+    "expert_feed_forward_length": KeyRule(U32), "expert_shared_feed_forward_length": KeyRule(U32),
+    "expert_group_count": KeyRule(U32), "expert_group_used_count": KeyRule(U32),
+    "leading_dense_block_count": KeyRule(U32), "vocab_size": KeyRule(U32),
+    "expert_weights_scale": KeyRule(F32), "expert_weights_norm": KeyRule(BOOL),
+    "attention.head_count": KeyRule(U32, True), "attention.head_count_kv": KeyRule(U32, True),
+    "attention.key_length": KeyRule(U32), "attention.value_length": KeyRule(U32),
+    "attention.layer_norm_rms_eps": KeyRule(F32), "attention.layer_norm_epsilon": KeyRule(F32),
+    "attention.q_lora_rank": KeyRule(U32), "attention.kv_lora_rank": KeyRule(U32),
+    "attention.sliding_window": KeyRule(U32),
+    "rope.dimension_count": KeyRule(U32), "rope.freq_base": KeyRule(F32),
+    "rope.scaling.type": KeyRule(STR), "rope.scaling.factor": KeyRule(F32),
+    "rope.scaling.original_context_length": KeyRule(U32),
+}
+GLOBAL_KEYS: dict[str, KeyRule] = {
+    "general.architecture": KeyRule(STR), "general.alignment": KeyRule(U32),
+    "tokenizer.ggml.model": KeyRule(STR), "tokenizer.ggml.pre": KeyRule(STR),
+    "tokenizer.chat_template": KeyRule(STR),
+    **{f"tokenizer.ggml.{k}_token_id": KeyRule(U32)
+       for k in ("bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask")},
+    "tokenizer.ggml.add_bos_token": KeyRule(BOOL), "tokenizer.ggml.add_eos_token": KeyRule(BOOL),
+    # a split model's parts: llama.cpp reads split.no with gguf_get_val_u16, which aborts on others
+    "split.no": KeyRule(GGUFValueType.UINT16), "split.count": KeyRule(GGUFValueType.UINT16),
+}
+
+
+def check_model(reader, file_bytes: int, for_load: bool = True) -> None:
+    """Raise GGUFFormatError (naming the key or tensor) on anything llama.cpp would abort on or
+    reject in the file that ``reader`` (gguf.GGUFReader) holds. ``for_load=False`` (inspect)
+    checks the values present but lets keys that only a load needs be missing."""
+    fields = reader.fields
+    arch_field = fields.get("general.architecture")
+    arch = _scalar(arch_field) if arch_field is not None and _type_of(arch_field) == STR else None
+    if not isinstance(arch, str) or not arch:
+        raise GGUFFormatError("no general.architecture: not a llama.cpp model file")
+    _check_key_types(fields, arch)
+    _check_hparams(fields, arch, for_load)
+    _check_vocab(fields)
+    _check_tensor_infos(reader, file_bytes)
+
+
+# --- metadata --------------------------------------------------------------------------------
+def _type_of(field) -> GGUFValueType:
+    return field.types[0] if field.types else GGUFValueType.ARRAY
+
+
+def _element_type(field) -> GGUFValueType | None:
+    return field.types[-1] if len(field.types) > 1 else None
+
+
+def _scalar(field):
+    return field.parts[-1].tolist()[0] if _type_of(field) != STR else field.contents()
+
+
+def _check_key_types(fields, arch: str) -> None:
+    rules = {**GLOBAL_KEYS, **{f"{arch}.{k}": r for k, r in ARCH_KEYS.items()}}
+    for key, rule in rules.items():
+        f = fields.get(key)
+        if f is None:
+            continue
+        t = _type_of(f)
+        if t == rule.type:
+            continue
+        if rule.per_layer and t == GGUFValueType.ARRAY and _element_type(f) in (U32, I32):
+            continue
+        got = t.name.lower() + (f" of {_element_type(f).name.lower()}"
+                                if t == GGUFValueType.ARRAY and _element_type(f) is not None else "")
+        want = rule.type.name.lower() + (" or an array of it" if rule.per_layer else "")
+        raise GGUFFormatError(f"metadata {key} is {got}, llama.cpp reads it as {want}")
+
+
+def _values(fields, key: str) -> list | None:
+    """A key's value(s) as a list of Python numbers (per-layer arrays as they are), or None."""
+    f = fields.get(key)
+    if f is None:
+        return None
+    if _type_of(f) == GGUFValueType.ARRAY:
+        return [v for idx in f.data for v in f.parts[idx].tolist()]
+    return [_scalar(f)]
+
+
+def _one(fields, key: str, required: bool = False):
+    v = _values(fields, key)
+    if v is None:
+        if required:
+            raise GGUFFormatError(f"metadata {key} is missing (llama.cpp requires it)")
+        return None
+    return v[0]
+
+
+def _in_range(key: str, v, lo, hi) -> None:
+    if not lo <= v <= hi:
+        raise GGUFFormatError(f"metadata {key}={v} is out of range [{lo}, {hi}]")
+
+
+def _check_hparams(fields, arch: str, for_load: bool) -> None:
+    k = lambda name: f"{arch}.{name}"  # noqa: E731
+    n_layer = _one(fields, k("block_count"), required=True)
+    _in_range(k("block_count"), n_layer, 1, LLAMA_MAX_LAYERS)
+    n_ctx_train = _one(fields, k("context_length"), required=for_load)
+    if n_ctx_train is not None:
+        _in_range(k("context_length"), n_ctx_train, 1, MAX_CONTEXT)
+    n_embd = _one(fields, k("embedding_length"), required=True)
+    _in_range(k("embedding_length"), n_embd, 1, 1 << 20)
+
+    per_layer = {}
+    for name in ("attention.head_count", "attention.head_count_kv", "feed_forward_length",
+                 "expert_used_count"):
+        vals = _values(fields, k(name))
+        if vals is not None and len(vals) not in (1, n_layer):
+            raise GGUFFormatError(f"metadata {k(name)} has {len(vals)} entries for block_count="
+                                  f"{n_layer} layers")
+        per_layer[name] = vals
+    heads = per_layer["attention.head_count"] or ([0] if for_load else [1])
+    heads_kv = per_layer["attention.head_count_kv"] or heads
+    if max(heads) < 1:
+        raise GGUFFormatError(f"metadata {k('attention.head_count')} is missing or 0 (attention "
+                              "needs at least one head)")
+    for il in range(n_layer):
+        h = heads[il if len(heads) > 1 else 0]
+        hkv = heads_kv[il if len(heads_kv) > 1 else 0]
+        _in_range(k("attention.head_count"), h, 1, 1 << 16)
+        _in_range(k("attention.head_count_kv"), hkv, 1, h)
+        if h % hkv:
+            raise GGUFFormatError(f"metadata {k('attention.head_count')}={h} is not a multiple of "
+                                  f"{k('attention.head_count_kv')}={hkv} (llama.cpp aborts)")
+    n_head = heads[0]
+    head_k = _one(fields, k("attention.key_length"))
+    head_v = _one(fields, k("attention.value_length"))
+    if head_k is None or head_v is None:
+        if n_embd % n_head:
+            raise GGUFFormatError(f"metadata {k('embedding_length')}={n_embd} is not a multiple of "
+                                  f"{k('attention.head_count')}={n_head} and no key/value length "
+                                  "is given")
+    head_k = n_embd // n_head if head_k is None else head_k
+    head_v = n_embd // n_head if head_v is None else head_v
+    _in_range(k("attention.key_length"), head_k, 1, 1 << 16)
+    _in_range(k("attention.value_length"), head_v, 1, 1 << 16)
+    n_rot = _one(fields, k("rope.dimension_count"))
+    if n_rot is not None and not (n_rot % 2 == 0 and 0 <= n_rot <= head_k):
+        raise GGUFFormatError(f"metadata {k('rope.dimension_count')}={n_rot} must be even and at most "
+                              f"the key length {head_k}")
+
+    n_expert = _one(fields, k("expert_count")) or 0
+    _in_range(k("expert_count"), n_expert, 0, LLAMA_MAX_EXPERTS)
+    used = per_layer["expert_used_count"] or [0]
+    for u in used:
+        if n_expert and not 0 < u <= n_expert:
+            raise GGUFFormatError(f"metadata {k('expert_used_count')}={u} must be in [1, "
+                                  f"expert_count={n_expert}]")
+        if not n_expert and u:
+            raise GGUFFormatError(f"metadata {k('expert_used_count')}={u} without experts "
+                                  f"({k('expert_count')} is 0 or missing)")
+    groups = _one(fields, k("expert_group_count")) or 0
+    if groups and not (groups < n_expert and n_expert % groups == 0):
+        raise GGUFFormatError(f"metadata {k('expert_group_count')}={groups} must divide and be less "
+                              f"than expert_count={n_expert}")
+    groups_used = _one(fields, k("expert_group_used_count")) or 0
+    if groups > 1 and not 0 < groups_used < groups:
+        raise GGUFFormatError(f"metadata {k('expert_group_used_count')}={groups_used} must be in "
+                              f"[1, {groups - 1}]")
+    if n_expert:
+        ff_exp = _one(fields, k("expert_feed_forward_length"))
+        if ff_exp is not None:
+            _in_range(k("expert_feed_forward_length"), ff_exp, 1, 1 << 24)
+    dense_lead = _one(fields, k("leading_dense_block_count"))
+    if dense_lead is not None:
+        _in_range(k("leading_dense_block_count"), dense_lead, 0, n_layer)
+
+    for name in ("attention.layer_norm_rms_eps", "attention.layer_norm_epsilon"):
+        eps = _one(fields, k(name))
+        if eps is not None and not (math.isfinite(eps) and eps >= 0):
+            raise GGUFFormatError(f"metadata {k(name)}={eps} must be finite and >= 0 (llama.cpp aborts)")
+    base = _one(fields, k("rope.freq_base"))
+    if base is not None and not (math.isfinite(base) and base > 0):
+        raise GGUFFormatError(f"metadata {k('rope.freq_base')}={base} must be finite and > 0")
+    factor = _one(fields, k("rope.scaling.factor"))
+    if factor is not None and not (math.isfinite(factor) and factor >= 0):
+        raise GGUFFormatError(f"metadata {k('rope.scaling.factor')}={factor} must be finite and >= 0")
+    scaling = _one(fields, k("rope.scaling.type"))
+    if scaling is not None and scaling not in ROPE_SCALING_TYPES:
+        raise GGUFFormatError(f"metadata {k('rope.scaling.type')}={scaling!r} is not one of "
+                              f"{', '.join(ROPE_SCALING_TYPES)} (llama.cpp aborts)")
+
+
+def _check_vocab(fields) -> None:
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return  # llama.cpp then loads no vocabulary (and says so)
+    if _type_of(tokens) != GGUFValueType.ARRAY or _element_type(tokens) != STR:
+        raise GGUFFormatError("metadata tokenizer.ggml.tokens must be an array of strings")
+    n_vocab = len(tokens.data)
+    _in_range("tokenizer.ggml.tokens (length)", n_vocab, 1, MAX_CONTEXT)
+    for key, types in (("tokenizer.ggml.scores", (F32, I32)), ("tokenizer.ggml.token_type", (I32,))):
+        f = fields.get(key)
+        if f is None:
+            continue
+        if _type_of(f) != GGUFValueType.ARRAY or _element_type(f) not in types:
+            raise GGUFFormatError(f"metadata {key} must be an array of "
+                                  f"{' or '.join(t.name.lower() for t in types)}")
+        if len(f.data) < n_vocab:
+            raise GGUFFormatError(f"metadata {key} has {len(f.data)} entries for {n_vocab} tokens")
+    merges = fields.get("tokenizer.ggml.merges")
+    if merges is not None and (_type_of(merges) != GGUFValueType.ARRAY or _element_type(merges) != STR):
+        raise GGUFFormatError("metadata tokenizer.ggml.merges must be an array of strings")
+
+
+# --- tensor infos (gguf.cpp's gguf_init_from_file_impl, in Python integers: no wrap-around) ----
+def _check_tensor_infos(reader, file_bytes: int) -> None:
+    alignment = int(reader.alignment)
+    expected_offset = 0
+    data_start = int(reader.data_offset)
+    for t in reader.tensors:
+        _name_len, _name, n_dims_part, dims_part, type_part, offset_part = t.field.parts
+        name = t.name
+        if len(name.encode()) >= GGML_MAX_NAME:
+            raise GGUFFormatError(f"tensor name {name[:40]!r}... is longer than {GGML_MAX_NAME - 1} bytes")
+        n_dims = int(n_dims_part[0])
+        if n_dims > GGML_MAX_DIMS:
+            raise GGUFFormatError(f"tensor {name} has {n_dims} dimensions (at most {GGML_MAX_DIMS})")
+        dims = [int(x) for x in dims_part]
+        if any(d < 1 or d > INT64_MAX for d in dims):
+            raise GGUFFormatError(f"tensor {name} has an invalid shape {dims}")
+        n_elements = math.prod(dims)
+        if n_elements > INT64_MAX:
+            raise GGUFFormatError(f"tensor {name} shape {dims} overflows 64-bit element counts")
+        qtype = GGMLQuantizationType(int(type_part[0]))
+        if qtype not in GGML_QUANT_SIZES:
+            raise GGUFFormatError(f"tensor {name} has an unsupported type {qtype.name}")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if dims[0] % block:
+            raise GGUFFormatError(f"tensor {name} of type {qtype.name} has {dims[0]} elements per "
+                                  f"row, not a multiple of its block size {block}")
+        nbytes = n_elements // block * type_size
+        offset = int(offset_part[0])
+        if offset != expected_offset:
+            raise GGUFFormatError(f"tensor {name} has data offset {offset}, expected "
+                                  f"{expected_offset} (corrupt tensor info)")
+        end = data_start + offset + nbytes
+        if end > file_bytes:
+            raise GGUFFormatError(f"tensor {name} ends at byte {end}, past the end of the file "
+                                  f"({file_bytes} bytes): truncated")
+        expected_offset += -(-nbytes // alignment) * alignment

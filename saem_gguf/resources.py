@@ -1,0 +1,125 @@
+"""Resource bounds checked before a model is loaded: the context (-c and the model's own
+context_length) against memory, and -t against the machine's cores.
+
+Without these, ``-c 99999999999`` grows until the kernel kills the process, ``-c 2**32`` under a
+memory limit ends in a NumPy traceback, a context_length of 2**31-1 makes llama-cpp-python
+allocate 8 GiB on every tokenize call, and ``-t 9999`` starts 9,999 threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from saem_gguf.budget import format_size
+from saem_gguf.errors import SaemError
+from saem_gguf.gguf_info import ModelInfo, kv_cache_bytes, read_model_info
+from saem_gguf.model_check import MAX_CONTEXT
+
+THREADS_PER_CORE_MAX = 2  # -t above this many threads per core only adds contention
+TOKEN_BYTES = 4  # llama_token (int32)
+LOGIT_BYTES = 4  # float32
+N_BATCH = 512  # the engine's n_batch: llama-cpp-python's logits array holds this many rows
+
+
+@dataclass(frozen=True)
+class ContextMemory:
+    """Host bytes a context of n_ctx tokens costs, by what llama.cpp and llama-cpp-python allocate."""
+    kv_cache: int  # f16 K and V of every layer
+    logits: int  # llama-cpp-python's scores array: n_batch (or n_ctx with logits_all) x n_vocab
+    token_arrays: int  # input_ids (n_ctx) and one tokenize buffer (the model's context_length)
+
+    @property
+    def total(self) -> int:
+        return self.kv_cache + self.logits + self.token_arrays
+
+
+def context_memory(info: ModelInfo, n_ctx: int, logits_all: bool) -> ContextMemory:
+    rows = n_ctx if logits_all else min(n_ctx, N_BATCH)
+    return ContextMemory(kv_cache=kv_cache_bytes(info, n_ctx),
+                         logits=rows * info.n_vocab * LOGIT_BYTES,
+                         token_arrays=(n_ctx + info.n_ctx_train) * TOKEN_BYTES)
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the least of the kernel's MemAvailable, the cgroup
+    limit's headroom and the address-space limit's (ulimit -v) headroom; None if none is known."""
+    limits = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        cg_max = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cg_max != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            limits.append(int(cg_max) - used)
+    except (OSError, ValueError):
+        pass
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft - _vm_size())
+    return max(0, min(limits)) if limits else None
+
+
+def _vm_size() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def check_context(info: ModelInfo, n_ctx: int, logits_all: bool, available: int | None) -> None:
+    """SaemError if ``n_ctx`` is out of llama.cpp's range or its buffers do not fit ``available``."""
+    if not 1 <= n_ctx <= MAX_CONTEXT:
+        raise SaemError(f"-c {n_ctx} is out of range [1, {MAX_CONTEXT}]")
+    if available is None:
+        return
+    mem = context_memory(info, n_ctx, logits_all)
+    if info.n_ctx_train * TOKEN_BYTES > available:
+        raise SaemError(f"{info.path}: {info.architecture}.context_length={info.n_ctx_train} makes "
+                        f"every tokenize call allocate {format_size(info.n_ctx_train * TOKEN_BYTES)}, "
+                        f"more than the {format_size(available)} of memory available")
+    if mem.total > available:
+        raise SaemError(f"-c {n_ctx} needs {format_size(mem.total)} (KV cache "
+                        f"{format_size(mem.kv_cache)}, logits {format_size(mem.logits)}), more than "
+                        f"the {format_size(available)} of memory available: lower -c")
+
+
+def max_threads() -> int:
+    return THREADS_PER_CORE_MAX * (os.cpu_count() or 1)
+
+
+def clamp_threads(n_threads: int | None, note: Callable[[str], None]) -> int | None:
+    if n_threads is None:
+        return None
+    if n_threads < 1:
+        raise SaemError(f"-t {n_threads}: must be >= 1")
+    cap = max_threads()
+    if n_threads > cap:
+        note(f"-t {n_threads} is more than {THREADS_PER_CORE_MAX} threads per core: using {cap}")
+        return cap
+    return n_threads
+
+
+def checked_engine_inputs(cfg, note: Callable[[str], None]):
+    """(cfg with -t clamped, the validated ModelInfo, the model path) for ``Engine``: the model
+    file checked for everything llama.cpp asserts on, -c and the model's context against memory."""
+    path = cfg.model
+    if path is None:
+        from saem_gguf.default_model import default_model_path
+
+        path = default_model_path()
+    info = read_model_info(path, for_load=True)
+    check_context(info, cfg.n_ctx, cfg.record, available_memory())
+    cfg = dataclasses.replace(cfg, n_threads=clamp_threads(cfg.n_threads, note))
+    return cfg, info, Path(path)
