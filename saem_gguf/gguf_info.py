@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import re
 import struct
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from saem_gguf.errors import GGUFFormatError
 from saem_gguf.model_check import check_model
@@ -129,7 +132,11 @@ def read_model_info(path: str | Path, for_load: bool = False) -> ModelInfo:
     try:
         from gguf import GGUFReader
 
-        reader = GGUFReader(path)
+        # a corrupt offset or shape overflows the reader's NumPy arithmetic: that is reported
+        # below (model_check redoes it in Python integers), not as a RuntimeWarning on stderr
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            reader = GGUFReader(path)
     except GGUFFormatError:
         raise
     except Exception as e:  # noqa: BLE001 - the gguf reader raises many types on bad files
