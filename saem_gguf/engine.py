@@ -312,7 +312,7 @@ class Engine:
         # the bar writes to a duplicate of fd 2, taken before llama.cpp's log silences fd 2
         bar_out = os.fdopen(os.dup(2), "w") if cfg.progress and sys.stderr.isatty() else None
         try:
-            with _quiet_stderr(not cfg.verbose):
+            with _quiet_stderr(not cfg.verbose), _llama_error_log(llama_cpp) as load_errors:
                 self.llm = Cls(
                     model_path=str(self.path), n_ctx=cfg.n_ctx, n_batch=512, n_ubatch=512,
                     n_threads=n_threads, n_threads_batch=n_threads, n_gpu_layers=cfg.n_gpu_layers,
@@ -326,7 +326,10 @@ class Engine:
                     saem_progress=bar_out,
                     saem_experts_on_host=slots is not None)
         except ValueError as e:
-            raise SaemError(f"llama.cpp could not load {self.path}: {e}") from None
+            # llama-cpp-python says only "Failed to load model"; llama.cpp's error log says why
+            reason = next((line.split("error loading model:", 1)[1] for line in load_errors
+                           if "error loading model:" in line), load_errors[0] if load_errors else str(e))
+            raise SaemError(f"llama.cpp could not load {self.path}: {reason.strip()}") from None
         finally:
             if bar_out is not None:
                 bar_out.close()
@@ -774,3 +777,28 @@ def _quiet_stderr(enabled: bool):
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+GGML_LOG_LEVEL_ERROR = 4  # enum ggml_log_level in ggml.h (llama_cpp/_logger.py's comment says 3: stale)
+
+
+@contextlib.contextmanager
+def _llama_error_log(llama_cpp) -> Iterator[list[str]]:
+    """The error lines llama.cpp logs while inside (llama-cpp-python silences fd 2 during a load,
+    so they are taken from the log callback); llama-cpp-python's own callback still gets every
+    line, and is the callback again on exit."""
+    from llama_cpp import _logger
+
+    errors: list[str] = []
+
+    def log(level: int, text: bytes, user_data) -> None:
+        if level == GGML_LOG_LEVEL_ERROR:
+            errors.append(text.decode("utf-8", "replace"))
+        _logger.llama_log_callback(level, text, user_data)
+
+    callback = llama_cpp.llama_log_callback(log)  # kept referenced until restored below
+    llama_cpp.llama_log_set(callback, None)
+    try:
+        yield errors
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, None)

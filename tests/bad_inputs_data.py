@@ -96,6 +96,12 @@ BAD_METADATA: dict[str, tuple[dict, str]] = {
     "eos_id_string": ({"tokenizer.ggml.eos_token_id": (STR, "0")}, "eos_token_id"),
     "bos_id_int32": ({"tokenizer.ggml.bos_token_id": (I32, 1)}, "bos_token_id"),
 }
+# consistent metadata that contradicts the tensors: inspect accepts it, llama.cpp refuses it cleanly,
+# and the error must quote llama.cpp's reason, not "failed to load model"
+LOAD_MISMATCH: dict[str, tuple[dict, str]] = {
+    "embedding_mismatch": ({K + "embedding_length": (U32, 128)}, "wrong shape"),
+    "ff_exp_mismatch": ({K + "expert_feed_forward_length": (U32, 96)}, "wrong shape"),
+}
 ARRAY_SUBTYPES = {"tokenizer.ggml.tokens": U32, "tokenizer.ggml.token_type": F32,
                   "tokenizer.ggml.merges": U32, K + "attention.head_count": U32}
 # tensor-info corruptions: name -> (slot kind, tensor, value, the words the error must hold)
@@ -131,6 +137,8 @@ def make_bad_inputs(root: Path) -> BadInputs:
     ggufs: dict[str, Path] = {}
     for name, (changes, _key) in BAD_METADATA.items():
         ggufs[name] = rewrite_gguf(model, root / f"{name}.gguf", changes, ARRAY_SUBTYPES)
+    for name, (changes, _key) in LOAD_MISMATCH.items():
+        ggufs[name] = rewrite_gguf(model, root / f"{name}.gguf", changes)
     for name, (kind, tensor, value, _words) in BAD_TENSOR_INFO.items():
         ggufs[name] = patch_slot(model, root / f"{name}.gguf", kind, tensor, value)
     ggufs["context_missing"] = rewrite_gguf(model, root / "context_missing.gguf",

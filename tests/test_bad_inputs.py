@@ -22,7 +22,7 @@ from typing import Callable
 
 import pytest
 
-from bad_inputs_data import BAD_METADATA, BAD_TENSOR_INFO, BadInputs, make_bad_inputs
+from bad_inputs_data import BAD_METADATA, BAD_TENSOR_INFO, LOAD_MISMATCH, BadInputs, make_bad_inputs
 from conftest import REPO
 from saem_gguf.cli.main import main
 
@@ -119,6 +119,11 @@ for _name in ("eps_nan", "eps_negative", "kv_heads_3_of_4", "rope_scaling_bogus"
     add(Case(f"generate-gguf-{_name}",
              lambda b, d, n=_name: ["generate", "-m", str(b.gguf[n]), "-p", "hi", "-n", "2"],
              1, "", process=True))
+
+for _name, (_changes, _needle) in LOAD_MISMATCH.items():
+    add(Case(f"generate-gguf-{_name}",
+             lambda b, d, n=_name: ["generate", "-m", str(b.gguf[n]), "-p", "hi", "-n", "2"],
+             1, _needle, process=True))
 
 # model flags (generate / chat / bench / trace / calibrate share them)
 COMMAND_TAIL = {"generate": lambda d: ["-p", "hi", "-n", "2"], "bench": lambda d: ["-n", "2", "--reps", "1"],

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from saem_gguf.build import BuildConfig, build
+from saem_gguf.cli.arg_types import bounded_int
 from saem_gguf.errors import BuildError, SaemError
 
 # one CMAKE_CUDA_ARCHITECTURES entry: 89, 90a, 100f, 86-real, 90-virtual, or CMake's keywords
@@ -38,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variant", choices=("saem", "stock"), default="saem",
                    help="saem = patched (default); stock = unpatched, for baselines")
     p.add_argument("--portable", action="store_true", help="no -march=native (GGML_NATIVE=OFF)")
-    p.add_argument("-j", "--jobs", type=_jobs, default=None, help="parallel compile jobs")
+    p.add_argument("-j", "--jobs", type=bounded_int(1, MAX_JOBS), default=None, help="parallel compile jobs")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
@@ -50,16 +51,6 @@ def _cuda_arch(text: str) -> str:
             f"{text!r} is not a CUDA architecture (one of: a compute capability such as 89, 90a, "
             "86-real, 90-virtual; native; all; all-major)")
     return text
-
-
-def _jobs(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if not 1 <= v <= MAX_JOBS:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_JOBS}], got {v}")
-    return v
 
 
 def nvcc_path() -> str | None:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from saem_gguf.budget import format_size, parse_ecr, parse_size, plan_from_budget, plan_from_ecr
+from saem_gguf.cli.arg_types import bounded_int
 from saem_gguf.gguf_info import ModelInfo, read_model_info
 from saem_gguf.model_check import MAX_CONTEXT
 
@@ -20,22 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--vram-budget", metavar="SIZE", help="device memory to plan for, e.g. 8G, 12GiB")
     g.add_argument("--ecr", metavar="R", help="expert cache ratio (0..1 or NN%%): VRAM it needs")
-    p.add_argument("-c", "--ctx-size", type=_context_size, default=4096,
+    p.add_argument("-c", "--ctx-size", type=bounded_int(1, MAX_CONTEXT), default=4096,
                    help="context for the KV cache (4096)")
     p.add_argument("--overhead", metavar="SIZE", default=None,
                    help="device compute-buffer reserve (default: estimated from the model)")
     p.add_argument("--layers", action="store_true", help="list every MoE layer's expert tensors")
     p.set_defaults(func=run)
-
-
-def _context_size(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if not 1 <= v <= MAX_CONTEXT:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_CONTEXT}], got {v}")
-    return v
 
 
 def run(args: argparse.Namespace) -> int:

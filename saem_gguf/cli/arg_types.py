@@ -1,0 +1,21 @@
+"""argparse value types shared by the commands' own flags (usage errors, exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+
+def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
+        return v
+
+    return parse
