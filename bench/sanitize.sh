@@ -63,7 +63,9 @@ t1=$(date +%s)
 echo "build: $((t1 - t0)) s"
 [ -n "${SAN_BUILD_ONLY:-}" ] && exit 0
 
-LIBASAN="$(gcc -print-file-name=libasan.so)"
+# libstdc++ preloaded with libasan: Python does not link it, and ASan's __cxa_throw interceptor
+# must find the real one when the runtime starts (else a C++ throw in llama.cpp fails a CHECK)
+PRELOAD="$(gcc -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so)"
 rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
 # Python itself leaks by design at exit: leak detection off; every other ASan/UBSan finding is
@@ -77,7 +79,7 @@ TESTS="${SAN_TESTS:-tests/test_native_api.py tests/test_native_counts.py tests/t
 echo "python tests against the sanitized library: $TESTS"
 set +e
 # shellcheck disable=SC2086
-SAEM_GGUF_LIB_DIR="$PREFIX/lib" LD_PRELOAD="$LIBASAN" \
+SAEM_GGUF_LIB_DIR="$PREFIX/lib" LD_PRELOAD="$PRELOAD" \
     "$PY" -m pytest -q -x -p no:cacheprovider $TESTS
 rc=$?
 set -e
