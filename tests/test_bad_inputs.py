@@ -383,9 +383,10 @@ SIGNAL_CASES = [
     SignalCase("gen-model-sigterm", _big_model_argv, signal.SIGTERM, "", (143, -15)),
     SignalCase("gen-model-sighup", _big_model_argv, signal.SIGHUP, "", (129, -1)),
     SignalCase("gen-model-sigint", _big_model_argv, signal.SIGINT, "", (130,)),
-    SignalCase("generate-sigint", lambda b, d: ["generate", "-p", "What is 47 + 38?", "--chat", "-n", "3000"],
+    # raw text: the embedded model then rarely ends its answer, so 4,000 tokens outlast the signal
+    SignalCase("generate-sigint", lambda b, d: ["generate", "-p", "Let me think.", "-n", "4000"],
                signal.SIGINT, "[saem] policy", (130,)),
-    SignalCase("generate-sigterm", lambda b, d: ["generate", "-p", "What is 47 + 38?", "--chat", "-n", "3000"],
+    SignalCase("generate-sigterm", lambda b, d: ["generate", "-p", "Let me think.", "-n", "4000"],
                signal.SIGTERM, "[saem] policy", (143, -15)),
     SignalCase("trace-sigterm", lambda b, d: ["trace", "-n", "3000", "-o", str(d / "t.npz")],
                signal.SIGTERM, "[saem] policy", (143, -15)),
