@@ -7,6 +7,7 @@ nothing here lets a raw exception through.
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 import warnings
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from saem_gguf.errors import GGUFFormatError
-from saem_gguf.model_check import check_model
+from saem_gguf.model_check import check_model, check_structure
 
 GGUF_MAGIC = b"GGUF"
 # Routed-expert tensors (and their per-expert biases/scales): llama.cpp's LLM_FFN_EXPS_REGEX.
@@ -100,6 +101,13 @@ def _check_header(path: Path) -> None:
         raise GGUFFormatError(f"{path}: unsupported GGUF version {version}")
     if n_tensors > 1_000_000 or n_kv > 1_000_000:
         raise GGUFFormatError(f"{path}: absurd header ({n_tensors} tensors, {n_kv} metadata keys)")
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            check_structure(buf, n_tensors, n_kv)
+    except GGUFFormatError as e:
+        raise GGUFFormatError(f"{path}: {e}") from None
+    except (OSError, ValueError) as e:
+        raise GGUFFormatError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
 
 
 def _field(reader, key: str, default=None):

@@ -14,6 +14,7 @@ src/llama-hparams.h (limits), ggml-cpu's rms_norm / rope (eps >= 0, even rope di
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -86,6 +87,86 @@ def check_model(reader, file_bytes: int, for_load: bool = True) -> None:
     _check_tensor_infos(reader, file_bytes)
 
 
+# --- file structure (gguf.cpp's reader, before the gguf package parses anything) ---------------
+GGUF_MAX_STRING_LENGTH = 1 << 30
+GGUF_MAX_ARRAY_ELEMENTS = 1 << 30
+# bytes of one value of each scalar GGUFValueType (STRING: its length field; ARRAY: not scalar)
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 8: 8, 10: 8, 11: 8, 12: 8}
+
+
+class _Cursor:
+    """Reads little-endian fields of a GGUF with bounds checks: running past the end is an error."""
+
+    def __init__(self, buf, pos: int) -> None:
+        self.buf, self.pos, self.size = buf, pos, len(buf)
+
+    def remaining(self) -> int:
+        return self.size - self.pos
+
+    def unpack(self, fmt: str, what: str):
+        n = struct.calcsize(fmt)
+        if n > self.remaining():
+            raise GGUFFormatError(f"truncated GGUF: the file ends inside {what}")
+        v = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return v[0]
+
+    def skip(self, n: int, what: str) -> None:
+        if n > self.remaining():
+            raise GGUFFormatError(f"{what} claims {n} bytes but only {self.remaining()} remain "
+                                  "in the file (corrupt length)")
+        self.pos += n
+
+    def string(self, what: str) -> bytes:
+        n = self.unpack("<Q", what)
+        if n > GGUF_MAX_STRING_LENGTH:
+            raise GGUFFormatError(f"{what} has length {n} (corrupt length)")
+        start = self.pos
+        self.skip(n, what)
+        return bytes(self.buf[start:self.pos])
+
+
+def shown(name: str, limit: int = 64) -> str:
+    """A key or tensor name as an error message shows it: a corrupt file's names can hold any
+    bytes (newlines included) and be megabytes long."""
+    if name.isprintable() and len(name) <= limit:
+        return name
+    return repr(name[:limit]) + ("..." if len(name) > limit else "")
+
+
+def check_structure(buf, n_tensors: int, n_kv: int) -> None:
+    """Walk the metadata and tensor infos of the GGUF in ``buf`` (bytes or mmap) as gguf.cpp does,
+    checking every type id, string length and array length against the bytes that remain. The
+    ``gguf`` package trusts these: a string key retyped as an array makes it build billions of
+    array elements (tens of GB, minutes) before it notices the file is too short."""
+    cur = _Cursor(buf, 24)
+    for i in range(n_kv):
+        key = shown(cur.string(f"metadata key #{i}").decode("utf-8", "replace"))
+        vtype = cur.unpack("<I", f"the type of metadata {key}")
+        count = 1
+        if vtype == GGUFValueType.ARRAY:
+            vtype = cur.unpack("<I", f"the element type of metadata {key}")
+            count = cur.unpack("<Q", f"the length of metadata {key}")
+            if count > GGUF_MAX_ARRAY_ELEMENTS:
+                raise GGUFFormatError(f"metadata {key} claims {count} array elements (corrupt length)")
+        if vtype not in _VALUE_BYTES:
+            raise GGUFFormatError(f"metadata {key} has invalid GGUF type {vtype}")
+        if vtype == GGUFValueType.STRING:
+            if count * 8 > cur.remaining():
+                raise GGUFFormatError(f"metadata {key} claims {count} strings but only "
+                                      f"{cur.remaining()} bytes remain (corrupt length)")
+            for _ in range(count):
+                cur.string(f"metadata {key}")
+        else:
+            cur.skip(count * _VALUE_BYTES[vtype], f"metadata {key}")
+    for i in range(n_tensors):
+        name = shown(cur.string(f"tensor name #{i}").decode("utf-8", "replace"))
+        n_dims = cur.unpack("<I", f"the dimensions of tensor {name}")
+        if n_dims > GGML_MAX_DIMS:
+            raise GGUFFormatError(f"tensor {name} has {n_dims} dimensions (at most {GGML_MAX_DIMS})")
+        cur.skip(8 * n_dims + 4 + 8, f"the shape, type and offset of tensor {name}")
+
+
 # --- metadata --------------------------------------------------------------------------------
 def _type_of(field) -> GGUFValueType:
     return field.types[0] if field.types else GGUFValueType.ARRAY
@@ -113,7 +194,7 @@ def _check_key_types(fields, arch: str) -> None:
         got = t.name.lower() + (f" of {_element_type(f).name.lower()}"
                                 if t == GGUFValueType.ARRAY and _element_type(f) is not None else "")
         want = rule.type.name.lower() + (" or an array of it" if rule.per_layer else "")
-        raise GGUFFormatError(f"metadata {key} is {got}, llama.cpp reads it as {want}")
+        raise GGUFFormatError(f"metadata {shown(key)} is {got}, llama.cpp reads it as {want}")
 
 
 def _values(fields, key: str) -> list | None:
@@ -259,9 +340,9 @@ def _check_tensor_infos(reader, file_bytes: int) -> None:
     data_start = int(reader.data_offset)
     for t in reader.tensors:
         _name_len, _name, n_dims_part, dims_part, type_part, offset_part = t.field.parts
-        name = t.name
-        if len(name.encode()) >= GGML_MAX_NAME:
-            raise GGUFFormatError(f"tensor name {name[:40]!r}... is longer than {GGML_MAX_NAME - 1} bytes")
+        name = shown(t.name)
+        if len(t.name.encode()) >= GGML_MAX_NAME:
+            raise GGUFFormatError(f"tensor name {name} is longer than {GGML_MAX_NAME - 1} bytes")
         n_dims = int(n_dims_part[0])
         if n_dims > GGML_MAX_DIMS:
             raise GGUFFormatError(f"tensor {name} has {n_dims} dimensions (at most {GGML_MAX_DIMS})")

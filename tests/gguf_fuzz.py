@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 CLEAN = ("ok", "rejected", "load_error")
 FAILURES = ("traceback", "crash", "hang")
 LOAD_TIMEOUT_S = 60.0
+WORKER_ADDRESS_SPACE = 8 << 30
 
 
 # --- where things are in a GGUF ----------------------------------------------------------------
@@ -159,8 +160,12 @@ def classify(rc: int, stderr: str) -> tuple[str, str]:
 def worker() -> int:
     """Load each path read from stdin through the engine (our checks, llama.cpp, 4 greedy tokens);
     answer one JSON line per path. Runs until stdin closes."""
+    import resource
+
     from saem_gguf.cli.main import build_parser, run_command
 
+    # a runaway allocation fails here instead of waking the kernel's OOM killer on a shared machine
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_ADDRESS_SPACE, WORKER_ADDRESS_SPACE))
     parser = build_parser()
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

@@ -332,6 +332,48 @@ def test_no_command_prints_help(capsys):
     assert "<command>" in out.out and out.err == ""
 
 
+# --- resource bounds and file modes ----------------------------------------------------------------
+def _address_space_limit(nbytes: int):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
+
+
+@pytest.mark.parametrize("ctx", ["4294967296", "20000000"])
+def test_context_beyond_a_memory_limit(bad, ctx):
+    """-c under `ulimit -v 4 GiB`: one line before anything is allocated (was a NumPy traceback)."""
+    r = subprocess.run([sys.executable, "-m", "saem_gguf", "generate", "-m", str(bad.model), "-p", "hi",
+                        "-n", "1", "-c", ctx], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       preexec_fn=_address_space_limit(4 << 30))
+    assert_one_error_line(r.returncode, r.stderr, Case("c", lambda b, d: [], 1, f"-c {ctx}"))
+
+
+def test_threads_are_clamped_with_a_note(bad, capfd):
+    from saem_gguf.engine import Engine, EngineConfig
+    from saem_gguf.resources import max_threads
+
+    notes: list[str] = []
+    eng = Engine(EngineConfig(model=bad.model, n_ctx=128, n_threads=9999, progress=False), log=notes.append)
+    try:
+        assert eng.cfg.n_threads == max_threads()
+        assert any("-t 9999" in n for n in notes), notes
+    finally:
+        eng.close()
+
+
+def test_outputs_get_normal_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        assert main(["gen-model", "--layers", "1", "-o", str(tmp_path / "m.gguf")]) == 0
+        assert main(["simulate", "--synthetic", "--seqs", "1", "--quiet", "--policies", "lru",
+                     "--ecr", "25", "--json", str(tmp_path / "s.json")]) == 0
+    finally:
+        os.umask(old)
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf", "s.json"]  # no temporary file left
+    for name in ("m.gguf", "s.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644
+
+
 # --- stdin, stdout and injection -----------------------------------------------------------------
 def test_inspect_into_closed_pipe(bad):
     """`inspect M | head -1`: the reader goes away; no BrokenPipeError traceback."""

@@ -31,7 +31,7 @@ def test_mutations_are_seeded_and_cover_every_part():
 
 
 def test_fuzz_fast(tmp_path):
-    _assert_clean(run_fuzz(n_inspect=300, n_load=24, seed=11, workdir=tmp_path))
+    _assert_clean(run_fuzz(n_inspect=200, n_load=24, seed=11, workdir=tmp_path))
 
 
 @pytest.mark.slow

@@ -123,6 +123,13 @@ def run_command(args: argparse.Namespace) -> int:
                      "SAEM_DEBUG=1 shows the traceback")
 
 
+MESSAGE_MAX_CHARS = 2000
+
+
 def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    """One line, whatever the message holds (text from a corrupt file may hold line breaks)."""
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    if len(line) > MESSAGE_MAX_CHARS:
+        line = line[:MESSAGE_MAX_CHARS] + "..."
+    print(f"error: {line}", file=sys.stderr)
     return 1
