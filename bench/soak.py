@@ -1,7 +1,7 @@
 """Soak: many generations on one engine, alternating policies, expert cache ratios and prompts;
 then RSS growth, open file descriptors, threads and the native cache's state against bounds.
 
-    python bench/soak.py                      # 2,000 generations of 8 tokens on a small test model
+    python bench/soak.py                      # 2,000 generations of 32 tokens on a small test model
     python bench/soak.py --generations 200 --json soak.json
 
 Every generation re-attaches placement (``Engine.set_placement``: the native expert cache is
@@ -153,7 +153,7 @@ def soak(model: Path, generations: int, n_predict: int, progress: bool) -> SoakR
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--generations", type=int, default=2000)
-    ap.add_argument("-n", "--n-predict", type=int, default=8, help="tokens per generation (8)")
+    ap.add_argument("-n", "--n-predict", type=int, default=32, help="tokens per generation (32)")
     ap.add_argument("-m", "--model", type=Path, default=None,
                     help="GGUF (default: a small generated qwen3moe with stage routing)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
