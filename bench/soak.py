@@ -134,7 +134,7 @@ def soak(model: Path, generations: int, n_predict: int, progress: bool) -> SoakR
             policy = POLICIES[i % len(POLICIES)]
             slots = max(1, round(ECRS[(i // len(POLICIES)) % len(ECRS)] * n_expert))
             eng.set_placement(policy, slots)
-            res = eng.generate(PROMPTS[i % len(PROMPTS)], n_predict, 0.0)
+            res = eng.generate(PROMPTS[i % len(PROMPTS)], n_predict)  # greedy
             tokens += len(res.tokens)
             errs = check_native_cache(eng)
             checks += 1

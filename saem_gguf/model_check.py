@@ -114,7 +114,7 @@ class _Cursor:
     def skip(self, n: int, what: str) -> None:
         if n > self.remaining():
             raise GGUFFormatError(f"{what} claims {n} bytes but only {self.remaining()} remain "
-                                  "in the file (corrupt length)")
+                                  "in the file: truncated, or a corrupt length")
         self.pos += n
 
     def string(self, what: str) -> bytes:
@@ -154,7 +154,7 @@ def check_structure(buf, n_tensors: int, n_kv: int) -> None:
         if vtype == GGUFValueType.STRING:
             if count * 8 > cur.remaining():
                 raise GGUFFormatError(f"metadata {key} claims {count} strings but only "
-                                      f"{cur.remaining()} bytes remain (corrupt length)")
+                                      f"{cur.remaining()} bytes remain: truncated, or a corrupt length")
             for _ in range(count):
                 cur.string(f"metadata {key}")
         else:

@@ -111,7 +111,7 @@ BAD_TENSOR_INFO: dict[str, tuple[str, str, int, str]] = {
     "offset_past_end": ("offset", "output.weight", 1 << 40, "corrupt"),
     "dim_zero": ("dim", "token_embd.weight", 0, "shape"),
     "dim_huge": ("dim", "token_embd.weight", 2**63, "corrupt"),
-    "n_dims_5": ("n_dims", "output_norm.weight", 5, "corrupt"),
+    "n_dims_5": ("n_dims", "output_norm.weight", 5, "dimensions"),
     "type_unknown": ("tensor_type", "output_norm.weight", 99, "GGMLQuantizationType"),
     "type_rows_not_blocks": ("tensor_type", "output_norm.weight", int(gguf.GGMLQuantizationType.Q4_K), "block"),
 }

@@ -166,8 +166,11 @@ def worker() -> int:
 
     # a runaway allocation fails here instead of waking the kernel's OOM killer on a shared machine
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_ADDRESS_SPACE, WORKER_ADDRESS_SPACE))
+    # answers go to a private copy of stdout; fd 1 itself (where C code may print) goes nowhere
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     parser = build_parser()
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         path = line.strip()
         if not path:
@@ -182,7 +185,8 @@ def worker() -> int:
             except BaseException as e:  # noqa: BLE001
                 rc, err = 99, io.StringIO(f"{type(e).__name__}: {e}")
         outcome, detail = classify(rc, err.getvalue())
-        print(json.dumps({"path": path, "outcome": outcome, "detail": detail[:300]}), flush=True)
+        print(json.dumps({"path": path, "outcome": outcome, "detail": detail[:300]}), file=answers,
+              flush=True)
     return 0
 
 
