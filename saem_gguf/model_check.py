@@ -53,7 +53,7 @@ ARCH_KEYS: dict[str, KeyRule] = {
     "expert_weights_scale": KeyRule(F32), "expert_weights_norm": KeyRule(BOOL),
     "attention.head_count": KeyRule(U32, True), "attention.head_count_kv": KeyRule(U32, True),
     "attention.key_length": KeyRule(U32), "attention.value_length": KeyRule(U32),
-    "attention.layer_norm_rms_eps": KeyRule(F32), "attention.layer_norm_epsilon": KeyRule(F32),
+    "attention.layer_norm_rms_epsilon": KeyRule(F32), "attention.layer_norm_epsilon": KeyRule(F32),
     "attention.q_lora_rank": KeyRule(U32), "attention.kv_lora_rank": KeyRule(U32),
     "attention.sliding_window": KeyRule(U32),
     "rope.dimension_count": KeyRule(U32), "rope.freq_base": KeyRule(F32),
@@ -295,7 +295,7 @@ def _check_hparams(fields, arch: str, for_load: bool) -> None:
     if dense_lead is not None:
         _in_range(k("leading_dense_block_count"), dense_lead, 0, n_layer)
 
-    for name in ("attention.layer_norm_rms_eps", "attention.layer_norm_epsilon"):
+    for name in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
         eps = _one(fields, k(name))
         if eps is not None and not (math.isfinite(eps) and eps >= 0):
             raise GGUFFormatError(f"metadata {k(name)}={eps} must be finite and >= 0 (llama.cpp aborts)")

@@ -61,10 +61,10 @@ def patch_slot(src: Path, dst: Path, kind: str, name: str, value: int, index: in
 # name -> (metadata changes, the key the error must name)
 K = f"{ARCH}."
 BAD_METADATA: dict[str, tuple[dict, str]] = {
-    "eps_nan": ({K + "attention.layer_norm_rms_eps": (F32, math.nan)}, "layer_norm_rms_eps"),
-    "eps_negative": ({K + "attention.layer_norm_rms_eps": (F32, -1e-6)}, "layer_norm_rms_eps"),
-    "eps_inf": ({K + "attention.layer_norm_rms_eps": (F32, math.inf)}, "layer_norm_rms_eps"),
-    "eps_string": ({K + "attention.layer_norm_rms_eps": (STR, "1e-6")}, "layer_norm_rms_eps"),
+    "eps_nan": ({K + "attention.layer_norm_rms_epsilon": (F32, math.nan)}, "layer_norm_rms_epsilon"),
+    "eps_negative": ({K + "attention.layer_norm_rms_epsilon": (F32, -1e-6)}, "layer_norm_rms_epsilon"),
+    "eps_inf": ({K + "attention.layer_norm_rms_epsilon": (F32, math.inf)}, "layer_norm_rms_epsilon"),
+    "eps_string": ({K + "attention.layer_norm_rms_epsilon": (STR, "1e-6")}, "layer_norm_rms_epsilon"),
     "block_count_string": ({K + "block_count": (STR, "2")}, "block_count"),
     "block_count_zero": ({K + "block_count": (U32, 0)}, "block_count"),
     "block_count_huge": ({K + "block_count": (U32, 513)}, "block_count"),
