@@ -331,6 +331,18 @@ def test_no_command_prints_help(capsys):
     assert "<command>" in out.out and out.err == ""
 
 
+def test_checked_keys_are_the_keys_llama_cpp_reads():
+    """model_check's per-architecture keys are spelled as gguf-py (and llama.cpp) spell them: a
+    misspelt key would be checked in no real file."""
+    import gguf
+
+    from saem_gguf.model_check import ARCH_KEYS
+
+    known = {v.removeprefix("{arch}.") for cls in (gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope)
+             for v in vars(cls).values() if isinstance(v, str) and v.startswith("{arch}.")}
+    assert set(ARCH_KEYS) <= known, sorted(set(ARCH_KEYS) - known)
+
+
 # --- resource bounds and file modes ----------------------------------------------------------------
 def _address_space_limit(nbytes: int):
     import resource
