@@ -37,7 +37,6 @@ class Case:
     exit: int  # 1 bad input, 2 usage
     needle: str = ""  # must appear in the error line
     outputs: tuple[str, ...] = ()  # files (in the fresh directory) that must not exist afterwards
-    awaits: str = ""  # non-empty: xfail, awaiting another engineer's part
     process: bool = False  # run as a subprocess (a miss would abort, or the environment matters)
     env: dict = field(default_factory=dict)  # extra environment of the subprocess
 
@@ -288,8 +287,7 @@ for _argv, _needle in ((["bogus"], "invalid choice"), (["inspect"], "required"),
                        (["generate", "-p", "x", "--bogus-flag"], "unrecognized"), (["gen-model", "-o"], "-o")):
     add(Case(f"usage-{'_'.join(_argv) or 'none'}", lambda b, d, a=_argv: list(a), 2, _needle))
 
-# generation semantics (fidelity's part; the cases it has not settled yet are xfail)
-FIDELITY = "awaits fidelity: "
+# generation semantics (-n, --temp, prompt text)
 add(Case("generate-n-negative", lambda b, d: ["generate", "-m", _m(b), "-p", "hi", "-n", "-5"], 2, "-n"))
 add(Case("generate-temp-nan", lambda b, d: ["generate", "-m", _m(b), "-p", "hi", "-n", "2", "--temp", "nan"],
          2, "--temp"))
@@ -297,12 +295,14 @@ add(Case("generate-temp-nan", lambda b, d: ["generate", "-m", _m(b), "-p", "hi",
 #  tests/test_fidelity_rules.py covers it)
 add(Case("generate-prompt-invalid-utf8", lambda b, d: ["generate", "-m", _m(b), "-n", "2", "-p",
                                                        b"caf\xe9".decode("utf-8", "surrogateescape")],
-         1, "UTF-8", awaits=FIDELITY + "invalid UTF-8 in -p (now: internal error, UnicodeEncodeError)"))
+         1, "UTF-8"))
+add(Case("generate-system-invalid-utf8", lambda b, d: ["generate", "-m", _m(b), "-n", "2", "-p", "hi", "--chat",
+                                                       "-sys", b"caf\xe9".decode("utf-8", "surrogateescape")],
+         1, "UTF-8"))
 
 
 def _case_params() -> list:
-    return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=False, reason=c.awaits)]
-                         if c.awaits else []) for c in CASES]
+    return [pytest.param(c, id=c.id) for c in CASES]
 
 
 def test_case_count():

@@ -37,9 +37,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _utf8_arg(text: str, flag: str) -> str:
+    """``text`` from the command line; bytes that are not UTF-8 arrive as lone surrogates
+    (Python's surrogateescape) and cannot be tokenized, so they are refused here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SaemError(f"{flag} is not valid UTF-8 (byte 0x{ord(text[e.start]) & 0xFF:02x} at "
+                        f"position {e.start})") from None
+    return text
+
+
 def _prompt_text(args: argparse.Namespace) -> str:
+    if args.system is not None:
+        _utf8_arg(args.system, "-sys/--system-prompt")
     if args.prompt is not None:
-        return args.prompt
+        return _utf8_arg(args.prompt, "-p/--prompt")
     try:
         text = args.file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
