@@ -82,6 +82,12 @@ class ChatSession:
         when the turn could not be sent (it is then not kept in the history)."""
         import time
 
+        try:
+            user.encode("utf-8")
+        except UnicodeEncodeError:
+            # undecodable input bytes reach us as lone surrogates (surrogateescape)
+            self.notify("error: the message is not valid UTF-8; it was not sent")
+            return None
         self.messages.append({"role": "user", "content": user})
         try:
             prompt = self._fit_prompt()

@@ -400,6 +400,16 @@ def test_chat_with_stdin_closed(bad):
     assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
 
 
+def test_chat_line_not_utf8_is_refused_and_the_chat_goes_on(bad):
+    """An undecodable stdin line is one error line for that turn; the next turn is answered."""
+    r = subprocess.run([sys.executable, "-m", "saem_gguf", "chat", "-m", str(bad.model), "-n", "4", "--quiet"],
+                       input=b"caf\xe9?\nhello\n", capture_output=True, timeout=120, cwd=REPO)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "not valid UTF-8" in err and "template" not in err, err
+    assert r.stdout.strip(), "the second turn got no answer"
+
+
 def test_control_tokens_in_user_text_stay_text(bad):
     """Text that looks like control tokens inside a user message is not tokenized as them."""
     from saem_gguf.engine import Engine, EngineConfig
