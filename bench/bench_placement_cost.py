@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
+from saem_gguf.policies.base import budget_slots  # noqa: E402
 from saem_gguf.testmodels import ensure_model  # noqa: E402
 from saem_gguf.testmodels.spec import ModelSpec  # noqa: E402
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     path = ensure_model(ModelSpec(n_layer=a.layers, n_expert=a.experts, n_expert_used=a.top_k, expert_pool=8))
     eng = Engine(EngineConfig(model=path, n_ctx=a.n + 64, n_threads=1, ecr=a.ecr, progress=False),
                  log=lambda m: None)
-    slots = eng.placement.state.n_slots.max()
+    slots = budget_slots(100.0 * a.ecr, a.experts)  # the default saem may split it unevenly
     rows = []
     try:
         print(f"placement per decoded token, {a.layers} layers x {a.experts} experts x top-{a.top_k}, "

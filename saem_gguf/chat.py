@@ -136,7 +136,9 @@ class ChatSession:
         tps = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
         lines = [f"policy {s['policy']}", f"decode {self.decode_tokens} tokens, {tps:.1f} tokens/s"]
         if "hit_rate" in s:
-            lines += [f"expert cache: {s['slots_per_layer']} slots/layer (ECR {s['ecr']:.1%})",
+            uneven = len(set(s["slot_layout"])) > 1
+            layout = f", per layer {'/'.join(map(str, s['slot_layout']))}" if uneven else ""
+            lines += [f"expert cache: {s['slots_per_layer']} slots/layer (ECR {s['ecr']:.1%}{layout})",
                       f"hit rate {s['hit_rate']:.1%} ({s['hits']}/{s['expert_accesses']} expert uses)",
                       f"moved {s['bytes_moved'] / 1e6:.2f} MB in {s['copies']} copies "
                       f"({s['mb_moved_per_token']:.3f} MB/token)",

@@ -725,8 +725,13 @@ class Engine:
              "policy": self.policy_name if self.placement else "off"}
         if self.placement is not None:
             d.update(self.placement.stats.to_dict())
-            d["slots_per_layer"] = int(self.placement.state.n_slots.max(initial=0))
-            d["ecr"] = d["slots_per_layer"] / self.info.n_expert
+            # a policy may split the budget unevenly (saem's layout, n-cpu-moe's whole layers):
+            # the mean is the budget's bytes per layer, the layout says where they went
+            layout = self.placement.state.n_slots
+            mean = float(layout.mean()) if layout.size else 0.0
+            d["slots_per_layer"] = int(round(mean))
+            d["slot_layout"] = layout.tolist()
+            d["ecr"] = mean / self.info.n_expert
         return d
 
     def sequence_trace(self) -> SequenceTrace:

@@ -74,6 +74,20 @@ def test_policy_switch_in_one_process_keeps_results(qwen3_path, reference):
         eng.close()
 
 
+def test_stats_report_the_budget_and_an_uneven_layout(qwen3_path):
+    """n-cpu-moe puts the budget's bytes in whole layers: the stats give the mean slots per layer
+    and the ECR actually held (not the largest layer's) and the layout. The test model has 3 MoE
+    layers of 16 experts: ECR 50 % is 24 slots, one whole layer fits, the rest is unused."""
+    eng = Engine(EngineConfig(model=qwen3_path, n_ctx=256, policy="n-cpu-moe", ecr=0.5, n_threads=2))
+    try:
+        st = eng.stats()
+        layout = st["slot_layout"]
+        assert layout == [0, 0, 16]  # llama.cpp --n-cpu-moe keeps the first layers on the CPU
+        assert st["slots_per_layer"] == 5 and st["ecr"] == pytest.approx(16 / 48)
+    finally:
+        eng.close()
+
+
 def test_dense_model_runs_with_management_off(llama_cpp):
     path = ensure_model(spec_for("llama", "f16", dense=True))
     r = run_cli("generate", "-m", str(path), "-p", "Hello", "-n", "4", "--policy", "saem", "--json")

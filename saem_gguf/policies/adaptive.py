@@ -51,6 +51,7 @@ from saem_gguf.policies.replay import (
     MISS_RULE, N_TALLY, T_ACCESS, T_CPU_RUNS, T_CPU_TOKENS, T_GPU_RUNS, T_HIT, T_HIT_CPU, T_STALL, T_TEMP,
     active_tokens, fixed_layer, gather, layer_end, step_begin, step_end, time_tables,
 )
+from saem_gguf.policies.layout import choose_layout
 from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy
 
 # Candidate kinds beyond the caching kinds (KIND_LRU, KIND_LFU): sets that change only when the
@@ -123,6 +124,9 @@ class AdaptiveConfig:
     # (t_cpu(n) - t_gpu(n) per hit expert, minus the CPU time a copy's DMA takes at the measured
     # share of time spent in CPU expert work)
     score: str = "hits"
+    # "auto": split the slot budget over the layers by pricing layouts (layout.py: from uniform to
+    # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer
+    layout: str = "auto"
 
 
 @njit(cache=True)
@@ -311,20 +315,30 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
-                 copy_cost: float | None = None, score: str = "hits", **overrides) -> None:
+                 copy_cost: float | None = None, score: str = "hits", layout: str = "auto", **overrides) -> None:
         super().__init__(config, **overrides)
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
-                                       copy_cost=copy_cost, score=score)
+                                       copy_cost=copy_cost, score=score, layout=layout)
         if score not in ("hits", "time"):
             raise ValueError("score must be 'hits' or 'time'")
+        if layout not in ("auto", "uniform"):
+            raise ValueError("layout must be 'auto' or 'uniform'")
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (the leader at start)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
 
+    def slots_for(self, ctx: PolicyContext) -> np.ndarray:
+        """The budget's bytes split over the layers as the cost model prices best (layout.py)."""
+        if self.adaptive.layout == "uniform":
+            return ctx.n_slots
+        slots, _, _ = choose_layout(ctx.calib, ctx.top_k, ctx.n_slots, ctx.batch, ctx.cost.array)
+        return slots
+
     def start(self, ctx: PolicyContext) -> CacheState:
         state = super().start(ctx)
+        self._n_slots = state.n_slots
         C = len(self.candidates)
         self._cand = np.zeros((C, N_CAND))
         self._c_slot = np.repeat(state.slot_of[None], C, axis=0)
@@ -376,7 +390,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     def _stage_state(self) -> CacheState:
         """The stage candidate's shadow cache as a CacheState view (ranked like SAEM's cache)."""
-        return CacheState(slot_of=self._c_slot[0], owner=self._c_owner[0], n_slots=self.ctx.n_slots,
+        return CacheState(slot_of=self._c_slot[0], owner=self._c_owner[0], n_slots=self._n_slots,
                           ready_at=np.zeros(self._c_owner.shape[1:]))
 
     def _place(self, scores: np.ndarray, block: RoutingBlock, s: int, state: CacheState, acct: Accounting,
