@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
 from saem_gguf.testmodels import ensure_model  # noqa: E402
 from saem_gguf.testmodels.spec import ModelSpec  # noqa: E402
@@ -91,8 +92,7 @@ def main(argv=None) -> int:
     finally:
         eng.close()
     if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+        write_text_atomic(a.json, json.dumps(rows, indent=1))
     return 0
 
 

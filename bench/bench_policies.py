@@ -30,6 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies import POLICIES  # noqa: E402
 from saem_gguf.simulator import NOT_IMPLEMENTABLE, SimConfig, default_cost, simulate, split_calibration  # noqa: E402
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces  # noqa: E402
@@ -89,8 +90,7 @@ def main(argv=None) -> int:
                       flush=True)
     print(f"worst saem/best-other: {worst:.3f}x")
     if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_text_atomic(a.json, json.dumps(out, indent=1))
     return 0
 
 
