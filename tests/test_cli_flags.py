@@ -51,7 +51,7 @@ def test_batch_sizes_reach_the_context(model, llama_cpp):
         assert llama_cpp.llama_n_batch(eng.llm.ctx) == 64
         assert llama_cpp.llama_n_ubatch(eng.llm.ctx) == 16
         # a prompt of several ubatches: the routing of every one is read, not only the last's
-        res = eng.generate(" ".join(["seven"] * 40), 2, 0.0)
+        res = eng.generate(" ".join(["seven"] * 40), 2)
         assert res.prompt_tokens > 16
         trace = eng.sequence_trace()
         assert (trace.experts[:, 0, :] >= 0).all()  # first MoE layer: every token routed
@@ -70,7 +70,7 @@ def test_batch_size_does_not_change_the_output(model):
     for argv in (["-b", "8", "-ub", "8"], ["-b", "2048", "-ub", "512"]):
         eng = open_with("-m", model, "--policy", "saem", "--ecr", "25%", *argv)
         try:
-            outs.append(eng.generate(PROMPT, 12, 0.0).tokens)
+            outs.append(eng.generate(PROMPT, 12).tokens)
         finally:
             eng.close()
     assert outs[0] == outs[1]
@@ -79,7 +79,7 @@ def test_batch_size_does_not_change_the_output(model):
 def _state_bytes(model: str, *argv: str) -> int:
     eng = open_with("-m", model, "-c", "256", *argv)
     try:
-        eng.generate(PROMPT, 4, 0.0)
+        eng.generate(PROMPT, 4)
         return eng._llama_cpp.llama_state_get_size(eng.llm.ctx)
     finally:
         eng.close()
@@ -163,7 +163,7 @@ def test_cpu_moe_and_n_cpu_moe_are_the_static_baselines(model):
                        ("ncmoe9", ["--n-cpu-moe", "9"]), ("saem", ["--ecr", "25%"])):
         eng = open_with("-m", model, *argv)
         try:
-            outs[name] = (eng.policy_name, _slots(eng), eng.generate(PROMPT, 12, 0.0).tokens)
+            outs[name] = (eng.policy_name, _slots(eng), eng.generate(PROMPT, 12).tokens)
         finally:
             eng.close()
     assert outs["cmoe"][:2] == ("cpu-moe", [0, 0, 0])
