@@ -54,6 +54,7 @@ def test_batch_sizes_reach_the_context(model, llama_cpp):
         res = eng.generate(" ".join(["seven"] * 40), 2)
         assert res.prompt_tokens > 16
         trace = eng.sequence_trace()
+        assert trace.experts.shape[0] == len(trace.token_ids) >= res.prompt_tokens  # a row per token
         assert (trace.experts[:, 0, :] >= 0).all()  # first MoE layer: every token routed
     finally:
         eng.close()
