@@ -159,7 +159,7 @@ def add_placement_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                             "GPU (= --policy n-cpu-moe with that N instead of one from the budget)")
         x = g.add_mutually_exclusive_group()
         x.add_argument("--ecr", type=ecr_arg, default=None, metavar="R",
-                       help=ECR_HELP + " (default 25%%)")
+                       help=ECR_HELP + " (default: 25%% without a GPU, --vram-budget auto with one)")
         x.add_argument("--vram-budget", type=_vram_budget, default=None, metavar="SIZE",
                        help="device memory for the model, e.g. 8G, or auto (free GPU memory at start "
                             "minus a margin; the default when a GPU is present): sizes the expert cache")
