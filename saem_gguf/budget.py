@@ -30,16 +30,33 @@ def format_size(n: float) -> str:
     raise AssertionError
 
 
+# the one --ecr unit of every command, said in every --help
+ECR_HELP = ("expert cache ratio = cache slots per MoE layer / experts per layer, as a percentage "
+            "(25%%) or a fraction (0.25); a bare number above 1 is refused")
+
+
 def parse_ecr(text: str | float) -> float:
-    """'0.25', '25%' -> 0.25; must lie in [0, 1]."""
+    """'25%' or '0.25' -> 0.25. A bare number is a fraction, so '25' is an error (it suggests '25%')."""
     s = str(text).strip()
+    percent = s.endswith("%")
     try:
-        v = float(s[:-1]) / 100 if s.endswith("%") else float(s)
+        v = float(s[:-1]) / 100 if percent else float(s)
     except ValueError:
-        raise SaemError(f"invalid ECR {text!r}: give a fraction in [0, 1] or a percentage") from None
-    if not (0.0 <= v <= 1.0) or math.isnan(v):
-        raise SaemError(f"ECR {text} is out of range: it is slots/n_expert per layer, in [0, 1]")
+        raise SaemError(f"invalid ECR {text!r}: give a percentage (25%) or a fraction (0.25)") from None
+    if math.isnan(v) or v < 0.0:
+        raise SaemError(f"ECR {text} is out of range: give a percentage in [0%, 100%] or a fraction in [0, 1]")
+    if v > 1.0:
+        hint = f"; for {v:g} percent write {v:g}%" if not percent and v <= 100 else ""
+        raise SaemError(f"ECR {text} is out of range: above 100% (a bare number is a fraction){hint}")
     return v
+
+
+def parse_ecr_list(text: str) -> list[float]:
+    """'12.5%,25%,0.5' -> [0.125, 0.25, 0.5] (at least one value)."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise SaemError("--ecr: give at least one value")
+    return [parse_ecr(x) for x in items]
 
 
 @dataclass

@@ -3,9 +3,10 @@
 A conversation that outgrows the context loses its oldest turns (the system message stays), with a
 one-line notice; a single message too long for the context is refused with one line, and the
 session goes on. Ctrl-C while the model answers stops that answer (what was said so far stays in
-the history);
-Ctrl-C at the prompt only reminds how to quit; Ctrl-D or /quit ends. When stdin is not a terminal
-each input line is one user turn, so the chat can be scripted.
+the history); Ctrl-C at the prompt only reminds how to quit; Ctrl-D or /quit ends. On a terminal
+lines are edited and recalled with readline (history kept under the cache dir); when stdin is not
+a terminal each input line is one user turn, so the chat can be scripted. How an answer is printed
+(thinking dimmed or folded, stage marks) is chat_display.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import codecs
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
+from saem_gguf.chat_display import PIECE_SLACK, AnswerPrinter, use_style
 from saem_gguf.engine import GREEDY, ChatPrompt, Engine, SamplingConfig
 from saem_gguf.errors import SaemError
 
@@ -29,6 +32,7 @@ class ChatSession:
     n_predict: int = 512
     sampling: SamplingConfig = GREEDY
     show_stages: bool = False
+    hide_thinking: bool = False  # fold <think>…</think> into one line
     out: TextIO = sys.stdout
     notify: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
     messages: list[dict] = field(default_factory=list)
@@ -101,6 +105,8 @@ class ChatSession:
         text = bytearray()
         # pieces may end inside a UTF-8 character: the decoder holds such bytes back
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        printer = AnswerPrinter(self.out, styled=use_style(self.out), hide_thinking=self.hide_thinking,
+                                hold_chars=self._cue_hold())
         t0 = None
         n = 0
         interrupted = False
@@ -110,15 +116,13 @@ class ChatSession:
                 if t0 is None:
                     t0 = time.perf_counter()
                 n += tok is not None
+                # the events so far were fired by the pieces already fed
                 if self.show_stages and eng.placement and len(eng.placement.stats.events) > ev_seen:
                     for e in eng.placement.stats.events[ev_seen:]:
-                        self._write(f"\x1b[2m⟦{e.source}: {e.cue or 'routing shift'}⟧\x1b[0m"
-                                    if self.out.isatty() else f"⟦{e.source}: {e.cue or 'routing shift'}⟧")
+                        printer.stage_mark(e.source, e.cue)
                     ev_seen = len(eng.placement.stats.events)
                 text += piece
-                out = decoder.decode(piece)
-                if out:
-                    self._write(out)
+                printer.feed(decoder.decode(piece))
         except KeyboardInterrupt:
             interrupted = True
         self.last_finish_reason = steps.finish_reason
@@ -127,9 +131,19 @@ class ChatSession:
             self.decode_tokens += n
         # the history holds what llama-cpp-python's create_chat_completion would return
         reply = text.decode("utf-8", errors="ignore")
-        self._write(decoder.decode(b"", final=True) + "\n" + ("[interrupted]\n" if interrupted else ""))
+        printer.feed(decoder.decode(b"", final=True))
+        printer.finish()
+        self._write("\n" + ("[interrupted]\n" if interrupted else ""))
         self.messages.append({"role": "assistant", "content": reply})
         return reply
+
+    def _cue_hold(self) -> int:
+        """Characters the printer holds back so a stage mark can go before its cue (0: no marks)."""
+        placement = self.engine.placement
+        cues = placement.detector.cues if self.show_stages and placement is not None else None
+        if not cues:
+            return 0
+        return max(len(t) for t in cues.texts) + PIECE_SLACK
 
     def stats_text(self) -> str:
         s = self.engine.stats()
@@ -170,19 +184,60 @@ class ChatSession:
         return True
 
 
-def run_repl(session: ChatSession, inp: TextIO = sys.stdin) -> None:
+HISTORY_LINES = 1000  # the history file keeps the most recent lines
+
+
+def default_history_file() -> Path:
+    from saem_gguf.build.paths import cache_root
+
+    return cache_root() / "chat_history"
+
+
+def run_repl(session: ChatSession, inp: TextIO = sys.stdin, history_file: Path | None = None) -> None:
+    """Read user lines until /quit or end of input. On a terminal ``input`` edits lines with the
+    standard readline module and recalls earlier lines (also from earlier sessions: ``history_file``,
+    default <cache>/chat_history, bounded to HISTORY_LINES); otherwise each line is one turn."""
     interactive = inp.isatty()
+    history = None
     if interactive:
+        history = _load_history(history_file or default_history_file())
         print(f"chat with {session.engine.path.name} — {HELP}", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ") if interactive else inp.readline()
-        except KeyboardInterrupt:
-            print("\n(/quit or Ctrl-D to exit)", file=sys.stderr)
-            continue
-        except EOFError:
-            break
-        if not interactive and line == "":
-            break
-        if not session.handle(line):
-            break
+    try:
+        while True:
+            try:
+                line = input("> ") if interactive else inp.readline()
+            except KeyboardInterrupt:
+                print("\n(/quit or Ctrl-D to exit)", file=sys.stderr)
+                continue
+            except EOFError:
+                break
+            if not interactive and line == "":
+                break
+            if not session.handle(line):
+                break
+    finally:
+        if history is not None:
+            _save_history(history)
+
+
+def _load_history(path: Path) -> Path | None:
+    try:
+        import readline  # line editing for input(); absent on some platforms
+    except ImportError:
+        return None
+    readline.set_history_length(HISTORY_LINES)
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass  # none yet, or unreadable: the history starts afresh
+    return path
+
+
+def _save_history(path: Path) -> None:
+    import readline
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        readline.write_history_file(path)  # truncated to set_history_length
+    except OSError as e:
+        print(f"[saem] chat history not saved to {path}: {e.strerror or e}", file=sys.stderr)

@@ -4,7 +4,7 @@ The simulator and the SAEM planner read the model as a flat float64 array (``Cos
 so that the Numba hot loops can price every expert of every step without Python calls. The
 dataclasses around it hold the human-facing numbers: a model shape (what one expert weighs)
 and a hardware profile (bandwidths, latencies, overheads). Presets cover a few common machines;
-``measure_cpu`` fills the CPU side from this machine.
+``hw_measure`` measures this one (``get_hw("measure")``).
 
 All formulas are rooflines (see docs/POLICIES.md): decode-time MoE matmuls are bandwidth-bound
 at few tokens, so weight bytes over memory bandwidth dominate and the FLOP term only matters
@@ -14,9 +14,6 @@ once many tokens share an expert.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -195,91 +192,19 @@ DEFAULT_HW = "rtx4090-ddr5"
 
 
 def get_hw(spec: str) -> HardwareProfile:
-    """``PRESET`` | ``measure`` | ``measure:PRESET`` (CPU side measured here, GPU side from the
-    preset) | ``FILE.json`` (a HardwareProfile as JSON)."""
+    """``PRESET`` | ``measure`` | ``measure:PRESET`` (this machine's CPU side, measured once and
+    cached, with the preset's GPU side: hw_measure.py) | ``FILE.json`` (a HardwareProfile as JSON)."""
+    from saem_gguf import hw_measure
+
     if spec in HW_PRESETS:
         return HW_PRESETS[spec]
     if spec == "measure" or spec.startswith("measure:"):
         base = spec.split(":", 1)[1] if ":" in spec else DEFAULT_HW
-        if base not in HW_PRESETS:
-            raise SaemError(f"unknown hardware preset {base!r} (known: {', '.join(HW_PRESETS)})")
-        return measure_cpu(HW_PRESETS[base])
-    if spec.endswith(".json") and os.path.exists(spec):
-        try:
-            with open(spec, encoding="utf-8") as f:
-                data = json.load(f)
-            return HardwareProfile(**data)
-        except (OSError, ValueError, TypeError) as e:
-            raise SaemError(f"{spec}: not a hardware profile ({e})") from None
-    raise SaemError(f"unknown hardware {spec!r}: use one of {', '.join(HW_PRESETS)}, measure[:PRESET] or FILE.json")
-
-
-# --------------------------------------------------------------------------------------------
-# Measuring the CPU side of this machine
-
-
-def measure_memory_bandwidth(n_bytes: int = 256 << 20, repeats: int = 3, threads: int | None = None) -> float:
-    """All-core read bandwidth in bytes/s: best of a few timed sums over an array much larger
-    than the last-level cache, one chunk per thread (numpy's reduction releases the GIL), which
-    is the read-only stream an expert matmul makes."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    threads = threads or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    a = np.ones(n_bytes // 8, dtype=np.float64)
-    chunks = np.array_split(a, threads)
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(np.sum, chunks))  # touch the pages outside the timing
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            list(pool.map(np.sum, chunks))
-            best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best
-
-
-def measure_flops_per_core(n: int = 512, repeats: int = 3) -> float:
-    """FLOP/s of one core on a float32 matmul, scaled down to what quantized kernels reach."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - optional
-        threadpool_limits = None
-    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
-    ctx = threadpool_limits(1) if threadpool_limits else _nullctx()
-    with ctx:
-        a @ a
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ a
-            best = min(best, time.perf_counter() - t0)
-    # Quantized ggml dot products reach roughly half the fp32 GEMM rate (dequant work).
-    return 0.5 * 2.0 * n**3 / best
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-def measure_cpu(base: HardwareProfile, quick: bool = False) -> HardwareProfile:
-    """``base`` with the CPU fields measured on this machine (psutil + microbenchmarks)."""
-    import psutil
-
-    cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
-    try:
-        cores = min(cores, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        pass
-    bw = measure_memory_bandwidth(64 << 20 if quick else 256 << 20)
-    fl = measure_flops_per_core(256 if quick else 512)
-    mem = psutil.virtual_memory().total
-    return base.replace(
-        name=f"measured+{base.name}", cpu_mem_bw=bw, cpu_cores=int(cores), cpu_flops_per_core=fl,
-        notes=f"CPU measured here: {cores} cores, {bw / GB:.1f} GB/s read, "
-              f"{fl / 1e9:.1f} GFLOP/s/core, {mem / 2**30:.0f} GiB RAM; GPU/link from {base.name}")
+        return hw_measure.measured_profile(base)[0]
+    if spec.endswith(".json"):
+        return hw_measure.load_profile(spec)
+    raise SaemError(f"unknown hardware {spec!r}: use one of {', '.join(HW_PRESETS)}, measure[:PRESET] "
+                    "or FILE.json")
 
 
 # --------------------------------------------------------------------------------------------

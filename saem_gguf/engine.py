@@ -1,7 +1,7 @@
 """The engine: a GGUF opened on the patched llama.cpp with stage-aware expert placement attached.
 
 ``Engine`` validates the model file first (clear errors, no llama.cpp crash on a bad file), pins
-CPU threads per ``--numa``, loads the model through llama-cpp-python (``SaemLlama``, a ``Llama``
+CPU threads per ``--pin-gpu-node``, loads the model through llama-cpp-python (``SaemLlama``, a ``Llama``
 subclass, so ``create_completion`` / ``create_chat_completion`` / streaming keep working), sizes
 the expert cache (``--ecr`` or ``--vram-budget``), and hooks every decode: routing is read from
 the native counters, fed with the token's text to the stage detector, and the policy's
@@ -11,6 +11,7 @@ residency changes are issued as async expert copies before the next decode.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import os
@@ -41,18 +42,35 @@ FAMILY_CUES = {"qwen3moe": "qwen3", "deepseek2": "deepseek-r1", "gpt-oss": "gpt-
 CUE_RANKING_POLICIES = ("saem", "saem-cue")
 
 
+# llama.cpp's -ctk/-ctv values (common/arg.cpp kv_cache_types)
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+FLASH_ATTN = ("on", "off", "auto")
+
+
 @dataclass
 class EngineConfig:
     model: Path | None = None  # None: the embedded default model
     n_ctx: int = 4096
     n_threads: int | None = None
-    n_gpu_layers: int = 99
-    numa: str = "off"
+    # load-time llama.cpp settings (llama.cpp's flags of the same names, README "Usage"); the
+    # defaults are llama-cpp-python's (the Python API's), the CLI passes llama.cpp's
+    n_gpu_layers: int | None = None  # -ngl; None or negative: every layer (llama.cpp's auto/all)
+    n_batch: int = 512  # -b: logical batch
+    n_ubatch: int = 512  # -ub: physical batch (one decode, one routing read)
+    flash_attn: str = "off"  # -fa on|off|auto
+    cache_type_k: str = "f16"  # -ctk
+    cache_type_v: str = "f16"  # -ctv
+    use_mmap: bool = True  # --no-mmap clears it
+    use_mlock: bool = False  # --mlock
+    tensor_overrides: tuple = ()  # -ot: tensor_overrides.TensorOverride, in order
+    numa: str | None = None  # llama.cpp's --numa strategy: distribute | isolate | numactl
+    pin_gpu_node: bool = False  # pin CPU expert threads and weights to the GPU's NUMA node
+    n_cpu_moe: int | None = None  # -ncmoe N: the n-cpu-moe policy with the experts of blocks < N on the CPU
     policy: str = "saem"
     ecr: float | None = None
     vram_budget: int | str | None = None  # bytes, or budget.AUTO (free VRAM; the default with a GPU)
     profile: Path | None = None
-    hw: str = "rtx4090-ddr5"  # cost-model preset the policy prices CPU runs vs copies with
+    hw: str = "measure"  # the cost model's hardware: a preset, measure, or a profile JSON
     # sampling seed, llama.cpp's meaning: any value is a fixed seed (0 too); None or -1: a random
     # one, drawn at load (Engine.seed says which, to repeat the run)
     seed: int | None = None
@@ -60,6 +78,18 @@ class EngineConfig:
     verbose: bool = False
     record: bool = False  # keep a routing trace of what is decoded
     progress: bool = True  # a loading progress bar (on a terminal)
+
+    def __post_init__(self) -> None:
+        if self.flash_attn not in FLASH_ATTN:
+            raise SaemError(f"flash_attn must be one of {', '.join(FLASH_ATTN)}, got {self.flash_attn!r}")
+        for what, t in (("cache_type_k", self.cache_type_k), ("cache_type_v", self.cache_type_v)):
+            if t not in KV_CACHE_TYPES:
+                raise SaemError(f"{what} must be one of {', '.join(KV_CACHE_TYPES)}, got {t!r}")
+        if self.n_batch < 1 or self.n_ubatch < 1:
+            raise SaemError(f"batch sizes must be >= 1, got -b {self.n_batch} -ub {self.n_ubatch}")
+        if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.policy != "n-cpu-moe"):
+            raise SaemError(f"n_cpu_moe (-ncmoe) must be >= 0 and goes with the n-cpu-moe policy, got "
+                            f"{self.n_cpu_moe} with policy {self.policy}")
 
 
 SEED_RANDOM = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp draws a seed itself
@@ -178,14 +208,24 @@ def _make_llama_class(llama_cpp):
     class SaemLlama(llama_cpp.Llama):
         """``Llama`` whose every ubatch is followed by the engine's hook (routing -> placement).
 
-        With ``saem_experts_on_host`` the expert tensors load into plain (pinned, with a GPU) host
-        memory the native cache can copy from: ``Llama.__init__`` assigns ``self.model_params``
-        before loading, and this property's setter amends those params on the way in."""
+        ``Llama.__init__`` assigns ``self.model_params`` / ``self.context_params`` before it loads
+        the model and creates the context; these properties amend them on the way:
+
+        - ``saem_experts_on_host``: the expert tensors load into plain (pinned, with a GPU) host
+          memory the native cache can copy from;
+        - ``saem_tensor_overrides`` (the user's ``-ot``, resolved): appended after that expert
+          override, so it decides the expert tensors and the user's patterns everything else;
+        - ``saem_flash_attn_auto``: llama.cpp's ``-fa auto``, which ``Llama`` cannot express (its
+          ``flash_attn`` is a bool), set once the model is loaded, right before the context."""
 
         def __init__(self, *args, saem_hook: Callable[[list[int]], None] | None = None,
-                     saem_experts_on_host: bool = False, saem_progress: TextIO | None = None, **kw):
+                     saem_experts_on_host: bool = False, saem_progress: TextIO | None = None,
+                     saem_tensor_overrides: list[tuple[bytes, int]] | None = None,
+                     saem_flash_attn_auto: bool = False, **kw):
             self._saem_hook = None
             self._saem_on_host = saem_experts_on_host
+            self._saem_user_overrides = saem_tensor_overrides or []
+            self._saem_fa_auto = saem_flash_attn_auto
             self._saem_bar = None
             if saem_progress is not None:
                 from tqdm import tqdm
@@ -197,6 +237,8 @@ def _make_llama_class(llama_cpp):
             finally:
                 if self._saem_bar is not None:
                     self._saem_bar.close()
+            # each decode call is one ubatch, so each ubatch's routing is read before the next
+            self._saem_ubatch = llama_cpp.llama_n_ubatch(self.ctx)
             self._saem_hook = saem_hook
 
         @property
@@ -205,11 +247,18 @@ def _make_llama_class(llama_cpp):
 
         @model_params.setter
         def model_params(self, params) -> None:
+            from saem_gguf.tensor_overrides import override_array
+
+            rows = list(self._saem_user_overrides)
             if self._saem_on_host:
                 from saem_gguf import native_api as na
 
-                # keep the override array alive as long as the model
-                self._saem_buft_override = na.keep_experts_on_host(params, pinned=True)
+                ours = na.keep_experts_on_host(params, pinned=True)
+                rows.insert(0, (ours[0].pattern, ours[0].buft))
+            if rows:
+                # kept on self: llama.cpp reads the array (and its patterns) while loading
+                self._saem_buft_override = override_array(rows)
+                params.tensor_buft_overrides = ctypes.cast(self._saem_buft_override, ctypes.c_void_p)
             if self._saem_bar is not None:
                 bar = self._saem_bar
 
@@ -272,14 +321,25 @@ def _make_llama_class(llama_cpp):
                     llama_cpp.llama_sampler_chain_add(chain, m)
             return sampler
 
+        @property
+        def context_params(self):
+            params = self._saem_context_params
+            if self._saem_fa_auto and getattr(self, "_model", None) is not None:
+                # Llama has finished its own settings (the model is loaded): the context comes next
+                params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+            return params
+
+        @context_params.setter
+        def context_params(self, params) -> None:
+            self._saem_context_params = params
+
         def eval(self, tokens):
             hook = self._saem_hook
             if hook is None:
                 return super().eval(tokens)
             tokens = list(tokens)
-            # one decode call per ubatch, so each ubatch's routing is read before the next
-            for i in range(0, len(tokens), self.n_batch):
-                chunk = tokens[i:i + self.n_batch]
+            for i in range(0, len(tokens), self._saem_ubatch):
+                chunk = tokens[i:i + self._saem_ubatch]
                 super().eval(chunk)
                 hook(chunk)
 
@@ -298,7 +358,7 @@ class Engine:
         cfg = self.cfg
         if cfg.ecr is not None and cfg.vram_budget is not None:
             raise SaemError("give --ecr or --vram-budget, not both")
-        self.numa_plan = numa.plan(cfg.numa)
+        self.numa_plan = numa.plan(cfg.numa, cfg.pin_gpu_node)
         numa.apply(self.numa_plan)
         self.note(f"NUMA: {self.numa_plan.note}")
         llama_cpp = load_llama_cpp()
@@ -309,22 +369,20 @@ class Engine:
         slots = self._slots_per_layer()
         n_threads = cfg.n_threads or max(1, len(self.numa_plan.cpus))
         Cls = construct or _make_llama_class(llama_cpp)
+        llama_kw = self._llama_load_params(llama_cpp, managed=slots is not None)
         # the bar writes to a duplicate of fd 2, taken before llama.cpp's log silences fd 2
         bar_out = os.fdopen(os.dup(2), "w") if cfg.progress and sys.stderr.isatty() else None
         try:
             with _quiet_stderr(not cfg.verbose), _llama_error_log(llama_cpp) as load_errors:
                 self.llm = Cls(
-                    model_path=str(self.path), n_ctx=cfg.n_ctx, n_batch=512, n_ubatch=512,
-                    n_threads=n_threads, n_threads_batch=n_threads, n_gpu_layers=cfg.n_gpu_layers,
-                    seed=cfg.seed, verbose=cfg.verbose,
+                    model_path=str(self.path), n_ctx=cfg.n_ctx, n_threads=n_threads,
+                    n_threads_batch=n_threads, seed=cfg.seed, verbose=cfg.verbose,
                     # tracing wants every prompt token's routing in the last layer too, which
                     # llama.cpp computes only for tokens whose logits are requested
                     logits_all=cfg.record,
-                    # first-touch puts the weights on the pinned node when they are read, not mapped
-                    use_mmap=self.numa_plan.node is None,
                     numa=self.numa_plan.llama_strategy, saem_hook=None,
                     saem_progress=bar_out,
-                    saem_experts_on_host=slots is not None)
+                    saem_experts_on_host=slots is not None, **llama_kw)
         except ValueError as e:
             # llama-cpp-python says only "Failed to load model"; llama.cpp's error log says why
             reason = next((line.split("error loading model:", 1)[1] for line in load_errors
@@ -361,12 +419,57 @@ class Engine:
         self.notes.append(msg)
         self._log(msg)
 
+    def _llama_load_params(self, llama_cpp, managed: bool) -> dict:
+        """llama.cpp's load-time flags as ``Llama`` keyword arguments (plus the -ot and -fa auto
+        amendments ``SaemLlama`` applies), after checking them against expert management."""
+        import gguf
+
+        from saem_gguf import native_api as na
+        from saem_gguf.tensor_overrides import check_against_experts, resolve
+
+        cfg = self.cfg
+        overrides = list(cfg.tensor_overrides)
+        expert_names = [t.name for layer in self.info.moe_layers for t in layer.tensors]
+        for msg in check_against_experts(overrides, expert_names, managed):
+            self.note(msg)
+        ngl = -1 if cfg.n_gpu_layers is None or cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
+        if cfg.n_gpu_layers is not None and not llama_cpp.llama_supports_gpu_offload():
+            self.note("no usable GPU (a CPU build of llama.cpp): -ngl is ignored")
+        # mmap maps the file's pages wherever the kernel likes: off when the threads are pinned to
+        # a node (first touch then places the weights there) and when experts go to pinned host
+        # memory (an mmap-backed tensor would bypass that buffer)
+        use_mmap = cfg.use_mmap and self.numa_plan.node is None
+        if use_mmap and managed and na.saem_expert_host_buft(True)[1]:
+            use_mmap = False
+            self.note("experts load into pinned host memory, so the model is read without mmap")
+        if cfg.use_mlock and not llama_cpp.llama_supports_mlock():
+            self.note("--mlock is not supported on this system: ignored by llama.cpp")
+        kv_type = {name: int(gguf.GGMLQuantizationType[name.upper()]) for name in KV_CACHE_TYPES}
+        for flag, name, head in (("-ctk", cfg.cache_type_k, self.info.head_dim_k),
+                                 ("-ctv", cfg.cache_type_v, self.info.head_dim_v)):
+            block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kv_type[name])][0]
+            if head % block:  # llama.cpp refuses the context then, with this reason in its log only
+                raise SaemError(f"{flag} {name} stores rows in blocks of {block}, which do not divide this "
+                                f"model's attention head size {head}: use f16, bf16 or f32")
+        return dict(
+            n_gpu_layers=ngl, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
+            flash_attn=cfg.flash_attn == "on", saem_flash_attn_auto=cfg.flash_attn == "auto",
+            type_k=kv_type[cfg.cache_type_k], type_v=kv_type[cfg.cache_type_v],
+            use_mmap=use_mmap, use_mlock=cfg.use_mlock,
+            saem_tensor_overrides=resolve(llama_cpp, overrides))
+
     def _slots_per_layer(self) -> int | None:
         info, cfg = self.info, self.cfg
         if not info.is_moe:
             self.note(f"{info.architecture} is a dense model: expert management is off "
                       f"(--policy {cfg.policy} has nothing to place)")
             return None
+        if cfg.n_cpu_moe is not None:
+            n_cpu = self._n_cpu_moe_layers()
+            self.note(f"-ncmoe {cfg.n_cpu_moe}: the experts of {n_cpu} of {len(info.moe_layers)} MoE "
+                      f"layers stay on the CPU, the other layers' experts are all resident")
+            self._auto_gpu = None
+            return info.n_expert  # the budget of every layer; the n-cpu-moe policy empties the first
         auto = cfg.vram_budget == AUTO or (cfg.vram_budget is None and cfg.ecr is None)
         gpus = gpu_memory() if auto else []
         self._auto_gpu = gpus[0] if gpus else None  # sized from free VRAM, corrected after loading
@@ -403,6 +506,10 @@ class Engine:
                   f"(ECR {slots / self.info.n_expert:.1%})")
         return slots
 
+    def _n_cpu_moe_layers(self) -> int:
+        """MoE layers among llama.cpp's "first N layers" of -ncmoe N (it counts blocks, blk.0 .. blk.N-1)."""
+        return sum(1 for layer in self.info.moe_layers if layer.index < self.cfg.n_cpu_moe)
+
     def _attach_placement(self, slots: int) -> None:
         from saem_gguf import native_api as na
 
@@ -425,9 +532,12 @@ class Engine:
             raise SaemError(f"{self.info.architecture} is a dense model: no experts to place")
         detector, calib, cue_counts = self._make_detector(policy)
         cost = CostModel.from_expert_bytes(self.info.moe_layers[0].bytes_per_expert, get_hw(self.cfg.hw))
+        policy_args = ({"n_cpu_layers": self._n_cpu_moe_layers()}
+                       if policy == "n-cpu-moe" and self.cfg.n_cpu_moe is not None else None)
         self.placement = None
         self.placement = Placement(self.llm.ctx, policy, slots, cost, detector,
-                                   calib_counts=calib, cue_counts=cue_counts, record=self.cfg.record)
+                                   calib_counts=calib, cue_counts=cue_counts, record=self.cfg.record,
+                                   policy_args=policy_args)
         self.policy_name = policy
         self.note(f"policy {policy}: {self.placement.policy.summary}")
         if policy == "saem-cue" and not cue_counts:

@@ -1,9 +1,11 @@
-"""NUMA topology and pinning of the CPU expert threads (llama.cpp's --numa, plus GPU locality).
+"""NUMA: llama.cpp's ``--numa`` strategies, and our pinning of the CPU expert threads to the GPU's node.
 
-SAEM runs non-resident experts in place on the CPU; those threads should read weights from their
-own node. We find the nodes (sysfs), the node nearest the GPU (its PCI device's numa_node), and
-pin the process (ggml's worker threads inherit the affinity) to that node's CPUs. On a
-single-node machine everything here is a no-op that `describe()` reports.
+``--numa distribute|isolate|numactl`` means what it means in llama.cpp: the value is handed to
+``llama_numa_init`` (ggml's thread placement) and nothing else is done. ``--pin-gpu-node`` is
+ours: SAEM runs non-resident experts in place on the CPU, and those threads should read weights
+from their own node, so we find the nodes (sysfs), the node nearest the GPU (its PCI device's
+numa_node), and pin the process (ggml's worker threads inherit the affinity) to that node's CPUs.
+On a single-node machine pinning is a no-op that the plan's note reports.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 
 from saem_gguf.errors import SaemError
 
-NUMA_MODES = ("off", "distribute", "isolate", "numactl")
+# llama.cpp's --numa values (common/arg.cpp) and their ggml_numa_strategy (ggml-cpu.h)
+LLAMA_NUMA_STRATEGIES = {"distribute": 1, "isolate": 2, "numactl": 3}
 SYS_NODES = Path("/sys/devices/system/node")
 SYS_PCI = Path("/sys/bus/pci/devices")
 
@@ -79,40 +82,31 @@ def detect(sys_nodes: Path = SYS_NODES, sys_pci: Path = SYS_PCI) -> Topology:
 
 @dataclass
 class NumaPlan:
-    mode: str
+    strategy: str | None  # llama.cpp's --numa value, None when not given
     node: int | None  # node the expert threads are pinned to (None: not pinned)
     cpus: list[int]
     llama_strategy: int  # ggml_numa_strategy for llama_numa_init (0 = disabled)
     note: str
 
 
-# ggml_numa_strategy values (ggml-cpu.h)
-GGML_NUMA_STRATEGY = {"off": 0, "distribute": 1, "isolate": 2, "numactl": 3}
-
-
-def plan(mode: str, topo: Topology | None = None) -> NumaPlan:
-    if mode not in NUMA_MODES:
-        raise SaemError(f"--numa must be one of {', '.join(NUMA_MODES)}, got {mode!r}")
+def plan(strategy: str | None = None, pin_gpu_node: bool = False, topo: Topology | None = None) -> NumaPlan:
+    """``strategy``: llama.cpp's --numa value (or None); ``pin_gpu_node``: pin to the GPU's node."""
+    if strategy is not None and strategy not in LLAMA_NUMA_STRATEGIES:
+        raise SaemError(f"--numa must be one of {', '.join(LLAMA_NUMA_STRATEGIES)}, got {strategy!r}")
+    ggml = LLAMA_NUMA_STRATEGIES.get(strategy, 0)
+    llama_note = f"llama.cpp --numa {strategy}" if strategy else "llama.cpp NUMA strategy off"
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin_gpu_node:
+        return NumaPlan(strategy, None, cpus, ggml, f"{llama_note}, no pinning")
     topo = topo or detect()
     if topo.n_nodes <= 1:
-        cpus = sorted(os.sched_getaffinity(0))
-        return NumaPlan(mode, None, cpus, 0,
-                        f"single NUMA node ({len(cpus)} CPUs): no pinning needed")
-    if mode == "off":
-        return NumaPlan(mode, None, sorted(os.sched_getaffinity(0)), 0,
-                        f"{topo.n_nodes} NUMA nodes, pinning off (--numa off)")
-    if mode == "numactl":
-        cpus = sorted(os.sched_getaffinity(0))
-        return NumaPlan(mode, None, cpus, GGML_NUMA_STRATEGY[mode],
-                        "using the CPU set given by numactl")
-    if mode == "distribute":
-        cpus = sorted(c for cs in topo.nodes.values() for c in cs)
-        return NumaPlan(mode, None, cpus, GGML_NUMA_STRATEGY[mode],
-                        f"threads spread over {topo.n_nodes} nodes")
+        return NumaPlan(strategy, None, cpus, ggml,
+                        f"{llama_note}; single NUMA node ({len(cpus)} CPUs): no pinning needed")
     node = topo.preferred_node()
-    why = "GPU-local" if topo.gpu_nodes and node in topo.gpu_nodes else "default"
-    return NumaPlan(mode, node, topo.nodes[node], GGML_NUMA_STRATEGY[mode],
-                    f"expert threads pinned to {why} node {node} ({len(topo.nodes[node])} CPUs)")
+    why = "GPU-local" if topo.gpu_nodes and node in topo.gpu_nodes else "default (no GPU node known)"
+    return NumaPlan(strategy, node, topo.nodes[node], ggml,
+                    f"{llama_note}; expert threads pinned to {why} node {node} "
+                    f"({len(topo.nodes[node])} CPUs)")
 
 
 def apply(p: NumaPlan) -> None:

@@ -60,7 +60,7 @@ class Placement:
 
     def __init__(self, ctx, policy_name: str, slots_per_layer: int, cost, detector: StageDetector,
                  calib_counts: np.ndarray | None = None, cue_counts: dict[str, np.ndarray] | None = None,
-                 record: bool = False) -> None:
+                 record: bool = False, policy_args: dict | None = None) -> None:
         self.ctx = ctx
         n_layers = na.saem_moe_n_layers(ctx)
         infos = [na.saem_moe_get_layer_info(ctx, il) for il in range(n_layers)]
@@ -73,7 +73,7 @@ class Placement:
         L = len(self.moe_layers)
         n_slots = np.zeros(n_layers, np.int32)
         n_slots[self.moe_layers] = slots_per_layer
-        self.policy = make_policy(ENGINE_VARIANT.get(policy_name, policy_name))
+        self.policy = make_policy(ENGINE_VARIANT.get(policy_name, policy_name), **(policy_args or {}))
         pctx = PolicyContext(n_layer=L, n_expert=self.n_expert, top_k=self.top_k,
                              n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
                              calib_counts=calib_counts, cue_counts=cue_counts)

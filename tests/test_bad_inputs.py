@@ -103,8 +103,8 @@ add(Case("inspect-directory", lambda b, d: ["inspect", str(d)], 1, "directory"))
 # inspect's own flags
 for _flags, _code, _needle in ((["-c", "-1"], 2, "-c"), (["-c", "0"], 2, "-c"),
                                (["-c", str(2**31)], 2, "-c"), (["-c", "many"], 2, "invalid int"),
-                               (["--ecr", "2"], 1, "out of range"), (["--ecr", "nan"], 1, "ECR"),
-                               (["--ecr=-1%"], 1, "out of range"), (["--ecr", "abc"], 1, "ECR"),
+                               (["--ecr", "2"], 2, "out of range"), (["--ecr", "nan"], 2, "ECR"),
+                               (["--ecr=-1%"], 2, "out of range"), (["--ecr", "abc"], 2, "ECR"),
                                (["--vram-budget", "lots"], 1, "invalid size"),
                                (["--vram-budget=-1G"], 1, "invalid size"),
                                (["--overhead", "x"], 1, "invalid size"),
@@ -249,7 +249,7 @@ add(Case("calibrate-n-negative", lambda b, d: ["calibrate", "-m", _m(b), "--prom
          1, "-n", outputs=("p.json",)))
 
 # simulate's own flags
-for _flags, _code, _needle in ((["--ecr", "0"], 1, "--ecr"), (["--ecr", "101"], 1, "--ecr"),
+for _flags, _code, _needle in ((["--ecr", "0"], 1, "--ecr"), (["--ecr", "101%"], 2, "--ecr"),
                                (["--ecr", "abc"], 2, "--ecr"), (["--batch", "0"], 1, "--batch"),
                                (["--batch", "x"], 2, "--batch"), (["--policies", "bogus"], 1, "bogus"),
                                (["--policies", ","], 1, "no policy"), (["--calib-frac", "1"], 1, "--calib-frac"),
@@ -265,11 +265,12 @@ add(Case("simulate-two-sources", lambda b, d: ["simulate", "--synthetic", "--tra
 add(Case("simulate-hw-missing-file", lambda b, d: ["simulate", "--synthetic", "--seqs", "1", "--quiet",
                                                    "--hw", str(d / "hw.json")], 1, "hw"))
 
-# bench's own flags (checked before the model loads)
+# bench's own flags (checked before the model loads; --ecr values are usage errors, as everywhere)
 for _flags, _needle in ((["--policies", "bogus"], "bogus"), (["--policies", ","], "--policies"),
                         (["--ecr", "2"], "out of range"), (["--ecr", ","], "--ecr"),
                         (["--reps", "0"], "--reps"), (["-n", "0"], "-n"), (["--max-prompts", "0"], "--max-prompts")):
-    add(Case(f"bench-flag{'_'.join(_flags)}", lambda b, d, f=_flags: ["bench", "-m", _m(b), *f], 1, _needle))
+    add(Case(f"bench-flag{'_'.join(_flags)}", lambda b, d, f=_flags: ["bench", "-m", _m(b), *f],
+             2 if "--ecr" in _flags else 1, _needle))
 add(Case("bench-dense-model", lambda b, d: ["bench", "-m", str(b.dense), "-n", "1", "--reps", "1",
                                             "--json", str(d / "b.json")], 1, "dense", outputs=("b.json",)))
 
@@ -377,7 +378,7 @@ def test_outputs_get_normal_permissions(tmp_path):
     try:
         assert main(["gen-model", "--layers", "1", "-o", str(tmp_path / "m.gguf")]) == 0
         assert main(["simulate", "--synthetic", "--seqs", "1", "--quiet", "--policies", "lru",
-                     "--ecr", "25", "--json", str(tmp_path / "s.json")]) == 0
+                     "--ecr", "25%", "--json", str(tmp_path / "s.json")]) == 0
     finally:
         os.umask(old)
     assert sorted(os.listdir(tmp_path)) == ["m.gguf", "s.json"]  # no temporary file left

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from saem_gguf.costmodel import (
-    HW_PRESETS, MODEL_PRESETS, CostModel, expert_bytes, find_model_shape, get_hw, measure_cpu,
+    HW_PRESETS, MODEL_PRESETS, CostModel, expert_bytes, find_model_shape, get_hw,
     t_cpu, t_gpu, t_xfer, tensor_bytes,
 )
 from saem_gguf.errors import SaemError
@@ -94,6 +94,8 @@ def test_cost_model_rejects_nonsense():
 
 
 def test_measure_fills_cpu_side():
+    from saem_gguf.hw_measure import measure_cpu
+
     base = HW_PRESETS["rtx4090-ddr5"]
     hw = measure_cpu(base, quick=True)
     assert hw.cpu_mem_bw > 1e8 and hw.cpu_cores >= 1 and hw.cpu_flops_per_core > 1e6

@@ -192,7 +192,7 @@ def test_cli_simulate_synthetic(tmp_path, capsys):
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"
     rc = main(["simulate", "--synthetic", "--layers", "4", "--experts", "16", "--top-k", "2", "--seqs", "2",
-               "--calib-seqs", "1", "--stage-scale", "0.2", "--ecr", "12.5,50", "--batch", "1,2", "--model",
+               "--calib-seqs", "1", "--stage-scale", "0.2", "--ecr", "12.5%,50%", "--batch", "1,2", "--model",
                "qwen3-30b-a3b", "--policies", "cpu-moe,lru,saem,oracle,gpu-all", "--json", str(out), "--plot",
                str(png), "--quiet"])
     assert rc == 0
@@ -207,7 +207,7 @@ def test_cli_simulate_trace_file_and_errors(tmp_path, capsys):
                                                                stage_len_scale=0.15, seed=1))
     p = tmp_path / "t.npz"
     save_traces(ts, str(p))
-    rc = main(["simulate", "--trace", str(p), "--model", "qwen3-30b-a3b", "--ecr", "25", "--policies",
+    rc = main(["simulate", "--trace", str(p), "--model", "qwen3-30b-a3b", "--ecr", "25%", "--policies",
                "static-hot,saem", "--hw", "h200-server"])
     out = capsys.readouterr().out
     assert rc == 0 and "static-hot" in out and "h200-server" in out and "1 calibration sequences" in out

@@ -13,8 +13,8 @@ import statistics
 import sys
 import time
 
-from saem_gguf.budget import parse_ecr
-from saem_gguf.cli.common import add_model_args
+from saem_gguf.budget import ECR_HELP
+from saem_gguf.cli.common import add_model_args, ecr_list_arg
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.errors import SaemError
 from saem_gguf.fileio import check_output_path, write_text_atomic
@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--policies", default="cpu-moe,lru,static-hot,saem",
                    help=f"comma-separated ({', '.join(POLICIES)}); the first is the baseline")
-    p.add_argument("--ecr", default="0.125,0.25,0.5", help="comma-separated ratios (0..1 or NN%%)")
+    p.add_argument("--ecr", type=ecr_list_arg, default="12.5%,25%,50%",
+                   help="comma-separated; each an " + ECR_HELP + " (default: %(default)s)")
     p.add_argument("--profile", default=None, metavar="PROFILE.json",
                    help="calibration profile (cues, thresholds, expert counts for static-hot)")
     p.add_argument("-p", "--n-prompt", type=int, default=None,
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     for p in policies:
         if p not in POLICIES:
             raise SaemError(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
-    ecrs = [parse_ecr(x) for x in _split(args.ecr, "ecr")]
+    ecrs = args.ecr
     if args.reps < 1 or args.n_predict < 1:
         raise SaemError("--reps and -n must be >= 1")
     if args.max_prompts < 1 or (args.n_prompt is not None and args.n_prompt < 1):

@@ -13,12 +13,18 @@ from saem_gguf.cli.engine_args import open_engine
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat (default: the embedded model)",
                        description="Chat with a MoE GGUF using stage-aware expert placement. Commands: "
-                                   "/stats, /reset, /quit. Ctrl-C stops the current answer. When stdin "
-                                   "is not a terminal, each line is one user turn. A conversation longer "
-                                   "than -c loses its oldest turns (the system prompt stays).")
+                                   "/stats, /reset, /quit. Ctrl-C stops the current answer. On a terminal "
+                                   "lines are edited and recalled with readline (history in the cache "
+                                   "dir's chat_history, last 1000 lines) and <think>...</think> is dimmed "
+                                   "(not with NO_COLOR set). When stdin is not a terminal, each line is "
+                                   "one user turn. A conversation longer than -c loses its oldest turns "
+                                   "(the system prompt stays).")
     add_model_args(p)
     add_chat_args(p)
-    p.add_argument("--show-stages", action="store_true", help="mark stage boundaries in the output")
+    p.add_argument("--show-stages", action="store_true",
+                   help="mark stage boundaries in the output, each before the cue that opened it")
+    p.add_argument("--hide-thinking", action="store_true",
+                   help="fold <think>...</think> into one line saying how much was hidden")
     add_sampling_args(p, n_predict=512)
     add_placement_args(p)
     p.set_defaults(func=run)
@@ -29,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     eng = open_engine(args)
     try:
         run_repl(ChatSession(eng, system=args.system, n_predict=args.n_predict, sampling=sampling,
-                             show_stages=args.show_stages))
+                             show_stages=args.show_stages, hide_thinking=args.hide_thinking))
     finally:
         eng.close()
     return 0

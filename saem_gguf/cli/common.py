@@ -1,4 +1,7 @@
-"""Flags shared by the commands that load a model (llama.cpp-style names) and their validation."""
+"""Flags shared by the commands that load a model (llama.cpp's names and meanings) and their validation.
+
+Every value is checked here, so a bad one is a one-line usage error (exit 2) before anything loads.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from saem_gguf.budget import AUTO, parse_ecr, parse_size
-from saem_gguf.numa import NUMA_MODES
+from saem_gguf.budget import AUTO, ECR_HELP, parse_ecr, parse_ecr_list, parse_size
+from saem_gguf.engine import KV_CACHE_TYPES
+from saem_gguf.numa import LLAMA_NUMA_STRATEGIES
 
 if TYPE_CHECKING:
     from saem_gguf.engine import SamplingConfig
@@ -24,22 +28,65 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _ecr(text: str) -> float:
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _usage(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """``parse`` with its SaemError turned into argparse's usage error (exit 2, one line)."""
     from saem_gguf.errors import SaemError
 
+    def convert(text: str):
+        try:
+            return parse(text)
+        except SaemError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+ecr_arg = _usage(parse_ecr)
+ecr_list_arg = _usage(parse_ecr_list)
+_size = _usage(parse_size)
+
+
+def _n_gpu_layers(text: str) -> int:
+    """llama.cpp's -ngl: a layer count, 'auto' or 'all' (-1: every layer, see the help)."""
+    if text in ("auto", "all"):
+        return -1
     try:
-        return parse_ecr(text)
-    except SaemError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers, auto or all, got {text!r}") from None
 
 
-def _size(text: str) -> int:
-    from saem_gguf.errors import SaemError
+def _flash_attn(text: str) -> str:
+    """llama.cpp's -fa value words (common/arg.cpp is_truthy / is_falsey / is_autoy)."""
+    for value, words in (("on", ("on", "enabled", "true", "1")), ("off", ("off", "disabled", "false", "0")),
+                         ("auto", ("auto", "-1"))):
+        if text in words:
+            return value
+    raise argparse.ArgumentTypeError(f"expected on, off or auto, got {text!r}")
 
-    try:
-        return parse_size(text)
-    except SaemError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+
+def _overrides(text: str) -> list:
+    from saem_gguf.tensor_overrides import parse_overrides
+
+    return _usage(parse_overrides)(text)
+
+
+class _Extend(argparse.Action):
+    """Repeated -ot adds to the list, as in llama.cpp."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *values])
 
 
 def _vram_budget(text: str) -> int | str:
@@ -47,16 +94,48 @@ def _vram_budget(text: str) -> int | str:
 
 
 def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
-    g = p.add_argument_group("model (llama.cpp flags)")
+    from saem_gguf.costmodel import HW_PRESETS
+
+    g = p.add_argument_group("model (llama.cpp flags, same names and meanings)")
     g.add_argument("-m", "--model", type=Path, required=model_required, default=None,
                    help="GGUF model" + ("" if model_required else " (default: the embedded model)"))
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context size (4096)")
     g.add_argument("-t", "--threads", type=_positive_int, default=None,
-                   help="CPU threads for non-resident experts (default: all cores of the node)")
-    g.add_argument("-ngl", "--n-gpu-layers", type=int, default=99,
-                   help="layers whose non-expert weights go to the GPU (99 = all; CPU builds ignore it)")
-    g.add_argument("--numa", choices=NUMA_MODES, default="off",
-                   help="NUMA: isolate = pin expert threads and weights to the GPU-local node")
+                   help="CPU threads for non-resident experts (default: every CPU this process may use)")
+    g.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_n_gpu_layers,
+                   default=None, metavar="N|auto|all",
+                   help="layers whose weights go to the GPU (default auto; auto and all = every layer, as "
+                        "llama.cpp without -fit; experts are placed by --policy whatever this says; a "
+                        "CPU build ignores it)")
+    g.add_argument("-b", "--batch-size", dest="n_batch", type=_positive_int, default=2048, metavar="N",
+                   help="logical maximum batch size (2048)")
+    g.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=_positive_int, default=512, metavar="N",
+                   help="physical maximum batch size (512); routing is read after each ubatch")
+    g.add_argument("-fa", "--flash-attn", type=_flash_attn, default="auto", metavar="on|off|auto",
+                   help="Flash Attention (default auto: llama.cpp enables it where the device supports it)")
+    g.add_argument("-ctk", "--cache-type-k", choices=KV_CACHE_TYPES, default="f16", metavar="TYPE",
+                   help=f"KV cache type for K: {', '.join(KV_CACHE_TYPES)} (f16)")
+    g.add_argument("-ctv", "--cache-type-v", choices=KV_CACHE_TYPES, default="f16", metavar="TYPE",
+                   help=f"KV cache type for V: {', '.join(KV_CACHE_TYPES)} (f16; quantized V needs "
+                        "Flash Attention)")
+    g.add_argument("-ot", "--override-tensor", dest="tensor_overrides", type=_overrides, action=_Extend,
+                   default=[], metavar="PATTERN=BUFT[,...]",
+                   help="put tensors whose name matches the regex PATTERN in buffer type BUFT (CPU, "
+                        "CUDA0, ...); repeatable. Under expert management expert tensors stay in host "
+                        "memory: a pattern sending them to a device is refused")
+    g.add_argument("--mlock", action="store_true", help="keep the model in RAM (no swapping)")
+    g.add_argument("--no-mmap", dest="use_mmap", action="store_false",
+                   help="read the model into memory instead of memory-mapping it")
+    g.add_argument("--numa", choices=tuple(LLAMA_NUMA_STRATEGIES), default=None,
+                   help="llama.cpp's NUMA strategy: distribute (spread threads over all nodes), isolate "
+                        "(threads on the node execution started on), numactl (the CPU map numactl gives)")
+    g.add_argument("--pin-gpu-node", action="store_true",
+                   help="pin the CPU expert threads, and the weights they read, to the NUMA node nearest "
+                        "the GPU (saem_gguf's own; a no-op on one node)")
+    g.add_argument("--hw", default="measure", metavar="PRESET|measure|FILE.json",
+                   help="hardware the placement cost model prices CPU runs and copies with: a preset ("
+                        f"{', '.join(HW_PRESETS)}), measure (this machine, measured once and cached), or "
+                        "a saved profile (default measure)")
     g.add_argument("--verbose", action="store_true", help="llama.cpp's log and placement details")
     g.add_argument("--quiet", action="store_true", help="no progress bars or notes")
 
@@ -68,14 +147,19 @@ def add_placement_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     if multi:
         g.add_argument("--policies", default="cpu-moe,lru,saem",
                        help=f"comma-separated policies ({', '.join(POLICIES)})")
-        g.add_argument("--ecr", default="0.125,0.25,0.5",
-                       help="comma-separated expert cache ratios (fractions or NN%%)")
+        g.add_argument("--ecr", type=ecr_list_arg, default="12.5%,25%,50%",
+                       help="comma-separated; each an " + ECR_HELP)
     else:
-        g.add_argument("--policy", choices=sorted(POLICIES), default="saem", metavar="POLICY",
+        g.add_argument("--policy", choices=sorted(POLICIES), default=None, metavar="POLICY",
                        help=f"placement policy (default saem): {', '.join(POLICIES)}")
+        g.add_argument("-cmoe", "--cpu-moe", action="store_true",
+                       help="llama.cpp's: every expert on the CPU (= --policy cpu-moe)")
+        g.add_argument("-ncmoe", "--n-cpu-moe", type=_non_negative_int, default=None, metavar="N",
+                       help="llama.cpp's: the experts of the first N layers on the CPU, the rest on the "
+                            "GPU (= --policy n-cpu-moe with that N instead of one from the budget)")
         x = g.add_mutually_exclusive_group()
-        x.add_argument("--ecr", type=_ecr, default=None, metavar="R",
-                       help="expert cache ratio: slots per layer / n_expert (default 0.25)")
+        x.add_argument("--ecr", type=ecr_arg, default=None, metavar="R",
+                       help=ECR_HELP + " (default: 25%% without a GPU, --vram-budget auto with one)")
         x.add_argument("--vram-budget", type=_vram_budget, default=None, metavar="SIZE",
                        help="device memory for the model, e.g. 8G, or auto (free GPU memory at start "
                             "minus a margin; the default when a GPU is present): sizes the expert cache")
@@ -123,6 +207,22 @@ def _seed(text: str) -> int | None:
     if v > SEED_RANDOM:
         raise argparse.ArgumentTypeError(f"must be at most {SEED_RANDOM - 1}, or -1 for a random seed; got {v}")
     return v
+
+
+def placement_policy(args: argparse.Namespace) -> str:
+    """The one policy --policy, -cmoe and -ncmoe name; two that disagree, or -ncmoe with a cache size,
+    are a usage error."""
+    from saem_gguf.errors import UsageError
+
+    chosen = {name for name, given in (("cpu-moe", args.cpu_moe), ("n-cpu-moe", args.n_cpu_moe is not None))
+              if given}
+    if args.policy is not None:
+        chosen.add(args.policy)
+    if len(chosen) > 1:
+        raise UsageError(f"-cmoe, -ncmoe and --policy name different policies: {', '.join(sorted(chosen))}")
+    if args.n_cpu_moe is not None and (args.ecr is not None or args.vram_budget is not None):
+        raise UsageError("-ncmoe N sizes the expert cache in whole layers: give no --ecr or --vram-budget")
+    return chosen.pop() if chosen else "saem"
 
 
 def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:

@@ -5,12 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
+from saem_gguf.cli.common import placement_policy
 from saem_gguf.engine import Engine, EngineConfig
 
 
 def engine_config(args: argparse.Namespace, **over) -> EngineConfig:
+    """The EngineConfig of a model command's flags (common.add_model_args / add_placement_args);
+    ``over`` replaces fields the command decides itself (bench's policy, trace's recording)."""
+    has_placement = hasattr(args, "cpu_moe")
     kw = dict(model=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
-              n_gpu_layers=args.n_gpu_layers, numa=args.numa, policy=getattr(args, "policy", "saem"),
+              n_gpu_layers=args.n_gpu_layers, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
+              flash_attn=args.flash_attn, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+              use_mmap=args.use_mmap, use_mlock=args.mlock, tensor_overrides=tuple(args.tensor_overrides),
+              numa=args.numa, pin_gpu_node=args.pin_gpu_node, hw=args.hw,
+              policy=placement_policy(args) if has_placement else "saem",
+              n_cpu_moe=args.n_cpu_moe if has_placement else None,
               ecr=getattr(args, "ecr", None), vram_budget=getattr(args, "vram_budget", None),
               profile=getattr(args, "profile", None), seed=getattr(args, "seed", None),
               chat_template=getattr(args, "chat_template", None), verbose=args.verbose,

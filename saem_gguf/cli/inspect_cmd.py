@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from saem_gguf.budget import format_size, parse_ecr, parse_size, plan_from_budget, plan_from_ecr
+from saem_gguf.budget import ECR_HELP, format_size, parse_size, plan_from_budget, plan_from_ecr
 from saem_gguf.cli.arg_types import bounded_int
+from saem_gguf.cli.common import ecr_arg
 from saem_gguf.gguf_info import ModelInfo, read_model_info
 from saem_gguf.model_check import MAX_CONTEXT
 
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--vram-budget", metavar="SIZE", help="device memory to plan for, e.g. 8G, 12GiB")
-    g.add_argument("--ecr", metavar="R", help="expert cache ratio (0..1 or NN%%): VRAM it needs")
+    g.add_argument("--ecr", metavar="R", type=ecr_arg, help=ECR_HELP + ": the VRAM it needs")
     p.add_argument("-c", "--ctx-size", type=bounded_int(1, MAX_CONTEXT), default=4096,
                    help="context for the KV cache (4096)")
     p.add_argument("--overhead", metavar="SIZE", default=None,
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if args.vram_budget is not None:
         plan = plan_from_budget(info, parse_size(args.vram_budget), args.ctx_size, overhead)
     elif args.ecr is not None:
-        plan = plan_from_ecr(info, parse_ecr(args.ecr), args.ctx_size, overhead)
+        plan = plan_from_ecr(info, args.ecr, args.ctx_size, overhead)
     if args.json:
         out = info.to_dict()
         out["bytes_per_expert_all_layers"] = info.bytes_per_expert_all_layers

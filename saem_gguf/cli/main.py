@@ -40,8 +40,16 @@ COMMANDS = (
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage errors as one line (``error: ...``, exit 2) like every other error; --help has the usage.
+    Subcommand parsers are made with the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="python -m saem_gguf",
         description=(
             "Stage-aware expert management for Mixture-of-Experts GGUF models: "

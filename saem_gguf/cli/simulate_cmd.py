@@ -10,13 +10,6 @@ from saem_gguf.errors import SaemError
 from saem_gguf.fileio import PLOT_SUFFIXES, check_output_path, write_text_atomic
 
 
-def _floats(s: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
-
-
 def _ints(s: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in s.split(",") if x.strip())
@@ -25,6 +18,8 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from saem_gguf.budget import ECR_HELP
+    from saem_gguf.cli.common import ecr_list_arg
     from saem_gguf.costmodel import DEFAULT_HW, HW_PRESETS, MODEL_PRESETS
     from saem_gguf.policies import DEFAULT_POLICIES, POLICIES
 
@@ -38,8 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--synthetic", action="store_true", help="generate synthetic stage-structured traces")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated policy names, or 'all' (default: %(default)s)")
-    p.add_argument("--ecr", type=_floats, default=(3.125, 6.25, 12.5, 25.0, 50.0),
-                   help="expert cache ratios in %% of each layer's experts (default: 3.125,6.25,12.5,25,50)")
+    p.add_argument("--ecr", type=ecr_list_arg, default="3.125%,6.25%,12.5%,25%,50%",
+                   help="comma-separated; each an " + ECR_HELP + " (default: %(default)s)")
     p.add_argument("--batch", type=_ints, default=(1,), help="batch sizes, comma-separated (default: 1)")
     p.add_argument("--hw", default=DEFAULT_HW,
                    help=f"hardware: {', '.join(HW_PRESETS)}, measure[:PRESET] (CPU side measured here) "
@@ -117,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
         raise SaemError(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
     if not pols:
         raise SaemError("no policy to simulate")
-    if not args.ecr or any(not 0 < e <= 100 for e in args.ecr):
-        raise SaemError("--ecr values must be in (0, 100]")
+    if any(e <= 0 for e in args.ecr):
+        raise SaemError("--ecr values must be above 0% (simulate compares caches; 0% is cpu-moe)")
     if not args.batch or any(b < 1 for b in args.batch):
         raise SaemError("--batch values must be >= 1")
     if args.json and args.json != "-":
@@ -150,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     if args.copy_barrier:
         hw = hw.replace(copy_barrier=True)
     cost = default_cost(ts, hw, args.model, args.quant)
-    cfg = SimConfig(policies=pols, ecrs=tuple(args.ecr), batches=tuple(args.batch), events=args.events,
+    # the simulator counts ECR in percent of a layer's experts
+    cfg = SimConfig(policies=pols, ecrs=tuple(round(100 * e, 9) for e in args.ecr), batches=tuple(args.batch), events=args.events,
                     cues=args.cues)
     n_runs = len(pols) * len(cfg.ecrs) * len(cfg.batches)
 

@@ -51,13 +51,20 @@ class GpuAllPolicy(StaticPolicy):
 class NCpuMoePolicy(StaticPolicy):
     name = "n-cpu-moe"
     summary = ("llama.cpp --n-cpu-moe N: the experts of the first N layers stay on the CPU, later layers "
-               "are fully resident; N chosen so the resident bytes fit the budget")
+               "are fully resident; N given (-ncmoe N) or chosen so the resident bytes fit the budget")
+
+    def __init__(self, n_cpu_layers: int | None = None) -> None:
+        super().__init__()
+        self.n_cpu_layers = n_cpu_layers  # MoE layers whose experts stay on the CPU; None: from the budget
 
     def slots_for(self, ctx: PolicyContext) -> np.ndarray:
-        n_res = int(ctx.n_slots.sum()) // ctx.n_expert  # whole layers that fit in the same bytes
+        if self.n_cpu_layers is None:
+            n_res = int(ctx.n_slots.sum()) // ctx.n_expert  # whole layers that fit in the same bytes
+            n_cpu = ctx.n_layer - n_res
+        else:
+            n_cpu = min(self.n_cpu_layers, ctx.n_layer)
         out = np.zeros(ctx.n_layer, np.int32)
-        if n_res:
-            out[ctx.n_layer - n_res:] = ctx.n_expert
+        out[n_cpu:] = ctx.n_expert
         return out
 
     def initial_plan(self, ctx, state):

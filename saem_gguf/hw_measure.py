@@ -1,0 +1,187 @@
+"""``--hw measure``: this machine's hardware profile, measured once and cached per machine.
+
+The cost model prices an expert run on the CPU (bandwidth-bound at a few tokens: weight bytes over
+DRAM read bandwidth, plus a FLOP term) against copying it over the host-to-device link. The CPU
+side is measured here with two short real runs (well under a second together):
+
+- DRAM read bandwidth: all usable CPUs sum disjoint chunks of a 64 MiB array, far larger than the
+  last-level cache, which is the read-only stream a quantized expert GEMV makes;
+- matmul throughput per core (all cores over their number), halved for what quantized ggml dot
+  products reach.
+
+The GPU and link side (VRAM bandwidth, copy bandwidth and latency, launch overheads) is not
+measured: it comes from a preset (``rtx4090-ddr5`` unless ``measure:PRESET`` names another), with
+or without a GPU in the machine, and the profile's ``notes`` say so. Without a GPU that is the
+documented fallback: the cost model then answers "what if this CPU drove that GPU".
+
+The result is cached as JSON under ``<cache>/hw/<key>.json``; the key hashes the machine's
+identity (CPU model, usable CPUs, RAM, the PCI ids of its GPUs) and the preset, so a different
+machine or a changed CPU set measures again. The cached file is itself a valid ``--hw FILE.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from saem_gguf.costmodel import GB, HW_PRESETS, HardwareProfile
+from saem_gguf.errors import SaemError
+
+SYS_PCI = Path("/sys/bus/pci/devices")
+GPU_VENDORS = ("0x10de", "0x1002", "0x8086")  # NVIDIA, AMD, Intel
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def machine_identity(sys_pci: Path = SYS_PCI) -> dict:
+    """What the measurement depends on: CPU model, usable CPUs, RAM, the GPUs' PCI ids."""
+    import platform
+
+    import psutil
+
+    cpu_model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpus = []
+    if sys_pci.is_dir():
+        for dev in sorted(sys_pci.iterdir()):
+            try:
+                vendor = (dev / "vendor").read_text().strip()
+                cls = (dev / "class").read_text().strip()
+                device = (dev / "device").read_text().strip()
+            except OSError:
+                continue
+            if vendor in GPU_VENDORS and cls.startswith("0x03"):  # display / 3D controllers
+                gpus.append(f"{vendor}:{device}")
+    return {"cpu": cpu_model, "cpus": _usable_cpus(), "ram_bytes": psutil.virtual_memory().total,
+            "gpus": gpus}
+
+
+def measure_memory_bandwidth(n_bytes: int = 64 << 20, repeats: int = 3, threads: int | None = None) -> float:
+    """All-core read bandwidth in bytes/s: best of a few timed sums over an array much larger than
+    the last-level cache, one chunk per thread (numpy's reduction releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = threads or _usable_cpus()
+    a = np.ones(n_bytes // 8, dtype=np.float64)
+    chunks = np.array_split(a, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, chunks))  # touch the pages outside the timing
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, chunks))
+            best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def measure_flops_per_core(cores: int, n: int = 384, repeats: int = 3) -> float:
+    """FLOP/s per core: a float32 matmul on numpy's BLAS (all its threads) over ``cores``, scaled to
+    what quantized kernels reach."""
+    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
+    a @ a  # BLAS threads start outside the timing
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    # quantized ggml dot products reach roughly half the fp32 GEMM rate (dequantisation work)
+    return 0.5 * 2.0 * n**3 / best / max(1, cores)
+
+
+def measure_cpu(base: HardwareProfile, quick: bool = False) -> HardwareProfile:
+    """``base`` with the CPU fields measured on this machine; ``quick`` halves the array."""
+    import psutil
+
+    cores = min(psutil.cpu_count(logical=False) or psutil.cpu_count() or 1, _usable_cpus())
+    bw = measure_memory_bandwidth(32 << 20 if quick else 64 << 20)
+    fl = measure_flops_per_core(cores)
+    mem = psutil.virtual_memory().total
+    return base.replace(
+        name=f"measured+{base.name}", cpu_mem_bw=bw, cpu_cores=int(cores), cpu_flops_per_core=fl,
+        notes=f"CPU measured here: {cores} cores, {bw / GB:.1f} GB/s read, {fl / 1e9:.1f} GFLOP/s/core, "
+              f"{mem / 2**30:.0f} GiB RAM; GPU and host-to-device link not measured: from the "
+              f"{base.name} preset")
+
+
+def cache_path(base_name: str, identity: dict | None = None) -> Path:
+    from saem_gguf.build.paths import cache_root
+
+    ident = dict(identity or machine_identity(), preset=base_name)
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "hw" / f"{key}.json"
+
+
+def measured_profile(base_name: str) -> tuple[HardwareProfile, Path, bool]:
+    """(profile, its cache file, whether it was measured now) for this machine with ``base_name``'s
+    GPU side; measured on the first call, read from the cache afterwards."""
+    if base_name not in HW_PRESETS:
+        raise SaemError(f"unknown hardware preset {base_name!r} (known: {', '.join(HW_PRESETS)})")
+    path = cache_path(base_name)
+    if path.exists():
+        try:
+            return load_profile(path), path, False
+        except SaemError:
+            pass  # a damaged cache entry is measured again
+    hw = measure_cpu(HW_PRESETS[base_name])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(hw), indent=1))
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+    except OSError:
+        pass  # a read-only cache measures every time; the profile is still right
+    return hw, path, True
+
+
+def load_profile(path: str | os.PathLike) -> HardwareProfile:
+    """A HardwareProfile from JSON, every field checked (one-line errors)."""
+    where = str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SaemError(f"--hw {where}: no such file") from None
+    except OSError as e:
+        raise SaemError(f"--hw {where}: cannot read ({e.strerror or e})") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SaemError(f"{where}: not a hardware profile (invalid JSON: {e})") from None
+    if not isinstance(data, dict):
+        raise SaemError(f"{where}: not a hardware profile (a JSON object of HardwareProfile fields)")
+    fields = {f.name: f for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise SaemError(f"{where}: not a hardware profile (unknown field {unknown[0]!r})")
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise SaemError(f"{where}: not a hardware profile (missing {', '.join(missing)})")
+    for name, value in data.items():
+        kind = fields[name].type
+        if kind in ("bool",) and not isinstance(value, bool):
+            raise SaemError(f"{where}: {name} must be true or false, got {value!r}")
+        if kind in ("str",) and not isinstance(value, str):
+            raise SaemError(f"{where}: {name} must be a string, got {value!r}")
+        if kind in ("float", "int"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+                raise SaemError(f"{where}: {name} must be a number, got {value!r}")
+            if value < 0 or (value == 0 and name in ("gpu_mem_bw", "gpu_flops", "h2d_bw", "cpu_mem_bw",
+                                                     "cpu_cores", "cpu_flops_per_core")):
+                raise SaemError(f"{where}: {name} must be > 0, got {value!r}")
+            if kind == "int" and value != int(value):
+                raise SaemError(f"{where}: {name} must be a whole number, got {value!r}")
+    data = {k: int(v) if fields[k].type == "int" else v for k, v in data.items()}
+    return HardwareProfile(**data)

@@ -1,0 +1,178 @@
+"""The chat REPL as a terminal user meets it: readline editing and history, thinking dimmed or
+folded, stage marks before their cue; piped stdin stays one turn per line. The terminal path runs
+the real command in a pseudo-terminal on the embedded model (which thinks in <think>…</think>)."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from saem_gguf.chat_display import DIM, RESET, AnswerPrinter
+
+QUESTION = "What is 47 + 38?"
+
+
+def printed(pieces: list, styled: bool = False, hide: bool = False, hold: int = 0) -> str:
+    """Feed ``pieces`` (text, or ("mark", cue) for a stage event) to a printer; what it printed."""
+    out = io.StringIO()
+    p = AnswerPrinter(out, styled=styled, hide_thinking=hide, hold_chars=hold)
+    for x in pieces:
+        if isinstance(x, tuple):
+            p.stage_mark("cue", x[1])
+        else:
+            p.feed(x)
+    p.finish()
+    return out.getvalue()
+
+
+# --- the printer ---------------------------------------------------------------------------------
+
+def test_mark_goes_before_the_cue_that_opened_the_stage():
+    # the detector fires on the piece after "verify" (right boundary): the mark still precedes "Let"
+    s = printed(["So 85. ", "Let", " me", " verify", " by", ("mark", "Let me verify"), " subtracting."],
+                hold=len("Let me verify") + 16)
+    assert s == "So 85. ⟦cue: Let me verify⟧Let me verify by subtracting."
+
+
+def test_mark_without_hold_back_or_cue_is_placed_where_it_fired():
+    assert printed(["abc", ("mark", "Wait"), "def"]) == "abc⟦cue: Wait⟧def"
+    assert printed(["abc", ("mark", ""), "def"]) == "abc⟦cue: routing shift⟧def"
+
+
+def test_thinking_dimmed_only_when_styled_and_tags_split_across_pieces():
+    pieces = ["<thi", "nk>", "\nhmm", "</th", "ink>", "\nAnswer"]
+    assert printed(pieces, styled=True) == f"{DIM}<think>\nhmm</think>{RESET}\nAnswer"
+    assert printed(pieces, styled=False) == "<think>\nhmm</think>\nAnswer"
+
+
+def test_hide_thinking_folds_it_into_one_line():
+    s = printed(["<think>", "one two", ("mark", "two"), " three", "</think>", "\n42"], hide=True, hold=20)
+    assert s == "[thinking… 13 characters hidden, 1 stage marks]\n42"
+    # an answer cut off while thinking still closes the line
+    assert printed(["<think>abc"], hide=True) == "[thinking… 3 characters hidden]"
+
+
+def test_text_that_only_looks_like_a_tag_is_printed():
+    assert printed(["a <b> c <", "thin", "g"]) == "a <b> c <thing"
+
+
+# --- piped stdin ---------------------------------------------------------------------------------
+
+def _chat_piped(*argv: str, stdin: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "saem_gguf", "chat", "--hw", "rtx4090-ddr5", *argv],
+                          input=stdin, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+
+
+def test_piped_chat_places_marks_before_cues_without_styling(llama_cpp):
+    r = _chat_piped("--show-stages", "-n", "120", stdin=f"{QUESTION}\n/stats\n")
+    assert r.returncode == 0, r.stderr
+    assert "\x1b[" not in r.stdout
+    assert "⟦cue: Let me verify⟧Let me verify" in r.stdout
+    assert "<think>" in r.stdout and "</think>" in r.stdout
+    assert "policy saem" in r.stdout and "hit rate" in r.stdout  # /stats unchanged
+
+
+def test_piped_chat_one_turn_per_line_and_hidden_thinking(llama_cpp):
+    r = _chat_piped("--hide-thinking", "-n", "120", stdin=f"{QUESTION}\nWhat is 9 + 4?\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("[thinking… ") == 2 and "<think>" not in r.stdout
+
+
+# --- a terminal ----------------------------------------------------------------------------------
+
+class Terminal:
+    """The chat command on a pseudo-terminal (stdin, stdout and stderr are the tty)."""
+
+    def __init__(self, argv: list[str], env: dict) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: become the command
+            os.chdir(REPO)
+            os.execve(sys.executable, [sys.executable, "-m", "saem_gguf", "chat", *argv], env)
+        self.out = b""
+
+    def read_until(self, count_prompts: int, timeout: float = 120) -> None:
+        """Read until the output holds ``count_prompts`` prompts ("> " at a line start)."""
+        deadline = time.monotonic() + timeout
+        while len(re.findall(rb"(?:^|\n)(?:\x1b\[[0-9;?]*[a-zA-Z])*> ", self.out)) < count_prompts:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no prompt #{count_prompts}: {self.out[-2000:]!r}")
+            if select.select([self.fd], [], [], 0.5)[0]:
+                try:
+                    self.out += os.read(self.fd, 65536)
+                except OSError:
+                    break
+
+    def send(self, keys: str) -> None:
+        os.write(self.fd, keys.encode())
+
+    def close(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if select.select([self.fd], [], [], 0.2)[0]:
+                try:
+                    self.out += os.read(self.fd, 65536)
+                except OSError:
+                    pass
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                os.close(self.fd)
+                return os.waitstatus_to_exitcode(status)
+        os.kill(self.pid, 9)
+        os.waitpid(self.pid, 0)
+        raise AssertionError("the chat did not exit")
+
+
+@pytest.fixture
+def terminal_env(tmp_path, llama_cpp) -> dict:
+    """A separate cache dir (so the history file is the test's), the built library forced."""
+    from saem_gguf.llama_lib import resolve_library_dir
+
+    env = dict(os.environ, SAEM_GGUF_CACHE=str(tmp_path), SAEM_GGUF_LIB_DIR=str(resolve_library_dir()),
+               TERM="xterm", PYTHONPATH=os.environ.get("PYTHONPATH", str(REPO)))
+    env.pop("NO_COLOR", None)
+    return env
+
+
+def test_terminal_dims_thinking_and_recalls_history(terminal_env, tmp_path):
+    history = tmp_path / "chat_history"
+    history.write_text("".join(f"old line {i}\n" for i in range(1500)))  # longer than the bound
+    term = Terminal(["--show-stages", "-n", "120", "--hw", "rtx4090-ddr5"], terminal_env)
+    term.read_until(1)
+    term.send(QUESTION + "\r")
+    term.read_until(2)
+    first = term.out
+    # up arrow recalls the question: it is asked again, and answered the same
+    term.send("\x1b[A\r")
+    term.read_until(3)
+    term.send("/quit\r")
+    assert term.close() == 0
+    text = term.out.decode("utf-8", errors="replace")
+    assert f"{DIM}<think>".encode() in first and f"</think>{RESET}".encode() in first
+    assert "⟦cue: Let me verify⟧Let me verify" in text  # inside the dimmed thinking: no codes of its own
+    assert text.count("Answer: 85") == 2, text[-3000:]
+    lines = history.read_text().splitlines()
+    # the recalled question is not stored twice in a row (Python's readline skips a repeat)
+    assert lines[-2:] == [QUESTION, "/quit"] and lines.count(QUESTION) == 1
+    assert len(lines) <= 1000 and "old line 1499" in lines
+
+
+def test_terminal_without_color_and_with_hidden_thinking(terminal_env):
+    term = Terminal(["--hide-thinking", "-n", "120", "--hw", "rtx4090-ddr5"], dict(terminal_env, NO_COLOR="1"))
+    term.read_until(1)
+    term.send(QUESTION + "\r")
+    term.read_until(2)
+    term.send("\x04")  # Ctrl-D ends the chat
+    assert term.close() == 0
+    text = term.out.decode("utf-8", errors="replace")
+    assert "[thinking… " in text and "<think>" not in text and "Answer: 85" in text
+    assert DIM not in text
