@@ -1,7 +1,7 @@
 """Per-token placement cost in the live engine (issue 12, item 5: <= 100 us median per token for
 every policy at 48 layers x 128 experts x top-8).
 
-    python bench/bench_placement_cost.py [--layers 48] [--experts 128] [--top-k 8] [--ecr 0.25]
+    python bench/bench_placement_cost.py [--layers 48] [--experts 128] [--top-k 8] [--ecr 25%]
                                          [-n 200] [--policies a,b,...] [--json OUT]
 
 One process, one generated model of that routing shape (tiny matrices, so llama.cpp's decode is
@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from saem_gguf.cli.common import ecr_arg  # noqa: E402
 from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--ecr", type=float, default=0.25, help="cache ratio (fraction of a layer's experts)")
+    p.add_argument("--ecr", type=ecr_arg, default=0.25, help="cache ratio: 25%% or 0.25 (the CLI's one unit)")
     p.add_argument("-n", type=int, default=200, help="decoded tokens per policy")
     p.add_argument("--skip", type=int, default=20, help="first tokens not counted")
     p.add_argument("--policies", default=",".join(ENGINE_POLICIES))

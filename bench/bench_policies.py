@@ -30,6 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from saem_gguf.cli.common import ecr_list_arg  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies import POLICIES  # noqa: E402
 from saem_gguf.simulator import NOT_IMPLEMENTABLE, SimConfig, default_cost, simulate, split_calibration  # noqa: E402
@@ -59,14 +60,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join([*SYNTHETIC, "model"]))
     p.add_argument("--trace", help="recorded traces for the model family")
-    p.add_argument("--ecr", default="6.25,12.5,25,50")
+    p.add_argument("--ecr", type=ecr_list_arg, default="6.25%,12.5%,25%,50%",
+                   help="comma-separated expert cache ratios: 25%% or 0.25 (the CLI's one unit)")
     p.add_argument("--batch", default="1,8")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families")
     p.add_argument("--json", help="write every row here")
     a = p.parse_args(argv)
     fams = [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
     pols = ("saem", *OTHERS, "oracle")
-    cfg = SimConfig(policies=pols, ecrs=tuple(float(x) for x in a.ecr.split(",")),
+    cfg = SimConfig(policies=pols, ecrs=tuple(100.0 * e for e in a.ecr),  # SimConfig counts in percent
                     batches=tuple(int(x) for x in a.batch.split(",")))
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
           f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")
