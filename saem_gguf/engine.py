@@ -395,10 +395,15 @@ class Engine:
         self._seq_prompt_tokens = 0
         self._pieces: list[bytes] = []
         self._trace_tokens: list[int] = []
-        if slots is not None:
-            self._attach_placement(self._auto_slots_after_load(slots))
-        self.llm._saem_hook = self._on_ubatch
-        self._setup_generation()
+        try:
+            if slots is not None:
+                self._attach_placement(self._auto_slots_after_load(slots))
+            self.llm._saem_hook = self._on_ubatch
+            self._setup_generation()
+        except BaseException:
+            # e.g. a bad profile: free the loaded model now, not whenever the collector runs
+            self.llm.close()
+            raise
 
     # --- setup -------------------------------------------------------------------------------
     def _setup_generation(self) -> None:
