@@ -302,16 +302,12 @@ add(Case("generate-system-invalid-utf8", lambda b, d: ["generate", "-m", _m(b), 
          1, "UTF-8"))
 
 
-def _case_params() -> list:
-    return [pytest.param(c, id=c.id) for c in CASES]
-
-
 def test_case_count():
     assert len(CASES) >= 150, len(CASES)
     assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
 
 
-@pytest.mark.parametrize("case", _case_params())
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, bad: BadInputs, tmp_path: Path, capfd) -> None:
     argv = case.argv(bad, tmp_path)
     before = set(os.listdir(tmp_path))
