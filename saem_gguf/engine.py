@@ -45,12 +45,17 @@ CUE_RANKING_POLICIES = ("saem", "saem-cue")
 # llama.cpp's -ctk/-ctv values (common/arg.cpp kv_cache_types)
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 FLASH_ATTN = ("on", "off", "auto")
+MAX_PARALLEL = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h)
 
 
 @dataclass
 class EngineConfig:
     model: Path | None = None  # None: the embedded default model
     n_ctx: int = 4096
+    # -np: sequences the context holds at once (llama.cpp's n_seq_max). As llama-server does
+    # without --kv-unified, the KV cache is split into one stream per sequence, each of
+    # n_ctx / n_parallel cells (llama.cpp rounds that up to a multiple of 256); see n_ctx_seq
+    n_parallel: int = 1
     n_threads: int | None = None
     # load-time llama.cpp settings (llama.cpp's flags of the same names, README "Usage"); the
     # defaults are llama-cpp-python's (the Python API's), the CLI passes llama.cpp's
@@ -85,6 +90,8 @@ class EngineConfig:
         for what, t in (("cache_type_k", self.cache_type_k), ("cache_type_v", self.cache_type_v)):
             if t not in KV_CACHE_TYPES:
                 raise SaemError(f"{what} must be one of {', '.join(KV_CACHE_TYPES)}, got {t!r}")
+        if not 1 <= self.n_parallel <= MAX_PARALLEL:
+            raise SaemError(f"n_parallel (-np) must be in 1..{MAX_PARALLEL}, got {self.n_parallel}")
         if self.n_batch < 1 or self.n_ubatch < 1:
             raise SaemError(f"batch sizes must be >= 1, got -b {self.n_batch} -ub {self.n_ubatch}")
         if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.policy != "n-cpu-moe"):
@@ -213,6 +220,8 @@ def _make_llama_class(llama_cpp):
 
         - ``saem_experts_on_host``: the expert tensors load into plain (pinned, with a GPU) host
           memory the native cache can copy from;
+        - ``saem_n_seq_max``: the context holds that many sequences (``-np``), one KV stream each
+          (``kv_unified`` stays llama.cpp's default, off, as in llama-server with ``-np N``);
         - ``saem_tensor_overrides`` (the user's ``-ot``, resolved): appended after that expert
           override, so it decides the expert tensors and the user's patterns everything else;
         - ``saem_flash_attn_auto``: llama.cpp's ``-fa auto``, which ``Llama`` cannot express (its
@@ -221,8 +230,9 @@ def _make_llama_class(llama_cpp):
         def __init__(self, *args, saem_hook: Callable[[list[int]], None] | None = None,
                      saem_experts_on_host: bool = False, saem_progress: TextIO | None = None,
                      saem_tensor_overrides: list[tuple[bytes, int]] | None = None,
-                     saem_flash_attn_auto: bool = False, **kw):
+                     saem_flash_attn_auto: bool = False, saem_n_seq_max: int = 1, **kw):
             self._saem_hook = None
+            self._saem_n_seq_max = saem_n_seq_max
             self._saem_on_host = saem_experts_on_host
             self._saem_user_overrides = saem_tensor_overrides or []
             self._saem_fa_auto = saem_flash_attn_auto
@@ -331,6 +341,9 @@ def _make_llama_class(llama_cpp):
 
         @context_params.setter
         def context_params(self, params) -> None:
+            # Llama assigns llama.cpp's defaults first and amends them in place; it never sets
+            # n_seq_max (but for embeddings, which the engine does not use)
+            params.n_seq_max = self._saem_n_seq_max
             self._saem_context_params = params
 
         def eval(self, tokens):
@@ -382,7 +395,7 @@ class Engine:
                     logits_all=cfg.record,
                     numa=self.numa_plan.llama_strategy, saem_hook=None,
                     saem_progress=bar_out,
-                    saem_experts_on_host=slots is not None, **llama_kw)
+                    saem_experts_on_host=slots is not None, saem_n_seq_max=cfg.n_parallel, **llama_kw)
         except ValueError as e:
             # llama-cpp-python says only "Failed to load model"; llama.cpp's error log says why
             reason = next((line.split("error loading model:", 1)[1] for line in load_errors
@@ -419,6 +432,11 @@ class Engine:
         self._fallback_noted = False
         if cfg.chat_template is not None:
             self.set_chat_template(cfg.chat_template)
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """Tokens one sequence can hold: the whole context with -np 1, else its share of it."""
+        return int(self._llama_cpp.llama_n_ctx_seq(self.llm.ctx))
 
     def note(self, msg: str) -> None:
         self.notes.append(msg)
@@ -588,13 +606,13 @@ class Engine:
         if self.cfg.profile is not None:
             if extra is not None:
                 prof = dataclasses.replace(prof, cues=_with_extra(prof.cues, extra))
-            return StageDetector.from_profile(prof, 1), calib, cue_counts
+            return StageDetector.from_profile(prof, self.cfg.n_parallel), calib, cue_counts
         cues = CueSet.load(FAMILY_CUES.get(info.architecture, "general"))
         if extra is not None:
             cues = _with_extra(cues, extra)
         # the embedded model's stages are short (median ~19 tokens, docs/DEFAULT_MODEL.md)
         cfg = DetectorConfig(min_stage_tokens=12) if self.cfg.model is None else DetectorConfig()
-        return StageDetector(1, cues, cfg, **shape), calib, cue_counts
+        return StageDetector(self.cfg.n_parallel, cues, cfg, **shape), calib, cue_counts
 
     # --- the hook ----------------------------------------------------------------------------
     def _on_ubatch(self, tokens: list[int]) -> None:
@@ -707,9 +725,10 @@ class Engine:
             toks = list(prompt)
         if not toks:
             raise SaemError("empty prompt")
-        n_ctx = llm.n_ctx()
+        n_ctx = self.n_ctx_seq
         if len(toks) >= n_ctx:
-            raise SaemError(f"the prompt ({len(toks)} tokens) does not fit the context (-c {n_ctx})")
+            raise SaemError(f"the prompt ({len(toks)} tokens) does not fit the context ({n_ctx} tokens per "
+                            f"sequence)")
         room = n_ctx - len(toks)
         limit = room if n_predict < 0 else min(n_predict, room)
         seed = self.seed if sampling.seed is None else resolve_seed(sampling.seed)
@@ -734,8 +753,7 @@ class Engine:
         llm.set_seed(out.seed)
         llm.last_n_tokens_size = sampling.repeat_last_n
         llm._saem_logit_bias = {t: -math.inf for t in self.eog_tokens} if sampling.ignore_eos else None
-        text = bytearray()
-        released = 0  # bytes of text handed out
+        text = StopText(stops)
         out.finish_reason = "length"
         try:
             for tok in llm.generate(out.prompt_token_ids, top_k=sampling.top_k, top_p=sampling.top_p,
@@ -748,24 +766,18 @@ class Engine:
                     out.finish_reason = "stop"
                     break
                 out.tokens.append(tok)
-                text += self._piece_after(out.tokens)
-                hit = next((s for s in stops if s in text), None)  # first in list order, as it does
-                if hit is not None:
-                    cut = text.index(hit)
-                    del text[cut:]
-                    out.finish_reason = "stop"
-                    yield tok, bytes(text[released:])
-                    return
                 last = len(out.tokens) >= limit
-                keep = 0 if last else _held_back(text, stops)
-                yield tok, bytes(text[released:len(text) - keep])
-                released = len(text) - keep
-                if last:
+                piece, stopped = text.add(self._piece_after(out.tokens), last)
+                if stopped:
+                    out.finish_reason = "stop"
+                yield tok, piece
+                if stopped or last:
                     return
         finally:
             llm._saem_logit_bias = None
-        if released < len(text):
-            yield None, bytes(text[released:])
+        rest = text.flush()
+        if rest:
+            yield None, rest
 
     def _piece_after(self, tokens: list[int]) -> bytes:
         """The text the last of ``tokens`` adds to llama-cpp-python's ``detokenize(tokens)``:
@@ -808,9 +820,9 @@ class Engine:
         c_toks = llm.tokenize(continuation.encode(), add_bos=False, special=True)
         if not p_toks or not c_toks:
             raise SaemError("replay needs a non-empty prompt and continuation")
-        if len(p_toks) + len(c_toks) > llm.n_ctx():
+        if len(p_toks) + len(c_toks) > self.n_ctx_seq:
             raise SaemError(f"replay text ({len(p_toks) + len(c_toks)} tokens) exceeds the context "
-                            f"(-c {llm.n_ctx()})")
+                            f"({self.n_ctx_seq} tokens per sequence)")
         self.reset_sequence()
         llm.reset()
         ev0 = len(self.placement.stats.events) if self.placement else 0
@@ -870,6 +882,39 @@ class Engine:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class StopText:
+    """The generated text as llama-cpp-python's ``create_completion`` releases it: ``add`` appends
+    a token's text and returns what may be shown now, holding back an end that could begin a stop
+    string; the text ends before the first stop string found (the first in list order)."""
+
+    def __init__(self, stops: tuple[bytes, ...]) -> None:
+        self.stops = stops
+        self.text = bytearray()
+        self.released = 0  # bytes of text handed out
+
+    def add(self, piece: bytes, last: bool) -> tuple[bytes, bool]:
+        """(the text to release now, whether a stop string ended the text). ``last``: no token
+        follows, so nothing is held back."""
+        text = self.text
+        text += piece
+        hit = next((s for s in self.stops if s in text), None)
+        if hit is not None:
+            del text[text.index(hit):]
+            out = bytes(text[self.released:])
+            self.released = len(text)
+            return out, True
+        keep = 0 if last else _held_back(text, self.stops)
+        out = bytes(text[self.released:len(text) - keep])
+        self.released = len(text) - keep
+        return out, False
+
+    def flush(self) -> bytes:
+        """What is still held back (the generation ended without a stop string)."""
+        out = bytes(self.text[self.released:])
+        self.released = len(self.text)
+        return out
 
 
 def _held_back(text: bytearray, stops: tuple[bytes, ...]) -> int:

@@ -1,8 +1,9 @@
 """The engine's placement loop: routing out of llama.cpp -> stage detector -> policy -> native cache.
 
 One ``Placement`` per loaded model. The engine calls ``on_prompt`` after each prefill ubatch and
-``on_token`` after each decoded token; both read the routing from the native counters (no eval
-callback). The policy runs through the same entry point as in the simulator
+``on_token`` after each decoded token; the batch scheduler (saem_gguf.serving.batch) calls
+``on_step`` after each decode step of several sequences, one row per sequence (``on_token`` is its
+one-row case). Routing comes from the native counters (no eval callback). The policy runs through the same entry point as in the simulator
 (``Policy.run_steps`` on ``RoutingBlock.engine_step``): it replays the decoded token against its
 mirror of the native cache, then makes the decisions due before the next decode. Residency
 changes become native copies (async where the build has a device) and slot-map updates, in force
@@ -56,7 +57,8 @@ class PlacementStats:
 
 
 class Placement:
-    """Drives one policy over the native expert cache of one llama context (batch of one)."""
+    """Drives one policy over the native expert cache of one llama context: one sequence
+    (``on_token``) or a batch of them decoding together (``on_step``)."""
 
     def __init__(self, ctx, policy_name: str, slots_per_layer: int, cost, detector: StageDetector,
                  calib_counts: np.ndarray | None = None, cue_counts: dict[str, np.ndarray] | None = None,
@@ -92,24 +94,25 @@ class Placement:
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
         self._sync_to(self.state.slot_of, count=False)
         self._step = 0
-        self._block = RoutingBlock.engine_step(np.zeros((1, L, self.top_k), np.int16), 0)  # reused per token
+        self._blocks: dict[int, RoutingBlock] = {}  # one reused engine_step block per batch size
         self.record = record
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
-        # a decoded token's routing fits: one native call per token (a prefill ubatch takes two)
+        # one decoded token's routing: a step's routing fits n_rows times this (one native call)
         self._routing_cap = len(self.moe_layers) * self.top_k
 
     # --- routing in ------------------------------------------------------------------------
-    def _last_routing(self) -> np.ndarray:
-        """int16 [n_tokens, L, K]: the last ubatch's top-k experts of every MoE layer.
+    def last_routing(self, n_rows: int = 1) -> np.ndarray:
+        """int16 [n_tokens, L, K]: the last ubatch's top-k experts of every MoE layer (``n_rows``:
+        the tokens expected, so one native call suffices).
 
         llama.cpp computes the last layer only for tokens whose logits are wanted (the prompt's
         last token), so a layer may report fewer tokens: its rows align to the ubatch's end and
         the rest stay -1."""
-        return na.saem_moe_get_last_routing(self.ctx, self._routing_cap)
+        return na.saem_moe_get_last_routing(self.ctx, self._routing_cap * n_rows)
 
     def on_prompt(self, n_tokens: int) -> None:
         """After a prefill ubatch: its routing seeds the first placement."""
-        routing = self._last_routing()
+        routing = self.last_routing()
         if self.record:
             self.trace_experts.append(routing)
         self.stats.prompt_tokens += n_tokens
@@ -124,18 +127,36 @@ class Placement:
         self._sync_to(self.state.slot_of)
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
-        """After decoding one token whose text is ``piece``: replay it under the policy, then
-        make the decisions due before the next decode (the events this token raised included),
-        and put them in force natively."""
-        routing = self._last_routing()  # [1, L, K]
+        """After decoding one token (sequence 0) whose text is ``piece``: ``on_step`` of one row."""
+        return self.on_step(self.last_routing(), [piece], [0])
+
+    def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int]) -> list[StageEvent]:
+        """After one decode step of ``len(seqs)`` sequences: ``routing`` int16 [B, L, K] holds one
+        row per sequence (row b is the token of detector slot ``seqs[b]`` whose text is
+        ``pieces[b]``). Hits are counted per row; the stage detector runs per sequence; the
+        policy replays the step and makes the decisions due before the next decode with the
+        simulator's batch semantics (saem_gguf.simulator.build_blocks): an event of any row is a
+        boundary, its cues are those of the rows that raised it (saem-cue blends them by their
+        share of the B rows). The decisions are put in force natively."""
+        B = len(seqs)
+        if routing.shape[0] != B or len(pieces) != B:
+            raise SaemError(f"on_step: {routing.shape[0]} routing rows, {len(pieces)} pieces, {B} sequences")
         if self.record:
             self.trace_experts.append(routing)
-        events = self.detector.feed([0], [piece], routing if self.detector.tracks_routing else None)
-        combined = self.combined.feed([0], [piece], routing) if self.combined is not None else None
+        events = self.detector.feed(seqs, pieces, routing if self.detector.tracks_routing else None)
+        combined = self.combined.feed(seqs, pieces, routing) if self.combined is not None else None
         self.stats.events.extend(events)
         self.stats.boundaries += len(events)
-        block = self._block
-        block.refill_engine_step(routing, self._step, bool(events), [e.cue for e in events if e.cue],
+        # one cue per row that raised an event ("" when the row's events name none), as the
+        # simulator's blocks carry them
+        row_cue: dict[int, str] = {}
+        for e in events:
+            if not row_cue.get(e.seq):
+                row_cue[e.seq] = e.cue
+        block = self._blocks.get(B)
+        if block is None:
+            block = self._blocks[B] = RoutingBlock.engine_step(np.zeros((B,) + routing.shape[1:], np.int16), 0)
+        block.refill_engine_step(routing, self._step, bool(events), list(row_cue.values()),
                                  bool(combined) if self.combined is not None else None)
         # hits and accesses as the policy replayed them: against state.slot_of, which is the map
         # the native cache had in force for this decode (synced after every decision)
@@ -145,7 +166,7 @@ class Placement:
         self.stats.hits += int(c[A_HIT] - hits)
         self.stats.accesses += int(c[A_ACCESS] - accesses)
         self._step += 1
-        self.stats.tokens += 1
+        self.stats.tokens += B
         if c[A_DEMAND] + c[A_PROACTIVE] + c[A_EVICT] != moved:  # residency changes only with a copy or eviction
             self._sync_to(self.state.slot_of)
         return events
@@ -169,8 +190,9 @@ class Placement:
         if changed and count:
             self.stats.plans += 1
 
-    def reset_sequence(self) -> None:
-        """A new conversation: stage state restarts, residency stays (it is still a good guess)."""
-        self.detector.reset(0)
+    def reset_sequence(self, seq: int = 0) -> None:
+        """A new conversation in detector slot ``seq``: its stage state restarts, residency stays
+        (it is still a good guess)."""
+        self.detector.reset(seq)
         if self.combined is not None:
-            self.combined.reset(0)
+            self.combined.reset(seq)

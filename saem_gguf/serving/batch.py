@@ -1,0 +1,461 @@
+"""Continuous batching: up to ``n_parallel`` requests decode together on one loaded model.
+
+One decode thread owns the engine's llama context. Each step it (1) retires cancelled
+sequences and frees their KV cells (``llama_memory_seq_rm``), (2) admits waiting requests into
+free slots and prefills their prompts (each prompt in ubatches of its own, ``-ub`` tokens at a
+time, as ``Engine.generate`` evaluates it; placement sees them as ``on_prompt`` does), (3) decodes
+one token of every active sequence, with logits for each, (4) samples each sequence with its own
+llama-cpp-python sampler chain, releases its text and retires the finished ones, and (5) hands
+the step's routing, one row per sequence, to ``Placement.on_step``.
+
+KV layout. The context holds ``n_parallel`` sequences in one KV stream each (``kv_unified`` off,
+llama-server's default with ``-np N``): a slot's sequence has ``n_ctx / n_parallel`` cells (llama.cpp
+rounds up to a multiple of 256) laid out from cell 0 exactly as when it is served alone, which is
+what keeps a greedy reply bit-identical to ``Engine.generate``. llama.cpp decodes a batch of
+split streams in ubatches of consecutive sequence ids (``llama_batch_allocr::split_equal``); the
+scheduler issues those ubatches itself, one ``llama_decode`` per run of consecutive busy slots,
+so that each one's routing is read (the native counters keep the last ubatch only). The decode
+work is the same llama.cpp would do for one call.
+
+Fidelity (``Engine.stream``'s rules): the same SamplingConfig chain built by llama-cpp-python's
+``_init_sampler`` (penalties over the generated tokens, greedy at temperature 0, else top-k,
+typical, top-p, min-p, temperature and a seeded draw; ``ignore_eos`` as a -inf logit bias first),
+a stop at every end-of-generation token (``llama_vocab_is_eog``), stop strings with hold-back
+(``engine.StopText``) and each token's text by ``Engine._piece_after``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+import numpy as np
+
+from saem_gguf.engine import ChatPrompt, Engine, SamplingConfig, StopText, resolve_seed
+from saem_gguf.errors import SaemError
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    prompt_tokens: list[int]  # already tokenized (tokenize_prompt / tokenize_chat)
+    max_tokens: int  # n_predict (< 0: until the sequence's context is full); also stops there
+    sampling: SamplingConfig  # seed None: a random one per request
+    extra_stops: tuple[str, ...] = ()  # the chat format's stop strings, added to sampling.stop
+    n_probs: int = 0  # top log-probs per generated token (0: none)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    text: bytes  # released text (held back while it may begin a stop string)
+    token_ids: tuple[int, ...]  # tokens whose text this event releases
+    logprobs: tuple | None  # per token: (chosen logprob, ((token_id, logprob), ...)) when n_probs
+    finish_reason: str | None  # None, then on the last event: stop | length | cancelled | error
+    error: str | None = None  # one line, when finish_reason == "error"
+    usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) on the last event
+
+
+class QueueFull(SaemError):
+    """Every slot is busy and the waiting queue is full (HTTP 503)."""
+
+
+class SchedulerStopped(QueueFull):
+    """The scheduler no longer accepts requests (it is stopping, or its decode thread failed)."""
+
+
+class PromptTooLong(SaemError):
+    """The prompt leaves no room for a token in one sequence's context (HTTP 400)."""
+
+
+class SequenceHandle:
+    """One accepted request: its events, in order, and a way to cancel it (thread-safe)."""
+
+    def __init__(self, scheduler: Scheduler, req: BatchRequest) -> None:
+        self.request = req
+        self._scheduler = scheduler
+        self._cond = threading.Condition()
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._finished = False  # the final event has been pushed
+        self._cancelled = False
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    def cancel(self) -> None:
+        """Stop generating: the final event says "cancelled" (unless the request has already
+        ended), and the slot and its KV cells are freed before the next decode step."""
+        self._scheduler._cancel(self)
+
+    def _push(self, ev: TokenEvent) -> None:
+        with self._cond:
+            if self._finished:
+                return
+            self._events.append(ev)
+            self._finished = ev.finish_reason is not None
+            self._cond.notify_all()
+            waiters, self._async_waiters = self._async_waiters, []
+        for loop, flag in waiters:
+            try:
+                loop.call_soon_threadsafe(flag.set)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
+
+    def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Blocking iterator over the events, ending after the final one. ``timeout``: seconds
+        to wait for each event before raising TimeoutError."""
+        while True:
+            with self._cond:
+                if not self._events and not self._cond.wait_for(lambda: bool(self._events), timeout):
+                    raise TimeoutError(f"no event from the scheduler within {timeout} s")
+                ev = self._events.popleft()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    async def aevents(self) -> AsyncIterator[TokenEvent]:
+        """The events for asyncio: the decode thread wakes the waiting loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                ev = self._events.popleft() if self._events else None
+                if ev is None:
+                    flag = asyncio.Event()
+                    self._async_waiters.append((loop, flag))
+            if ev is None:
+                await flag.wait()
+                continue
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+
+@dataclass
+class _Sequence:
+    """A request in a slot (decode-thread state)."""
+
+    handle: SequenceHandle
+    slot: int
+    limit: int  # tokens it may generate
+    sampler: object  # llama_cpp._internals.LlamaSampler
+    text: StopText
+    n_past: int = 0  # tokens in its KV cells
+    tokens: list[int] = field(default_factory=list)  # generated
+    next_token: int | None = None  # sampled, to be decoded in the next step
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.handle.request.prompt_tokens)
+
+
+class Scheduler:
+    """Continuous batching over ``engine``'s model (see the module docstring). The engine is the
+    scheduler's alone while it runs: do not generate through the engine meanwhile."""
+
+    def __init__(self, engine: Engine, n_parallel: int, queue_max: int = 64) -> None:
+        if n_parallel < 1 or n_parallel > engine.cfg.n_parallel:
+            raise SaemError(f"the scheduler's {n_parallel} slots need an engine loaded with n_parallel >= "
+                            f"{n_parallel} (it has {engine.cfg.n_parallel})")
+        if queue_max < 0:
+            raise SaemError(f"queue_max must be >= 0, got {queue_max}")
+        self.engine = engine
+        self.n_parallel = n_parallel
+        self.queue_max = queue_max
+        self._lc = engine._llama_cpp
+        self._ctx = engine.llm.ctx
+        self._mem = self._lc.llama_get_memory(self._ctx)
+        self._n_ctx_seq = engine.n_ctx_seq
+        self._n_ubatch = int(self._lc.llama_n_ubatch(self._ctx))
+        self._n_vocab = engine.llm.n_vocab()
+        self._vocab = engine.llm._model.vocab
+        self._lock = threading.Lock()  # guards the queue, the slots' handles and the counters
+        self._wake = threading.Condition(self._lock)
+        self._tokenize_lock = threading.Lock()
+        self._waiting: collections.deque[SequenceHandle] = collections.deque()
+        self._slots: list[_Sequence | None] = [None] * n_parallel
+        self._accepting = True
+        self._draining = True
+        self._thread: threading.Thread | None = None
+        self._failure: str | None = None
+        self._batch = self._lc.llama_batch_init(max(self._n_ubatch, n_parallel), 0, 1)
+        self._requests = 0
+        self._tokens = 0
+        self._t_started: float | None = None
+
+    # --- requests in ---------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str) -> list[int]:
+        """A raw prompt's tokens by ``Engine.prompt_tokens``'s rules (thread-safe)."""
+        with self._tokenize_lock:
+            return self.engine.prompt_tokens(prompt)
+
+    def tokenize_chat(self, messages: list[dict]) -> ChatPrompt:
+        """A chat's prompt by ``Engine.chat_prompt``'s rules (thread-safe)."""
+        with self._tokenize_lock:
+            return self.engine.chat_prompt(messages)
+
+    def submit(self, req: BatchRequest) -> SequenceHandle:
+        """Queue ``req``; its handle yields the events. Raises PromptTooLong, QueueFull (every
+        slot busy and ``queue_max`` waiting) or SchedulerStopped."""
+        if not req.prompt_tokens:
+            raise SaemError("empty prompt")
+        if len(req.prompt_tokens) + 1 > self._n_ctx_seq:
+            raise PromptTooLong(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context "
+                                f"({self._n_ctx_seq} tokens per sequence)")
+        if not 0 <= req.n_probs <= self._n_vocab:
+            raise SaemError(f"n_probs must be in 0..{self._n_vocab}, got {req.n_probs}")
+        handle = SequenceHandle(self, req)
+        with self._lock:
+            if not self._accepting or self._failure is not None:
+                raise SchedulerStopped(self._failure or "the server is shutting down")
+            busy = sum(s is not None for s in self._slots)
+            if len(self._waiting) + busy >= self.n_parallel + self.queue_max:
+                raise QueueFull(f"the queue is full ({busy} of {self.n_parallel} slots busy, "
+                                f"{len(self._waiting)} requests waiting)")
+            self._waiting.append(handle)
+            self._requests += 1
+            self._wake.notify()
+        return handle
+
+    def _cancel(self, handle: SequenceHandle) -> None:
+        with self._lock:
+            handle._cancelled = True
+            if handle in self._waiting:  # never started: it ends here
+                self._waiting.remove(handle)
+                handle._push(TokenEvent(b"", (), None, "cancelled", usage=(len(handle.request.prompt_tokens), 0)))
+            self._wake.notify()
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the decode thread."""
+        if self._thread is not None:
+            raise SaemError("the scheduler is already started")
+        self._t_started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="saem-decode", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool) -> None:
+        """Stop accepting requests. ``drain``: finish every accepted request; otherwise cancel
+        them (each still gets its final event). Returns when the decode thread has ended."""
+        with self._lock:
+            self._accepting = False
+            self._draining = drain
+            if not drain:
+                for h in self._waiting:
+                    h._cancelled = True
+                for s in self._slots:
+                    if s is not None:
+                        s.handle._cancelled = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+        else:  # never started: nothing decodes the queue
+            self._end_waiting("cancelled", None)
+        if self._batch is not None:
+            self._lc.llama_batch_free(self._batch)
+            self._batch = None
+
+    def stats(self) -> dict:
+        """The engine's placement figures (Engine.stats(): hit rate, bytes moved, boundaries,
+        placement updates) and the serving counters: requests accepted, tokens generated, their
+        rate since start(), queue length, busy slots. ``tokens`` is the scheduler's count (the
+        engine's ``tokens`` counts decoded tokens, one fewer per reply cut by its limit)."""
+        d = self.engine.stats()
+        with self._lock:
+            busy = sum(s is not None for s in self._slots)
+            d.update(requests=self._requests, tokens=self._tokens, queue_len=len(self._waiting),
+                     busy_slots=busy, n_parallel=self.n_parallel)
+        elapsed = time.perf_counter() - self._t_started if self._t_started is not None else 0.0
+        d["tokens_per_s"] = round(d["tokens"] / elapsed, 3) if elapsed > 0 else 0.0
+        return d
+
+    # --- the decode thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._schedule():
+                self._decode_step()
+        except Exception as e:  # noqa: BLE001 - every accepted request must still get its final event
+            msg = f"the decode loop failed: {type(e).__name__}: {e}".splitlines()[0]
+            with self._lock:
+                self._failure = msg
+                self._accepting = False
+            for s in self._slots:
+                if s is not None:
+                    try:
+                        self._finish(s, "error", b"", error=msg)
+                    except Exception:  # noqa: BLE001 - the final event is pushed regardless
+                        pass
+            self._end_waiting("error", msg)
+
+    def _end_waiting(self, reason: str, error: str | None) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for h in waiting:
+            h._push(TokenEvent(b"", (), None, reason, error=error, usage=(len(h.request.prompt_tokens), 0)))
+
+    def _schedule(self) -> bool:
+        """Retire cancelled sequences, admit waiting ones into free slots (prefilling them).
+        False when the loop should end."""
+        while True:
+            with self._lock:
+                cancelled = [s for s in self._slots if s is not None and s.handle._cancelled]
+                if not cancelled:
+                    if not self._accepting and not self._draining:
+                        for h in self._waiting:
+                            h._push(TokenEvent(b"", (), None, "cancelled",
+                                               usage=(len(h.request.prompt_tokens), 0)))
+                        self._waiting.clear()
+                    admit = []
+                    for slot, s in enumerate(self._slots):
+                        if s is None and self._waiting:
+                            admit.append((slot, self._waiting.popleft()))
+                    if admit or any(s is not None for s in self._slots):
+                        break
+                    if not self._accepting:
+                        return False
+                    self._wake.wait()
+                    continue
+            for s in cancelled:  # outside the lock: _finish takes it
+                self._finish(s, "cancelled", b"")
+        for slot, handle in admit:
+            self._admit(slot, handle)
+        return True
+
+    def _admit(self, slot: int, handle: SequenceHandle) -> None:
+        """Put ``handle``'s request in ``slot``: evaluate its prompt and sample its first token."""
+        req = handle.request
+        sampling = req.sampling
+        eng, llm = self.engine, self.engine.llm
+        room = self._n_ctx_seq - len(req.prompt_tokens)
+        limit = room if req.max_tokens < 0 else min(req.max_tokens, room)
+        stops = tuple(s.encode("utf-8") for s in sampling.stop + req.extra_stops)
+        seq = _Sequence(handle, slot, limit, self._make_sampler(sampling), StopText(stops))
+        with self._lock:
+            self._slots[slot] = seq
+        self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        if eng.placement is not None:
+            eng.placement.reset_sequence(slot)
+        toks = req.prompt_tokens
+        for i in range(0, len(toks), self._n_ubatch):
+            chunk = toks[i:i + self._n_ubatch]
+            self._fill([(slot, t, i + j, j == len(chunk) - 1) for j, t in enumerate(chunk)])
+            self._decode(len(chunk))
+            if eng.placement is not None:
+                eng.placement.on_prompt(len(chunk))
+        seq.n_past = len(toks)
+        if limit == 0:  # n_predict 0: the prompt is evaluated, nothing generated
+            self._finish(seq, "length", b"")
+            return
+        self._take_sample(seq, self._batch.n_tokens - 1)
+
+    def _make_sampler(self, sampling: SamplingConfig):
+        """``sampling``'s chain as llama-cpp-python builds it for ``generate`` (Engine._steps)."""
+        llm = self.engine.llm
+        saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias
+        try:
+            llm.set_seed(resolve_seed(sampling.seed))
+            llm.last_n_tokens_size = sampling.repeat_last_n
+            llm._saem_logit_bias = ({t: -math.inf for t in self.engine.eog_tokens}
+                                    if sampling.ignore_eos else None)
+            return llm._init_sampler(
+                top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, typical_p=sampling.typical_p,
+                temp=max(sampling.temp, 0.0), repeat_penalty=sampling.repeat_penalty,
+                frequency_penalty=sampling.frequency_penalty, presence_penalty=sampling.presence_penalty)
+        finally:
+            llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias = saved
+
+    def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """Load (sequence id, token, position, logits wanted) rows into the llama_batch."""
+        b = self._batch
+        for i, (seq_id, tok, pos, logits) in enumerate(rows):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq_id
+            b.logits[i] = logits
+        b.n_tokens = len(rows)
+
+    def _decode(self, n: int) -> None:
+        rc = self._lc.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            raise SaemError(f"llama_decode failed (code {rc}) on a batch of {n} tokens")
+
+    def _decode_step(self) -> None:
+        """One token of every active sequence: decode, sample, release, retire, place."""
+        active = [s for s in self._slots if s is not None and s.next_token is not None]
+        if not active:
+            return
+        placement = self.engine.placement
+        decoded = [s.next_token for s in active]
+        routing_runs = []
+        for run in _consecutive_runs(active, self._n_ubatch):
+            self._fill([(s.slot, s.next_token, s.n_past, True) for s in run])
+            self._decode(len(run))
+            if placement is not None:
+                routing_runs.append(placement.last_routing(len(run)))
+            for i, s in enumerate(run):
+                s.n_past += 1
+                self._take_sample(s, i)
+        if placement is not None:
+            placement.on_step(np.concatenate(routing_runs, axis=0),
+                              [self.engine.piece(t) for t in decoded], [s.slot for s in active])
+
+    def _take_sample(self, seq: _Sequence, batch_index: int) -> None:
+        """Sample ``seq``'s next token from the logits of batch row ``batch_index`` and release
+        what it adds; the sequence ends at end of generation, a stop string or its limit."""
+        lc = self._lc
+        tok = lc.llama_sampler_sample(seq.sampler.sampler, self._ctx, batch_index)
+        logprobs = self._logprobs(batch_index, tok, seq.handle.request.n_probs)
+        if lc.llama_vocab_is_eog(self._vocab, tok):
+            self._finish(seq, "stop", seq.text.flush())
+            return
+        seq.tokens.append(tok)
+        with self._lock:
+            self._tokens += 1
+        last = len(seq.tokens) >= seq.limit
+        piece, stopped = seq.text.add(self.engine._piece_after(seq.tokens), last)
+        if stopped or last:
+            self._finish(seq, "stop" if stopped else "length", piece, (tok,), logprobs)
+            return
+        seq.next_token = tok
+        seq.handle._push(TokenEvent(piece, (tok,), logprobs, None))
+
+    def _logprobs(self, batch_index: int, tok: int, n_probs: int) -> tuple | None:
+        """(chosen token's logprob, its n_probs best alternatives) from the raw logits, as
+        llama-cpp-python's completion logprobs are (a log-softmax over the model's logits)."""
+        if n_probs <= 0:
+            return None
+        ptr = self._lc.llama_get_logits_ith(self._ctx, batch_index)
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
+        top = logits.max()
+        lp = logits - (top + math.log(np.exp(logits - top).sum()))
+        best = np.argpartition(-lp, n_probs - 1)[:n_probs]
+        best = best[np.argsort(-lp[best], kind="stable")]
+        return ((float(lp[tok]), tuple((int(t), float(lp[t])) for t in best)),)
+
+    def _finish(self, seq: _Sequence, reason: str, text: bytes, token_ids: tuple[int, ...] = (),
+                logprobs: tuple | None = None, error: str | None = None) -> None:
+        """End ``seq``: free its slot and KV cells, then push its final event."""
+        try:
+            self._lc.llama_memory_seq_rm(self._mem, seq.slot, -1, -1)
+            seq.sampler.close()
+        finally:
+            seq.next_token = None
+            with self._lock:
+                self._slots[seq.slot] = None
+            seq.handle._push(TokenEvent(text, token_ids, logprobs, reason, error,
+                                        usage=(seq.n_prompt, len(seq.tokens))))
+
+
+def _consecutive_runs(active: list[_Sequence], n_ubatch: int) -> Iterator[list[_Sequence]]:
+    """``active`` (in slot order) split where slot ids are not consecutive and every ``n_ubatch``:
+    the ubatches llama.cpp would make of the step's batch with one KV stream per sequence."""
+    run: list[_Sequence] = []
+    for s in active:
+        if run and (s.slot != run[-1].slot + 1 or len(run) == n_ubatch):
+            yield run
+            run = []
+        run.append(s)
+    if run:
+        yield run

@@ -1,0 +1,223 @@
+"""The continuous-batching scheduler (saem_gguf.serving.batch) on real generated models: a reply
+does not depend on what else is in the batch, nor on the policy or cache size; cancellation,
+the bounded queue and the context limit behave; every accepted request ends exactly once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import spec_for
+from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
+from saem_gguf.serving.batch import (
+    BatchRequest, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
+)
+from saem_gguf.testmodels import ensure_model
+
+PROMPTS = ["First, compute 12 + 7. Wait, let me verify the sum.", "Hello there",
+           "Alternatively, count up from 12 to 30 and then", "The quick brown fox",
+           "a b c d e f g", "Let me think step by step about this problem", "x", "Therefore the answer is"]
+# different lengths, so sequences leave at different steps and waiting ones join mid-flight
+MAX_TOKENS = [24, 9, 17, 30, 5, 21, 12, 26]
+N_CTX_SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(llama_cpp):
+    return ensure_model(spec_for("qwen3moe", "q4_0", n_expert=16, n_expert_used=4, n_layer=3, seed=2))
+
+
+def load(path, n_parallel: int, policy: str = "saem", ecr: float = 0.25) -> Engine:
+    return Engine(EngineConfig(model=path, n_ctx=N_CTX_SEQ * n_parallel, n_parallel=n_parallel,
+                               policy=policy, ecr=ecr, n_threads=2))
+
+
+@pytest.fixture(scope="module")
+def alone(qwen3_path):
+    """Each prompt's greedy reply served alone by Engine.generate on a one-sequence context."""
+    eng = load(qwen3_path, 1, policy="cpu-moe", ecr=0.0)
+    try:
+        return [eng.generate(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    finally:
+        eng.close()
+
+
+def collect(handle: SequenceHandle, timeout: float = 60) -> list[TokenEvent]:
+    evs = list(handle.events(timeout=timeout))
+    assert [e.finish_reason is not None for e in evs].count(True) == 1 and evs[-1].finish_reason is not None
+    return evs
+
+
+def reply(evs: list[TokenEvent]) -> tuple[list[int], bytes, str]:
+    return ([t for e in evs for t in e.token_ids], b"".join(e.text for e in evs), evs[-1].finish_reason)
+
+
+def serve_all(sched: Scheduler, reqs: list[BatchRequest], gap_s: float = 0.0) -> list[list[TokenEvent]]:
+    handles = []
+    for r in reqs:
+        handles.append(sched.submit(r))
+        time.sleep(gap_s)
+    return [collect(h) for h in handles]
+
+
+@pytest.mark.parametrize("policy,ecr", [("saem", 0.125), ("saem", 0.5), ("lru-cpu", 0.125), ("lru-cpu", 0.5)])
+def test_greedy_reply_in_a_batch_equals_the_reply_served_alone(qwen3_path, alone, policy, ecr):
+    eng = load(qwen3_path, 4, policy, ecr)
+    sched = Scheduler(eng, 4)
+    try:
+        sched.start()
+        reqs = [BatchRequest(eng.prompt_tokens(p), n, SamplingConfig()) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        out = serve_all(sched, reqs, gap_s=0.003)  # staggered: later ones arrive mid-step
+        sched.stop(drain=True)
+        st = sched.stats()
+    finally:
+        eng.close()
+    for i, (evs, ref) in enumerate(zip(out, alone)):
+        toks, text, reason = reply(evs)
+        assert toks == ref.tokens, f"request {i}: tokens differ from the reply served alone"
+        assert text.decode("utf-8", "ignore") == ref.text and reason == ref.finish_reason
+        assert evs[-1].usage == (len(ref.prompt_token_ids), len(ref.tokens))
+    # every decoded token's routing reached placement, one row per sequence per step
+    # a reply cut by its limit ends with a token that is sampled, never decoded
+    decoded = sum(len(r.tokens) - (r.finish_reason == "length") for r in alone)
+    assert st["requests"] == len(PROMPTS) and st["busy_slots"] == 0 and st["queue_len"] == 0
+    assert st["expert_accesses"] == decoded * 3 * 4
+    assert st["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in alone)
+
+
+def test_eight_at_once_equal_alone_and_one_slot_equals_eight(qwen3_path, alone):
+    """All eight prompts in the batch together, and the same requests on a single slot."""
+    for n_parallel in (8, 1):
+        eng = load(qwen3_path, n_parallel)
+        sched = Scheduler(eng, n_parallel)
+        try:
+            reqs = [BatchRequest(eng.prompt_tokens(p), n, SamplingConfig()) for p, n in zip(PROMPTS, MAX_TOKENS)]
+            handles = [sched.submit(r) for r in reqs]  # queued before the loop starts: one batch of 8
+            sched.start()
+            out = [collect(h) for h in handles]
+            sched.stop(drain=True)
+        finally:
+            eng.close()
+        assert [reply(evs)[0] for evs in out] == [r.tokens for r in alone], f"-np {n_parallel}"
+
+
+def test_cancel_frees_the_slot_and_its_cells_at_once(qwen3_path):
+    eng = load(qwen3_path, 1)
+    sched = Scheduler(eng, 1)
+    lc, mem = eng._llama_cpp, eng._llama_cpp.llama_get_memory(eng.llm.ctx)
+    try:
+        sched.start()
+        long = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[0]), 200, SamplingConfig()))
+        events = long.events(timeout=60)
+        assert next(events).finish_reason is None  # generating
+        waiting = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[1]), 4, SamplingConfig()))
+        long.cancel()
+        rest = list(events)
+        assert rest[-1].finish_reason == "cancelled" and rest[-1].usage[1] < 200
+        assert [e.finish_reason for e in rest].count("cancelled") == 1
+        done = collect(waiting)  # the freed slot serves the next request
+        assert done[-1].finish_reason == "length" and done[-1].usage[1] == 4
+        assert lc.llama_memory_seq_pos_max(mem, 0) == -1  # no KV cells left behind
+        assert sched.stats()["busy_slots"] == 0
+        long.cancel()  # a second cancel of an ended request changes nothing
+        sched.stop(drain=True)
+    finally:
+        eng.close()
+
+
+def test_queue_full_prompt_too_long_and_stop_without_drain(qwen3_path):
+    eng = load(qwen3_path, 1)
+    sched = Scheduler(eng, 1, queue_max=1)
+    try:
+        with pytest.raises(PromptTooLong):
+            sched.submit(BatchRequest([1] * eng.n_ctx_seq, 8, SamplingConfig()))
+        fits = sched.submit(BatchRequest([1] * (eng.n_ctx_seq - 1), 8, SamplingConfig()))  # room for one token
+        fits.cancel()  # still waiting: it ends at once and leaves the queue
+        assert [e.finish_reason for e in collect(fits)] == ["cancelled"]
+        short = BatchRequest(eng.prompt_tokens("Hello"), 8, SamplingConfig())
+        first, second = sched.submit(short), sched.submit(short)  # one slot + one waiting
+        with pytest.raises(QueueFull):
+            sched.submit(short)
+        sched.stop(drain=False)
+        for h in (first, second):
+            assert [e.finish_reason for e in collect(h)] == ["cancelled"]
+        with pytest.raises(SchedulerStopped):
+            sched.submit(short)
+    finally:
+        eng.close()
+
+
+def test_every_accepted_request_ends_exactly_once_under_cancel_and_shutdown(qwen3_path):
+    eng = load(qwen3_path, 3)
+    sched = Scheduler(eng, 3, queue_max=16)
+    try:
+        sched.start()
+        handles = [sched.submit(BatchRequest(eng.prompt_tokens(p), 40, SamplingConfig())) for p in PROMPTS]
+        handles[1].cancel()
+        handles[6].cancel()  # still waiting
+        time.sleep(0.05)
+        sched.stop(drain=False)
+        reasons = [collect(h)[-1].finish_reason for h in handles]
+        assert reasons[1] == reasons[6] == "cancelled"
+        assert set(reasons) <= {"cancelled", "length", "stop"}
+        assert all(not h._events for h in handles)  # nothing after the final event
+    finally:
+        eng.close()
+
+
+def test_seeded_sampling_is_reproducible_and_equals_generate(qwen3_path):
+    hot = SamplingConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+    eng = load(qwen3_path, 3)
+    try:
+        ref = eng.generate(PROMPTS[0], 20, hot).tokens
+        sched = Scheduler(eng, 3)
+        sched.start()
+        reqs = [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20, hot),
+                BatchRequest(eng.prompt_tokens(PROMPTS[3]), 20, SamplingConfig(temp=1.0, seed=7)),
+                BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20, hot)]
+        a, _, b = serve_all(sched, reqs)
+        unseeded = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20,
+                                                  SamplingConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.0))] * 2)
+        sched.stop(drain=True)
+    finally:
+        eng.close()
+    assert reply(a)[0] == reply(b)[0] == ref
+    assert reply(unseeded[0])[0] != reply(unseeded[1])[0]  # seed None: a random one per request
+
+
+def test_stop_strings_as_generate_applies_them(qwen3_path, alone):
+    text = alone[0].text
+    cut = text[len(text) // 2:len(text) // 2 + 3]  # a stop string from the middle of the reply
+    assert cut and len(cut.encode()) == 3
+    eng = load(qwen3_path, 2)
+    try:
+        sampling = SamplingConfig(stop=("never appears",))
+        ref = eng.generate(PROMPTS[0], MAX_TOKENS[0], SamplingConfig(stop=("never appears", cut)))
+        sched = Scheduler(eng, 2)
+        sched.start()
+        evs, other = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), MAX_TOKENS[0], sampling,
+                                                    extra_stops=(cut,)),
+                                       BatchRequest(eng.prompt_tokens(PROMPTS[2]), 30, SamplingConfig())])
+        sched.stop(drain=True)
+    finally:
+        eng.close()
+    toks, out, reason = reply(evs)
+    assert reason == ref.finish_reason == "stop"
+    assert out.decode() == ref.text and cut not in ref.text and ref.text == text[:text.index(cut)]
+    assert toks == ref.tokens
+
+
+def test_logprobs_are_a_log_softmax_with_the_chosen_token(qwen3_path):
+    eng = load(qwen3_path, 1)
+    try:
+        sched = Scheduler(eng, 1)
+        sched.start()
+        (evs,) = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 6, SamplingConfig(), n_probs=3)])
+        sched.stop(drain=True)
+    finally:
+        eng.close()
+    for e in evs:
+        for tok, (chosen, top) in zip(e.token_ids, e.logprobs):
+            assert len(top) == 3 and top[0][0] == tok and top[0][1] == chosen  # greedy picks the best
+            assert chosen <= 0 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
