@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO
@@ -14,6 +15,8 @@ from native_helpers import spec
 from saem_gguf.build import BuildConfig, find_build
 from saem_gguf.engine import Engine, EngineConfig
 from saem_gguf.testmodels import ensure_model
+from saem_gguf.testmodels.vocab import GEMMA_TEMPLATE, load_vocab
+from saem_gguf.testmodels.writer import random_tensors, write_gguf
 
 REFERENCE = REPO / "tests" / "fidelity_reference.py"
 N_CTX = 512
@@ -62,3 +65,28 @@ def same(ours: dict, ref: dict, what: str) -> None:
 def result_row(res) -> dict:
     """An engine GenerationResult as the reference reports a call."""
     return {"prompt_tokens": res.prompt_token_ids, "text": res.text, "finish_reason": res.finish_reason}
+
+
+def make_eot_model(directory, gemma_model) -> tuple:
+    """(path, question): the Gemma-like model with <end_of_turn> (EOT, not EOS) made the greedy first answer token:
+    its output row is twice the row of the token greedy picks there (a positive maximum logit)."""
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    eng = engine(gemma_model)
+    try:
+        first = eng.generate(eng.chat_prompt(question), 1).tokens[0]
+    finally:
+        eng.close()
+    s = spec("qwen3moe", "q8_0", chat_template="gemma", add_bos_token=True)
+    vocab = load_vocab()
+    eot = vocab.id_of("<end_of_turn>")
+    assert eot != vocab.eos_id
+
+    def tensors():
+        for name, arr, kind in random_tensors(s, vocab):
+            if name == "output.weight":
+                arr = np.array(arr, copy=True)
+                arr[eot] = 2.0 * arr[first]
+            yield name, arr, kind
+
+    return write_gguf(directory / "eot.gguf", s, vocab, tensors(),
+                      chat_template=GEMMA_TEMPLATE), question

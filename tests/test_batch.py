@@ -9,6 +9,7 @@ import time
 import pytest
 
 from conftest import spec_for
+from fidelity_helpers import make_eot_model, model_for
 from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
 from saem_gguf.serving.batch import (
     BatchRequest, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
@@ -28,9 +29,9 @@ def qwen3_path(llama_cpp):
     return ensure_model(spec_for("qwen3moe", "q4_0", n_expert=16, n_expert_used=4, n_layer=3, seed=2))
 
 
-def load(path, n_parallel: int, policy: str = "saem", ecr: float = 0.25) -> Engine:
+def load(path, n_parallel: int, policy: str = "saem", ecr: float = 0.25, **kw) -> Engine:
     return Engine(EngineConfig(model=path, n_ctx=N_CTX_SEQ * n_parallel, n_parallel=n_parallel,
-                               policy=policy, ecr=ecr, n_threads=2))
+                               policy=policy, ecr=ecr, n_threads=2, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,52 @@ def test_eight_at_once_equal_alone_and_one_slot_equals_eight(qwen3_path, alone):
         finally:
             eng.close()
         assert [reply(evs)[0] for evs in out] == [r.tokens for r in alone], f"-np {n_parallel}"
+
+
+def same_schedule(path, policy: str, ecr: float) -> list[list[tuple]]:
+    """Every token's logprobs (the chosen one's and the 3 best) of the eight prompts on -np 4,
+    all queued before the loop starts: which rows share a step depends on the replies alone."""
+    eng = load(path, 4, policy, ecr)
+    sched = Scheduler(eng, 4)
+    try:
+        handles = [sched.submit(BatchRequest(eng.prompt_tokens(p), n, SamplingConfig(), n_probs=3))
+                   for p, n in zip(PROMPTS, MAX_TOKENS)]
+        sched.start()
+        out = [[lp for e in collect(h) for lp in e.logprobs or ()] for h in handles]
+        sched.stop(drain=True)
+    finally:
+        eng.close()
+    return out
+
+
+def test_same_schedule_gives_bit_identical_logits_under_every_policy_and_cache_size(qwen3_path):
+    """The hard rule in a batch: placement never changes a bit of the logits (on CPU)."""
+    ref = same_schedule(qwen3_path, "cpu-moe", 0.0)
+    for policy, ecr in (("saem", 0.125), ("lru-cpu", 0.5)):
+        assert same_schedule(qwen3_path, policy, ecr) == ref, f"{policy} at ECR {ecr}"
+
+
+def test_prompts_prefilled_in_small_ubatches_between_steps_equal_alone(qwen3_path):
+    """-ub 8: a prompt takes several steps to evaluate while others decode; the cells (and so
+    the reply) are those of Engine.generate's ubatches."""
+    small = dict(n_batch=8, n_ubatch=8)
+    eng = load(qwen3_path, 1, **small)
+    try:
+        ref = [eng.generate(p, n).tokens for p, n in zip(PROMPTS, MAX_TOKENS)]
+    finally:
+        eng.close()
+    eng = load(qwen3_path, 3, **small)
+    sched = Scheduler(eng, 3)
+    try:
+        sched.start()
+        out = serve_all(sched, [BatchRequest(eng.prompt_tokens(p), n, SamplingConfig())
+                                for p, n in zip(PROMPTS, MAX_TOKENS)], gap_s=0.003)
+        sched.stop(drain=True)
+        st = sched.stats()
+    finally:
+        eng.close()
+    assert [reply(evs)[0] for evs in out] == ref
+    assert st["prompt_tokens"] == sum(evs[-1].usage[0] for evs in out)
 
 
 def test_cancel_frees_the_slot_and_its_cells_at_once(qwen3_path):
@@ -221,3 +268,24 @@ def test_logprobs_are_a_log_softmax_with_the_chosen_token(qwen3_path):
         for tok, (chosen, top) in zip(e.token_ids, e.logprobs):
             assert len(top) == 3 and top[0][0] == tok and top[0][1] == chosen  # greedy picks the best
             assert chosen <= 0 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+
+
+def test_end_of_generation_and_ignore_eos_as_generate(tmp_path):
+    """A model whose greedy first answer token is <end_of_turn> (an EOG token that is not EOS)."""
+    model, question = make_eot_model(tmp_path, model_for("qwen3moe", "gemma", True))
+    eng = load(model, 2)
+    try:
+        chat = eng.chat_prompt(question)
+        ignoring = SamplingConfig(ignore_eos=True)
+        ref_stop, ref_ignore = eng.generate(chat, 8), eng.generate(chat, 8, ignoring)
+        sched = Scheduler(eng, 2)
+        sched.start()
+        stop, ignore = serve_all(sched, [BatchRequest(chat.tokens, 8, SamplingConfig(), extra_stops=chat.stop),
+                                         BatchRequest(chat.tokens, 8, ignoring, extra_stops=chat.stop)])
+        sched.stop(drain=True)
+    finally:
+        eng.close()
+    assert ref_stop.tokens == [] and ref_stop.finish_reason == "stop"
+    assert reply(stop) == ([], b"", "stop") and stop[-1].usage == (len(chat.tokens), 0)
+    assert reply(ignore)[0] == ref_ignore.tokens and len(ref_ignore.tokens) == 8
+    assert reply(ignore)[2] == ref_ignore.finish_reason == "length"

@@ -10,12 +10,15 @@ the step's routing, one row per sequence, to ``Placement.on_step``.
 
 KV layout. The context holds ``n_parallel`` sequences in one KV stream each (``kv_unified`` off,
 llama-server's default with ``-np N``): a slot's sequence has ``n_ctx / n_parallel`` cells (llama.cpp
-rounds up to a multiple of 256) laid out from cell 0 exactly as when it is served alone, which is
-what keeps a greedy reply bit-identical to ``Engine.generate``. llama.cpp decodes a batch of
-split streams in ubatches of consecutive sequence ids (``llama_batch_allocr::split_equal``); the
-scheduler issues those ubatches itself, one ``llama_decode`` per run of consecutive busy slots,
-so that each one's routing is read (the native counters keep the last ubatch only). The decode
-work is the same llama.cpp would do for one call.
+rounds up to a multiple of 256), laid out from cell 0 and filled by the same prompt ubatches as
+when it is served alone. llama.cpp decodes a batch of split streams in ubatches of consecutive
+sequence ids (``llama_batch_allocr::split_equal``); the scheduler issues those ubatches itself,
+one ``llama_decode`` per run of consecutive busy slots, so that each one's routing is read (the
+native counters keep the last ubatch only). The decode work is what llama.cpp would do for one
+call. A step of several rows multiplies the dense weights with ggml's sgemm instead of the
+one-row dot products, so its logits may differ from a lone decode in the last bits (measured,
+docs/ARCHITECTURE.md "A batch step"); for the same schedule they are identical under every
+policy and cache size.
 
 Fidelity (``Engine.stream``'s rules): the same SamplingConfig chain built by llama-cpp-python's
 ``_init_sampler`` (penalties over the generated tokens, greedy at temperature 0, else top-k,
@@ -181,7 +184,9 @@ class Scheduler:
         self._failure: str | None = None
         self._batch = self._lc.llama_batch_init(max(self._n_ubatch, n_parallel), 0, 1)
         self._requests = 0
-        self._tokens = 0
+        self._tokens = 0  # generated
+        self._steps = 0  # decode steps (one token of each decoding sequence)
+        self._rows = 0  # tokens those steps decoded
         self._t_started: float | None = None
 
     # --- requests in ---------------------------------------------------------------------------
@@ -259,13 +264,15 @@ class Scheduler:
     def stats(self) -> dict:
         """The engine's placement figures (Engine.stats(): hit rate, bytes moved, boundaries,
         placement updates) and the serving counters: requests accepted, tokens generated, their
-        rate since start(), queue length, busy slots. ``tokens`` is the scheduler's count (the
+        rate since start(), queue length, busy slots, decode steps and their mean batch size
+        (sequences per step). ``tokens`` is the scheduler's count (the
         engine's ``tokens`` counts decoded tokens, one fewer per reply cut by its limit)."""
         d = self.engine.stats()
         with self._lock:
             busy = sum(s is not None for s in self._slots)
             d.update(requests=self._requests, tokens=self._tokens, queue_len=len(self._waiting),
-                     busy_slots=busy, n_parallel=self.n_parallel)
+                     busy_slots=busy, n_parallel=self.n_parallel, decode_steps=self._steps,
+                     mean_batch=round(self._rows / self._steps, 3) if self._steps else 0.0)
         elapsed = time.perf_counter() - self._t_started if self._t_started is not None else 0.0
         d["tokens_per_s"] = round(d["tokens"] / elapsed, 3) if elapsed > 0 else 0.0
         return d
@@ -323,10 +330,10 @@ class Scheduler:
         return True
 
     def _admit(self, slot: int, handle: SequenceHandle) -> None:
-        """Put ``handle``'s request in ``slot``: evaluate its prompt and sample its first token."""
+        """Put ``handle``'s request in ``slot`` (empty cells, fresh stage state); its prompt is
+        evaluated by the next steps (``_prefill``)."""
         req = handle.request
         sampling = req.sampling
-        eng, llm = self.engine, self.engine.llm
         room = self._n_ctx_seq - len(req.prompt_tokens)
         limit = room if req.max_tokens < 0 else min(req.max_tokens, room)
         stops = tuple(s.encode("utf-8") for s in sampling.stop + req.extra_stops)
@@ -334,20 +341,27 @@ class Scheduler:
         with self._lock:
             self._slots[slot] = seq
         self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
-        if eng.placement is not None:
-            eng.placement.reset_sequence(slot)
-        toks = req.prompt_tokens
-        for i in range(0, len(toks), self._n_ubatch):
-            chunk = toks[i:i + self._n_ubatch]
-            self._fill([(slot, t, i + j, j == len(chunk) - 1) for j, t in enumerate(chunk)])
-            self._decode(len(chunk))
-            if eng.placement is not None:
-                eng.placement.on_prompt(len(chunk))
-        seq.n_past = len(toks)
-        if limit == 0:  # n_predict 0: the prompt is evaluated, nothing generated
+        if self.engine.placement is not None:
+            self.engine.placement.reset_sequence(slot)
+
+    def _prefill(self, seq: _Sequence) -> None:
+        """Evaluate the next ubatch of ``seq``'s prompt (``-ub`` tokens from where the last one
+        ended, with logits for its last token: the ubatches ``Engine.generate`` evaluates, so
+        the cells are the same); after the last one, sample the first token. One ubatch per
+        step keeps a long prompt from stalling the sequences already decoding."""
+        toks = seq.handle.request.prompt_tokens
+        chunk = toks[seq.n_past:seq.n_past + self._n_ubatch]
+        self._fill([(seq.slot, t, seq.n_past + j, j == len(chunk) - 1) for j, t in enumerate(chunk)])
+        self._decode(len(chunk))
+        if self.engine.placement is not None:
+            self.engine.placement.on_prompt(len(chunk))
+        seq.n_past += len(chunk)
+        if seq.n_past < len(toks):
+            return
+        if seq.limit == 0:  # n_predict 0: the prompt is evaluated, nothing generated
             self._finish(seq, "length", b"")
             return
-        self._take_sample(seq, self._batch.n_tokens - 1)
+        self._take_sample(seq, len(chunk) - 1)
 
     def _make_sampler(self, sampling: SamplingConfig):
         """``sampling``'s chain as llama-cpp-python builds it for ``generate`` (Engine._steps)."""
@@ -382,12 +396,19 @@ class Scheduler:
             raise SaemError(f"llama_decode failed (code {rc}) on a batch of {n} tokens")
 
     def _decode_step(self) -> None:
-        """One token of every active sequence: decode, sample, release, retire, place."""
+        """A prompt ubatch of every sequence still prefilling, then one token of every sequence
+        decoding: decode, sample, release, retire, place."""
+        for s in self._slots:
+            if s is not None and s.n_past < s.n_prompt:
+                self._prefill(s)
         active = [s for s in self._slots if s is not None and s.next_token is not None]
         if not active:
             return
         placement = self.engine.placement
         decoded = [s.next_token for s in active]
+        with self._lock:
+            self._steps += 1
+            self._rows += len(active)
         routing_runs = []
         for run in _consecutive_runs(active, self._n_ubatch):
             self._fill([(s.slot, s.next_token, s.n_past, True) for s in run])
