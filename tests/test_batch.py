@@ -4,6 +4,7 @@ the bounded queue and the context limit behave; every accepted request ends exac
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from conftest import spec_for
 from fidelity_helpers import make_eot_model, model_for
 from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
+from saem_gguf.errors import SaemError
 from saem_gguf.serving.batch import (
     BatchRequest, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
 )
@@ -179,6 +181,10 @@ def test_queue_full_prompt_too_long_and_stop_without_drain(qwen3_path):
     try:
         with pytest.raises(PromptTooLong):
             sched.submit(BatchRequest([1] * eng.n_ctx_seq, 8, SamplingConfig()))
+        with pytest.raises(SaemError, match="not in the vocabulary"):
+            sched.submit(BatchRequest([1, eng.llm.n_vocab()], 8, SamplingConfig()))
+        with pytest.raises(SaemError, match="seed"):
+            sched.submit(BatchRequest([1], 8, SamplingConfig(seed=2**40)))
         fits = sched.submit(BatchRequest([1] * (eng.n_ctx_seq - 1), 8, SamplingConfig()))  # room for one token
         fits.cancel()  # still waiting: it ends at once and leaves the queue
         assert [e.finish_reason for e in collect(fits)] == ["cancelled"]
@@ -223,7 +229,9 @@ def test_seeded_sampling_is_reproducible_and_equals_generate(qwen3_path):
         reqs = [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20, hot),
                 BatchRequest(eng.prompt_tokens(PROMPTS[3]), 20, SamplingConfig(temp=1.0, seed=7)),
                 BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20, hot)]
-        a, _, b = serve_all(sched, reqs)
+        handles = [sched.submit(r) for r in reqs]
+        assert handles[0].seed == 1234 and handles[1].seed == 7
+        a, _, b = [collect(h) for h in handles]
         unseeded = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20,
                                                   SamplingConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.0))] * 2)
         sched.stop(drain=True)
@@ -289,3 +297,43 @@ def test_end_of_generation_and_ignore_eos_as_generate(tmp_path):
     assert reply(stop) == ([], b"", "stop") and stop[-1].usage == (len(chat.tokens), 0)
     assert reply(ignore)[0] == ref_ignore.tokens and len(ref_ignore.tokens) == 8
     assert reply(ignore)[2] == ref_ignore.finish_reason == "length"
+
+
+def test_async_consumers_get_the_same_events(qwen3_path, alone):
+    """aevents, as the server's event loop reads them: several requests awaited concurrently."""
+    eng = load(qwen3_path, 4)
+    sched = Scheduler(eng, 4)
+
+    async def consume(handle: SequenceHandle) -> list[TokenEvent]:
+        return [ev async for ev in handle.aevents()]
+
+    async def main() -> list[list[TokenEvent]]:
+        handles = [sched.submit(BatchRequest(eng.prompt_tokens(p), n, SamplingConfig()))
+                   for p, n in zip(PROMPTS[:5], MAX_TOKENS[:5])]
+        return await asyncio.wait_for(asyncio.gather(*(consume(h) for h in handles)), 60)
+
+    try:
+        sched.start()
+        out = asyncio.run(main())
+        sched.stop(drain=True)
+    finally:
+        eng.close()
+    for evs, ref in zip(out, alone):
+        assert [e.finish_reason is not None for e in evs].count(True) == 1
+        assert reply(evs)[0] == ref.tokens and reply(evs)[1].decode("utf-8", "ignore") == ref.text
+
+
+def test_dense_model_batches_with_placement_off(llama_cpp):
+    path = ensure_model(spec_for("llama", "f16", dense=True))
+    eng = Engine(EngineConfig(model=path, n_ctx=N_CTX_SEQ * 3, n_parallel=3, n_threads=2))
+    try:
+        assert eng.placement is None
+        ref = [eng.generate(p, 10).tokens for p in PROMPTS[:3]]
+        sched = Scheduler(eng, 3)
+        sched.start()
+        out = serve_all(sched, [BatchRequest(eng.prompt_tokens(p), 10, SamplingConfig()) for p in PROMPTS[:3]])
+        sched.stop(drain=True)
+        assert sched.stats()["policy"] == "off"
+    finally:
+        eng.close()
+    assert [reply(evs)[0] for evs in out] == ref

@@ -78,8 +78,9 @@ class PromptTooLong(SaemError):
 class SequenceHandle:
     """One accepted request: its events, in order, and a way to cancel it (thread-safe)."""
 
-    def __init__(self, scheduler: Scheduler, req: BatchRequest) -> None:
+    def __init__(self, scheduler: Scheduler, req: BatchRequest, seed: int) -> None:
         self.request = req
+        self.seed = seed  # the sampling seed in use (drawn at submit when the request gave none)
         self._scheduler = scheduler
         self._cond = threading.Condition()
         self._events: collections.deque[TokenEvent] = collections.deque()
@@ -205,12 +206,15 @@ class Scheduler:
         slot busy and ``queue_max`` waiting) or SchedulerStopped."""
         if not req.prompt_tokens:
             raise SaemError("empty prompt")
+        bad = next((t for t in req.prompt_tokens if not 0 <= t < self._n_vocab), None)
+        if bad is not None:
+            raise SaemError(f"prompt token {bad} is not in the vocabulary (0..{self._n_vocab - 1})")
         if len(req.prompt_tokens) + 1 > self._n_ctx_seq:
             raise PromptTooLong(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context "
                                 f"({self._n_ctx_seq} tokens per sequence)")
         if not 0 <= req.n_probs <= self._n_vocab:
             raise SaemError(f"n_probs must be in 0..{self._n_vocab}, got {req.n_probs}")
-        handle = SequenceHandle(self, req)
+        handle = SequenceHandle(self, req, resolve_seed(req.sampling.seed))
         with self._lock:
             if not self._accepting or self._failure is not None:
                 raise SchedulerStopped(self._failure or "the server is shutting down")
@@ -337,7 +341,7 @@ class Scheduler:
         room = self._n_ctx_seq - len(req.prompt_tokens)
         limit = room if req.max_tokens < 0 else min(req.max_tokens, room)
         stops = tuple(s.encode("utf-8") for s in sampling.stop + req.extra_stops)
-        seq = _Sequence(handle, slot, limit, self._make_sampler(sampling), StopText(stops))
+        seq = _Sequence(handle, slot, limit, self._make_sampler(sampling, handle.seed), StopText(stops))
         with self._lock:
             self._slots[slot] = seq
         self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
@@ -352,7 +356,8 @@ class Scheduler:
         toks = seq.handle.request.prompt_tokens
         chunk = toks[seq.n_past:seq.n_past + self._n_ubatch]
         self._fill([(seq.slot, t, seq.n_past + j, j == len(chunk) - 1) for j, t in enumerate(chunk)])
-        self._decode(len(chunk))
+        if not self._decode([seq]):
+            return
         if self.engine.placement is not None:
             self.engine.placement.on_prompt(len(chunk))
         seq.n_past += len(chunk)
@@ -363,12 +368,13 @@ class Scheduler:
             return
         self._take_sample(seq, len(chunk) - 1)
 
-    def _make_sampler(self, sampling: SamplingConfig):
-        """``sampling``'s chain as llama-cpp-python builds it for ``generate`` (Engine._steps)."""
+    def _make_sampler(self, sampling: SamplingConfig, seed: int):
+        """``sampling``'s chain with ``seed``, as llama-cpp-python builds it for ``generate``
+        (Engine._steps)."""
         llm = self.engine.llm
         saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias
         try:
-            llm.set_seed(resolve_seed(sampling.seed))
+            llm.set_seed(seed)
             llm.last_n_tokens_size = sampling.repeat_last_n
             llm._saem_logit_bias = ({t: -math.inf for t in self.engine.eog_tokens}
                                     if sampling.ignore_eos else None)
@@ -390,10 +396,16 @@ class Scheduler:
             b.logits[i] = logits
         b.n_tokens = len(rows)
 
-    def _decode(self, n: int) -> None:
+    def _decode(self, seqs: list[_Sequence]) -> bool:
+        """Decode the filled batch (tokens of ``seqs``); on failure those sequences end with
+        "error" (the others go on) and False is returned."""
         rc = self._lc.llama_decode(self._ctx, self._batch)
-        if rc != 0:
-            raise SaemError(f"llama_decode failed (code {rc}) on a batch of {n} tokens")
+        if rc == 0:
+            return True
+        n = self._batch.n_tokens
+        for s in seqs:
+            self._finish(s, "error", b"", error=f"llama_decode failed (code {rc}) on a batch of {n} tokens")
+        return False
 
     def _decode_step(self) -> None:
         """A prompt ubatch of every sequence still prefilling, then one token of every sequence
@@ -405,22 +417,23 @@ class Scheduler:
         if not active:
             return
         placement = self.engine.placement
-        decoded = [s.next_token for s in active]
         with self._lock:
             self._steps += 1
             self._rows += len(active)
-        routing_runs = []
+        routing_runs, pieces, slots = [], [], []  # of the rows decoded, for placement
         for run in _consecutive_runs(active, self._n_ubatch):
             self._fill([(s.slot, s.next_token, s.n_past, True) for s in run])
-            self._decode(len(run))
+            if not self._decode(run):
+                continue
             if placement is not None:
                 routing_runs.append(placement.last_routing(len(run)))
+                pieces += [self.engine.piece(s.next_token) for s in run]
+                slots += [s.slot for s in run]
             for i, s in enumerate(run):
                 s.n_past += 1
                 self._take_sample(s, i)
-        if placement is not None:
-            placement.on_step(np.concatenate(routing_runs, axis=0),
-                              [self.engine.piece(t) for t in decoded], [s.slot for s in active])
+        if routing_runs:
+            placement.on_step(np.concatenate(routing_runs, axis=0), pieces, slots)
 
     def _take_sample(self, seq: _Sequence, batch_index: int) -> None:
         """Sample ``seq``'s next token from the logits of batch row ``batch_index`` and release
