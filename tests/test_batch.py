@@ -5,7 +5,9 @@ the bounded queue and the context limit behave; every accepted request ends exac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from typing import Iterator
 
 import pytest
 
@@ -34,6 +36,25 @@ def qwen3_path(llama_cpp):
 def load(path, n_parallel: int, policy: str = "saem", ecr: float = 0.25, **kw) -> Engine:
     return Engine(EngineConfig(model=path, n_ctx=N_CTX_SEQ * n_parallel, n_parallel=n_parallel,
                                policy=policy, ecr=ecr, n_threads=2, **kw))
+
+
+@contextlib.contextmanager
+def serving(path, n_parallel: int, policy: str = "saem", ecr: float = 0.25, queue_max: int = 64,
+            start: bool = True, engine: Engine | None = None, **kw) -> Iterator[tuple[Engine, Scheduler]]:
+    """(engine, scheduler) of ``n_parallel`` slots on ``path`` (or on ``engine``); on the way out
+    the scheduler stops (cancelling what is left, so no decode thread outlives its engine) and
+    the engine closes."""
+    eng = engine or load(path, n_parallel, policy, ecr, **kw)
+    try:
+        sched = Scheduler(eng, n_parallel, queue_max)
+        if start:
+            sched.start()
+        try:
+            yield eng, sched
+        finally:
+            sched.stop(drain=False)
+    finally:
+        eng.close()
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +87,11 @@ def serve_all(sched: Scheduler, reqs: list[BatchRequest], gap_s: float = 0.0) ->
 
 @pytest.mark.parametrize("policy,ecr", [("saem", 0.125), ("saem", 0.5), ("lru-cpu", 0.125), ("lru-cpu", 0.5)])
 def test_greedy_reply_in_a_batch_equals_the_reply_served_alone(qwen3_path, alone, policy, ecr):
-    eng = load(qwen3_path, 4, policy, ecr)
-    sched = Scheduler(eng, 4)
-    try:
-        sched.start()
+    with serving(qwen3_path, 4, policy, ecr) as (eng, sched):
         reqs = [BatchRequest(eng.prompt_tokens(p), n, SamplingConfig()) for p, n in zip(PROMPTS, MAX_TOKENS)]
         out = serve_all(sched, reqs, gap_s=0.003)  # staggered: later ones arrive mid-step
-        sched.stop(drain=True)
+        sched.stop(drain=True)  # the last step's placement runs after its final events went out
         st = sched.stats()
-    finally:
-        eng.close()
     for i, (evs, ref) in enumerate(zip(out, alone)):
         toks, text, reason = reply(evs)
         assert toks == ref.tokens, f"request {i}: tokens differ from the reply served alone"
@@ -92,33 +108,22 @@ def test_greedy_reply_in_a_batch_equals_the_reply_served_alone(qwen3_path, alone
 def test_eight_at_once_equal_alone_and_one_slot_equals_eight(qwen3_path, alone):
     """All eight prompts in the batch together, and the same requests on a single slot."""
     for n_parallel in (8, 1):
-        eng = load(qwen3_path, n_parallel)
-        sched = Scheduler(eng, n_parallel)
-        try:
+        with serving(qwen3_path, n_parallel, start=False) as (eng, sched):
             reqs = [BatchRequest(eng.prompt_tokens(p), n, SamplingConfig()) for p, n in zip(PROMPTS, MAX_TOKENS)]
             handles = [sched.submit(r) for r in reqs]  # queued before the loop starts: one batch of 8
             sched.start()
             out = [collect(h) for h in handles]
-            sched.stop(drain=True)
-        finally:
-            eng.close()
         assert [reply(evs)[0] for evs in out] == [r.tokens for r in alone], f"-np {n_parallel}"
 
 
 def same_schedule(path, policy: str, ecr: float) -> list[list[tuple]]:
     """Every token's logprobs (the chosen one's and the 3 best) of the eight prompts on -np 4,
     all queued before the loop starts: which rows share a step depends on the replies alone."""
-    eng = load(path, 4, policy, ecr)
-    sched = Scheduler(eng, 4)
-    try:
+    with serving(path, 4, policy, ecr, start=False) as (eng, sched):
         handles = [sched.submit(BatchRequest(eng.prompt_tokens(p), n, SamplingConfig(), n_probs=3))
                    for p, n in zip(PROMPTS, MAX_TOKENS)]
         sched.start()
-        out = [[lp for e in collect(h) for lp in e.logprobs or ()] for h in handles]
-        sched.stop(drain=True)
-    finally:
-        eng.close()
-    return out
+        return [[lp for e in collect(h) for lp in e.logprobs or ()] for h in handles]
 
 
 def test_same_schedule_gives_bit_identical_logits_under_every_policy_and_cache_size(qwen3_path):
@@ -137,26 +142,18 @@ def test_prompts_prefilled_in_small_ubatches_between_steps_equal_alone(qwen3_pat
         ref = [eng.generate(p, n).tokens for p, n in zip(PROMPTS, MAX_TOKENS)]
     finally:
         eng.close()
-    eng = load(qwen3_path, 3, **small)
-    sched = Scheduler(eng, 3)
-    try:
-        sched.start()
+    with serving(qwen3_path, 3, **small) as (eng, sched):
         out = serve_all(sched, [BatchRequest(eng.prompt_tokens(p), n, SamplingConfig())
                                 for p, n in zip(PROMPTS, MAX_TOKENS)], gap_s=0.003)
         sched.stop(drain=True)
         st = sched.stats()
-    finally:
-        eng.close()
     assert [reply(evs)[0] for evs in out] == ref
     assert st["prompt_tokens"] == sum(evs[-1].usage[0] for evs in out)
 
 
 def test_cancel_frees_the_slot_and_its_cells_at_once(qwen3_path):
-    eng = load(qwen3_path, 1)
-    sched = Scheduler(eng, 1)
-    lc, mem = eng._llama_cpp, eng._llama_cpp.llama_get_memory(eng.llm.ctx)
-    try:
-        sched.start()
+    with serving(qwen3_path, 1) as (eng, sched):
+        lc, mem = eng._llama_cpp, eng._llama_cpp.llama_get_memory(eng.llm.ctx)
         long = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[0]), 200, SamplingConfig()))
         events = long.events(timeout=60)
         assert next(events).finish_reason is None  # generating
@@ -170,15 +167,10 @@ def test_cancel_frees_the_slot_and_its_cells_at_once(qwen3_path):
         assert lc.llama_memory_seq_pos_max(mem, 0) == -1  # no KV cells left behind
         assert sched.stats()["busy_slots"] == 0
         long.cancel()  # a second cancel of an ended request changes nothing
-        sched.stop(drain=True)
-    finally:
-        eng.close()
 
 
 def test_queue_full_prompt_too_long_and_stop_without_drain(qwen3_path):
-    eng = load(qwen3_path, 1)
-    sched = Scheduler(eng, 1, queue_max=1)
-    try:
+    with serving(qwen3_path, 1, queue_max=1, start=False) as (eng, sched):
         with pytest.raises(PromptTooLong):
             sched.submit(BatchRequest([1] * eng.n_ctx_seq, 8, SamplingConfig()))
         with pytest.raises(SaemError, match="not in the vocabulary"):
@@ -197,35 +189,26 @@ def test_queue_full_prompt_too_long_and_stop_without_drain(qwen3_path):
             assert [e.finish_reason for e in collect(h)] == ["cancelled"]
         with pytest.raises(SchedulerStopped):
             sched.submit(short)
-    finally:
-        eng.close()
 
 
 def test_every_accepted_request_ends_exactly_once_under_cancel_and_shutdown(qwen3_path):
-    eng = load(qwen3_path, 3)
-    sched = Scheduler(eng, 3, queue_max=16)
-    try:
-        sched.start()
+    with serving(qwen3_path, 3, queue_max=16) as (eng, sched):
         handles = [sched.submit(BatchRequest(eng.prompt_tokens(p), 40, SamplingConfig())) for p in PROMPTS]
         handles[1].cancel()
         handles[6].cancel()  # still waiting
         time.sleep(0.05)
         sched.stop(drain=False)
         reasons = [collect(h)[-1].finish_reason for h in handles]
-        assert reasons[1] == reasons[6] == "cancelled"
-        assert set(reasons) <= {"cancelled", "length", "stop"}
-        assert all(not h._events for h in handles)  # nothing after the final event
-    finally:
-        eng.close()
+    assert reasons[1] == reasons[6] == "cancelled"
+    assert set(reasons) <= {"cancelled", "length", "stop"}
+    assert all(not h._events for h in handles)  # nothing after the final event
 
 
 def test_seeded_sampling_is_reproducible_and_equals_generate(qwen3_path):
     hot = SamplingConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
     eng = load(qwen3_path, 3)
-    try:
-        ref = eng.generate(PROMPTS[0], 20, hot).tokens
-        sched = Scheduler(eng, 3)
-        sched.start()
+    ref = eng.generate(PROMPTS[0], 20, hot).tokens
+    with serving(qwen3_path, 3, engine=eng) as (eng, sched):
         reqs = [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20, hot),
                 BatchRequest(eng.prompt_tokens(PROMPTS[3]), 20, SamplingConfig(temp=1.0, seed=7)),
                 BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20, hot)]
@@ -234,9 +217,6 @@ def test_seeded_sampling_is_reproducible_and_equals_generate(qwen3_path):
         a, _, b = [collect(h) for h in handles]
         unseeded = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 20,
                                                   SamplingConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.0))] * 2)
-        sched.stop(drain=True)
-    finally:
-        eng.close()
     assert reply(a)[0] == reply(b)[0] == ref
     assert reply(unseeded[0])[0] != reply(unseeded[1])[0]  # seed None: a random one per request
 
@@ -246,17 +226,12 @@ def test_stop_strings_as_generate_applies_them(qwen3_path, alone):
     cut = text[len(text) // 2:len(text) // 2 + 3]  # a stop string from the middle of the reply
     assert cut and len(cut.encode()) == 3
     eng = load(qwen3_path, 2)
-    try:
+    ref = eng.generate(PROMPTS[0], MAX_TOKENS[0], SamplingConfig(stop=("never appears", cut)))
+    with serving(qwen3_path, 2, engine=eng) as (eng, sched):
         sampling = SamplingConfig(stop=("never appears",))
-        ref = eng.generate(PROMPTS[0], MAX_TOKENS[0], SamplingConfig(stop=("never appears", cut)))
-        sched = Scheduler(eng, 2)
-        sched.start()
-        evs, other = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), MAX_TOKENS[0], sampling,
-                                                    extra_stops=(cut,)),
-                                       BatchRequest(eng.prompt_tokens(PROMPTS[2]), 30, SamplingConfig())])
-        sched.stop(drain=True)
-    finally:
-        eng.close()
+        evs, _ = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), MAX_TOKENS[0], sampling,
+                                                extra_stops=(cut,)),
+                                   BatchRequest(eng.prompt_tokens(PROMPTS[2]), 30, SamplingConfig())])
     toks, out, reason = reply(evs)
     assert reason == ref.finish_reason == "stop"
     assert out.decode() == ref.text and cut not in ref.text and ref.text == text[:text.index(cut)]
@@ -264,14 +239,8 @@ def test_stop_strings_as_generate_applies_them(qwen3_path, alone):
 
 
 def test_logprobs_are_a_log_softmax_with_the_chosen_token(qwen3_path):
-    eng = load(qwen3_path, 1)
-    try:
-        sched = Scheduler(eng, 1)
-        sched.start()
+    with serving(qwen3_path, 1) as (eng, sched):
         (evs,) = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 6, SamplingConfig(), n_probs=3)])
-        sched.stop(drain=True)
-    finally:
-        eng.close()
     for e in evs:
         for tok, (chosen, top) in zip(e.token_ids, e.logprobs):
             assert len(top) == 3 and top[0][0] == tok and top[0][1] == chosen  # greedy picks the best
@@ -282,17 +251,12 @@ def test_end_of_generation_and_ignore_eos_as_generate(tmp_path):
     """A model whose greedy first answer token is <end_of_turn> (an EOG token that is not EOS)."""
     model, question = make_eot_model(tmp_path, model_for("qwen3moe", "gemma", True))
     eng = load(model, 2)
-    try:
-        chat = eng.chat_prompt(question)
-        ignoring = SamplingConfig(ignore_eos=True)
-        ref_stop, ref_ignore = eng.generate(chat, 8), eng.generate(chat, 8, ignoring)
-        sched = Scheduler(eng, 2)
-        sched.start()
+    chat = eng.chat_prompt(question)
+    ignoring = SamplingConfig(ignore_eos=True)
+    ref_stop, ref_ignore = eng.generate(chat, 8), eng.generate(chat, 8, ignoring)
+    with serving(model, 2, engine=eng) as (eng, sched):
         stop, ignore = serve_all(sched, [BatchRequest(chat.tokens, 8, SamplingConfig(), extra_stops=chat.stop),
                                          BatchRequest(chat.tokens, 8, ignoring, extra_stops=chat.stop)])
-        sched.stop(drain=True)
-    finally:
-        eng.close()
     assert ref_stop.tokens == [] and ref_stop.finish_reason == "stop"
     assert reply(stop) == ([], b"", "stop") and stop[-1].usage == (len(chat.tokens), 0)
     assert reply(ignore)[0] == ref_ignore.tokens and len(ref_ignore.tokens) == 8
@@ -301,23 +265,17 @@ def test_end_of_generation_and_ignore_eos_as_generate(tmp_path):
 
 def test_async_consumers_get_the_same_events(qwen3_path, alone):
     """aevents, as the server's event loop reads them: several requests awaited concurrently."""
-    eng = load(qwen3_path, 4)
-    sched = Scheduler(eng, 4)
 
     async def consume(handle: SequenceHandle) -> list[TokenEvent]:
         return [ev async for ev in handle.aevents()]
 
-    async def main() -> list[list[TokenEvent]]:
+    async def main(eng: Engine, sched: Scheduler) -> list[list[TokenEvent]]:
         handles = [sched.submit(BatchRequest(eng.prompt_tokens(p), n, SamplingConfig()))
                    for p, n in zip(PROMPTS[:5], MAX_TOKENS[:5])]
         return await asyncio.wait_for(asyncio.gather(*(consume(h) for h in handles)), 60)
 
-    try:
-        sched.start()
-        out = asyncio.run(main())
-        sched.stop(drain=True)
-    finally:
-        eng.close()
+    with serving(qwen3_path, 4) as (eng, sched):
+        out = asyncio.run(main(eng, sched))
     for evs, ref in zip(out, alone):
         assert [e.finish_reason is not None for e in evs].count(True) == 1
         assert reply(evs)[0] == ref.tokens and reply(evs)[1].decode("utf-8", "ignore") == ref.text
@@ -326,14 +284,9 @@ def test_async_consumers_get_the_same_events(qwen3_path, alone):
 def test_dense_model_batches_with_placement_off(llama_cpp):
     path = ensure_model(spec_for("llama", "f16", dense=True))
     eng = Engine(EngineConfig(model=path, n_ctx=N_CTX_SEQ * 3, n_parallel=3, n_threads=2))
-    try:
-        assert eng.placement is None
-        ref = [eng.generate(p, 10).tokens for p in PROMPTS[:3]]
-        sched = Scheduler(eng, 3)
-        sched.start()
+    assert eng.placement is None
+    ref = [eng.generate(p, 10).tokens for p in PROMPTS[:3]]
+    with serving(path, 3, engine=eng) as (eng, sched):
         out = serve_all(sched, [BatchRequest(eng.prompt_tokens(p), 10, SamplingConfig()) for p in PROMPTS[:3]])
-        sched.stop(drain=True)
         assert sched.stats()["policy"] == "off"
-    finally:
-        eng.close()
     assert [reply(evs)[0] for evs in out] == ref
