@@ -9,6 +9,7 @@ import contextlib
 import time
 from typing import Iterator
 
+import numpy as np
 import pytest
 
 from conftest import spec_for
@@ -290,3 +291,23 @@ def test_dense_model_batches_with_placement_off(llama_cpp):
         out = serve_all(sched, [BatchRequest(eng.prompt_tokens(p), 10, SamplingConfig()) for p in PROMPTS[:3]])
         assert sched.stats()["policy"] == "off"
     assert [reply(evs)[0] for evs in out] == ref
+
+
+def test_on_step_counts_every_row_and_detects_stages_per_sequence(qwen3_path):
+    """Placement.on_step on a two-row step: accesses and tokens per row, a cue written by one
+    sequence is that sequence's boundary (the other, fed plain text, raises none)."""
+    eng = load(qwen3_path, 2)
+    try:
+        p = eng.placement
+        routing = np.tile(np.arange(p.top_k, dtype=np.int16), (2, len(p.moe_layers), 1))
+        events = []
+        # past the detector's minimum stage length, then "Alternatively," opening a sentence in row 0
+        texts = [(b" one", b" two")] * 40 + [(b" ok.", b" ok"), (b" Alternatively", b" so"), (b",", b" on"),
+                                              (b" try", b" and")]
+        for a, b in texts:
+            events += p.on_step(routing, [a, b], [0, 1])
+        assert [(e.seq, e.cue) for e in events] == [(0, "Alternatively")]
+        assert p.stats.tokens == 2 * len(texts) and p.stats.boundaries == 1
+        assert p.stats.accesses == 2 * len(texts) * len(p.moe_layers) * p.top_k
+    finally:
+        eng.close()

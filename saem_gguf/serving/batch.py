@@ -190,6 +190,11 @@ class Scheduler:
         self._rows = 0  # tokens those steps decoded
         self._t_started: float | None = None
 
+    @property
+    def n_ctx_seq(self) -> int:
+        """Tokens one request may hold, prompt and reply together (its share of ``-c``)."""
+        return self._n_ctx_seq
+
     # --- requests in ---------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """A raw prompt's tokens by ``Engine.prompt_tokens``'s rules (thread-safe)."""
@@ -246,7 +251,9 @@ class Scheduler:
 
     def stop(self, drain: bool) -> None:
         """Stop accepting requests. ``drain``: finish every accepted request; otherwise cancel
-        them (each still gets its final event). Returns when the decode thread has ended."""
+        them (each still gets its final event). Returns when the decode thread has ended, so an
+        event loop should call it off the loop (``await asyncio.to_thread(sched.stop, True)``):
+        the loop keeps delivering events meanwhile."""
         with self._lock:
             self._accepting = False
             self._draining = drain
