@@ -239,12 +239,25 @@ def test_stop_strings_as_generate_applies_them(qwen3_path, alone):
     assert toks == ref.tokens
 
 
-def test_logprobs_are_a_log_softmax_with_the_chosen_token(qwen3_path):
+def test_logprobs_are_llama_cpp_pythons(qwen3_path):
+    """n_probs: each token's logprob and the best alternatives, as create_completion(logprobs=3)
+    reports the first token's (its logits_all context computes the prompt's last layer over all
+    rows, so the values agree to rounding, not bit for bit)."""
+    ref_eng = load(qwen3_path, 1, record=True)  # record: logits_all, which create_completion's logprobs need
+    try:
+        ref = ref_eng.llm.create_completion(PROMPTS[0], max_tokens=1, temperature=0.0, logprobs=3)
+        ref_top = ref["choices"][0]["logprobs"]["top_logprobs"][0]
+    finally:
+        ref_eng.close()
     with serving(qwen3_path, 1) as (eng, sched):
         (evs,) = serve_all(sched, [BatchRequest(eng.prompt_tokens(PROMPTS[0]), 6, SamplingConfig(), n_probs=3)])
+        names = {t: eng.llm.detokenize([t]).decode("utf-8", "ignore") for e in evs for _, top in e.logprobs or ()
+                 for t, _ in top}
+    chosen, top = evs[0].logprobs[0]
+    assert {names[t]: lp for t, lp in top} == pytest.approx(ref_top, abs=1e-4)
     for e in evs:
         for tok, (chosen, top) in zip(e.token_ids, e.logprobs):
-            assert len(top) == 3 and top[0][0] == tok and top[0][1] == chosen  # greedy picks the best
+            assert len(top) == 3 and top[0] == (tok, chosen)  # greedy picks the best
             assert chosen <= 0 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
 
 

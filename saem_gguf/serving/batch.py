@@ -463,16 +463,16 @@ class Scheduler:
         seq.handle._push(TokenEvent(piece, (tok,), logprobs, None))
 
     def _logprobs(self, batch_index: int, tok: int, n_probs: int) -> tuple | None:
-        """(chosen token's logprob, its n_probs best alternatives) from the raw logits, as
-        llama-cpp-python's completion logprobs are (a log-softmax over the model's logits)."""
+        """(chosen token's logprob, its n_probs best alternatives, best first), from the raw
+        logits with llama-cpp-python's own ``Llama.logits_to_logprobs`` and its order (logprob
+        descending, then token id descending: ``sorted(zip(logprobs, ids), reverse=True)``)."""
         if n_probs <= 0:
             return None
         ptr = self._lc.llama_get_logits_ith(self._ctx, batch_index)
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
-        top = logits.max()
-        lp = logits - (top + math.log(np.exp(logits - top).sum()))
-        best = np.argpartition(-lp, n_probs - 1)[:n_probs]
-        best = best[np.argsort(-lp[best], kind="stable")]
+        lp = self.engine.llm.logits_to_logprobs(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)))
+        cut = np.partition(lp, lp.size - n_probs)[lp.size - n_probs]  # the n_probs-th best value
+        best = np.flatnonzero(lp >= cut)  # ties at the cut included, then ordered as llama-cpp-python
+        best = best[np.lexsort((-best, -lp[best]))][:n_probs]
         return ((float(lp[tok]), tuple((int(t), float(lp[t])) for t in best)),)
 
     def _finish(self, seq: _Sequence, reason: str, text: bytes, token_ids: tuple[int, ...] = (),
