@@ -7,7 +7,8 @@ For each -np N: one engine loaded with N sequences, every request (the built-in 
 prompts, in turn, as chat messages, greedy, ``-n`` tokens each) submitted at once to a
 ``Scheduler`` of N slots, and the wall time from the first submission to the last final event.
 Prints requests, generated tokens, aggregate tokens/s and its ratio to the first -np, the mean
-batch size the decode steps ran (tokens / steps), the expert hit rate, with the load average.
+batch size the decode steps ran (tokens / steps), llama_decode calls per step (one per run of
+consecutive busy slots), the expert hit rate, with the load average.
 By default the main thread sleeps until every request has ended and reads the events after
 (the decode loop alone); ``--stream`` reads them as they come, from a second thread that wakes
 for each token, as a server's would. Also checks what the scheduler promises: every greedy reply is the same at every -np (a reply
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace, n_parallel: int, prompts: list[str]) -> tuple[
     tokens = sum(len(r) for r in replies)
     row = {"n_parallel": n_parallel, "requests": len(reqs), "tokens": tokens, "seconds": round(wall, 3),
            "tokens_per_s": round(tokens / wall, 1), "mean_batch": st["mean_batch"],
+           "decodes_per_step": st["decodes_per_step"],
            "hit_rate": st.get("hit_rate"), "load_avg_1m": os.getloadavg()[0]}
     return row, replies
 
@@ -85,11 +87,11 @@ def main() -> int:
         row["replies_equal_first"] = replies == first
         rows.append(row)
     t1 = rows[0]["tokens_per_s"]
-    print(f"{'-np':>4} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'ratio':>6} {'batch':>6} "
+    print(f"{'-np':>4} {'requests':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'ratio':>6} {'batch':>6} {'decodes':>7} "
           f"{'hit rate':>8} {'same replies':>12} {'load':>5}")
     for r in rows:
         print(f"{r['n_parallel']:>4} {r['requests']:>8} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>8.1f} "
-              f"{r['tokens_per_s'] / t1:>6.2f} {r['mean_batch']:>6.2f} "
+              f"{r['tokens_per_s'] / t1:>6.2f} {r['mean_batch']:>6.2f} {r['decodes_per_step']:>7.2f} "
               f"{r['hit_rate'] if r['hit_rate'] is not None else '-':>8} "
               f"{str(r['replies_equal_first']):>12} {r['load_avg_1m']:>5.2f}")
     if args.json:

@@ -188,6 +188,7 @@ class Scheduler:
         self._tokens = 0  # generated
         self._steps = 0  # decode steps (one token of each decoding sequence)
         self._rows = 0  # tokens those steps decoded
+        self._step_decodes = 0  # llama_decode calls those steps made (one per run of consecutive slots)
         self._t_started: float | None = None
 
     @property
@@ -275,15 +276,16 @@ class Scheduler:
     def stats(self) -> dict:
         """The engine's placement figures (Engine.stats(): hit rate, bytes moved, boundaries,
         placement updates) and the serving counters: requests accepted, tokens generated, their
-        rate since start(), queue length, busy slots, decode steps and their mean batch size
-        (sequences per step). ``tokens`` is the scheduler's count (the
+        rate since start(), queue length, busy slots, decode steps, their mean batch size
+        (sequences per step) and llama_decode calls per step (runs of consecutive slots). ``tokens`` is the scheduler's count (the
         engine's ``tokens`` counts decoded tokens, one fewer per reply cut by its limit)."""
         d = self.engine.stats()
         with self._lock:
             busy = sum(s is not None for s in self._slots)
             d.update(requests=self._requests, tokens=self._tokens, queue_len=len(self._waiting),
                      busy_slots=busy, n_parallel=self.n_parallel, decode_steps=self._steps,
-                     mean_batch=round(self._rows / self._steps, 3) if self._steps else 0.0)
+                     mean_batch=round(self._rows / self._steps, 3) if self._steps else 0.0,
+                     decodes_per_step=round(self._step_decodes / self._steps, 3) if self._steps else 0.0)
         elapsed = time.perf_counter() - self._t_started if self._t_started is not None else 0.0
         d["tokens_per_s"] = round(d["tokens"] / elapsed, 3) if elapsed > 0 else 0.0
         return d
@@ -428,7 +430,10 @@ class Scheduler:
             self._steps += 1
             self._rows += len(active)
         routing_runs, pieces, slots = [], [], []  # of the rows decoded, for placement
-        for run in _consecutive_runs(active, self._n_ubatch):
+        runs = list(_consecutive_runs(active, self._n_ubatch))
+        with self._lock:
+            self._step_decodes += len(runs)
+        for run in runs:
             self._fill([(s.slot, s.next_token, s.n_past, True) for s in run])
             if not self._decode(run):
                 continue
