@@ -324,3 +324,31 @@ def test_on_step_counts_every_row_and_detects_stages_per_sequence(qwen3_path):
         assert p.stats.accesses == 2 * len(texts) * len(p.moe_layers) * p.top_k
     finally:
         eng.close()
+
+
+@pytest.mark.slow
+def test_soak_random_arrivals_lengths_and_cancels(qwen3_path):
+    """64 requests at random gaps, lengths and prompts on -np 8, a quarter cancelled at random
+    moments: each ends exactly once, and every reply that was not cancelled equals the reply
+    served alone."""
+    rng = np.random.default_rng(13)
+    picks = [(int(rng.integers(len(PROMPTS))), int(rng.integers(1, 40))) for _ in range(64)]
+    eng = load(qwen3_path, 1, policy="cpu-moe", ecr=0.0)
+    try:
+        ref = {pick: eng.generate(PROMPTS[pick[0]], pick[1]).tokens for pick in set(picks)}
+    finally:
+        eng.close()
+    with serving(qwen3_path, 8, "saem", 0.125, queue_max=64) as (eng, sched):
+        handles = []
+        for i, (p, n) in enumerate(picks):
+            handles.append(sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[p]), n, SamplingConfig())))
+            time.sleep(float(rng.uniform(0, 0.004)))
+            if i % 4 == 3:
+                handles[int(rng.integers(len(handles)))].cancel()
+        out = [collect(h) for h in handles]
+    for pick, evs in zip(picks, out):
+        toks, _, reason = reply(evs)
+        if reason == "cancelled":
+            assert toks == ref[pick][:len(toks)]  # what it got before the cancel is the reply's start
+        else:
+            assert toks == ref[pick]
