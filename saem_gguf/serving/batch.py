@@ -208,8 +208,9 @@ class Scheduler:
             return self.engine.chat_prompt(messages)
 
     def submit(self, req: BatchRequest) -> SequenceHandle:
-        """Queue ``req``; its handle yields the events. Raises PromptTooLong, QueueFull (every
-        slot busy and ``queue_max`` waiting) or SchedulerStopped."""
+        """Queue ``req``; its handle yields the events. Raises PromptTooLong, QueueFull (already
+        ``n_parallel + queue_max`` requests in the slots or waiting), SchedulerStopped, or
+        SaemError for a token outside the vocabulary, a bad seed or ``n_probs``."""
         if not req.prompt_tokens:
             raise SaemError("empty prompt")
         bad = next((t for t in req.prompt_tokens if not 0 <= t < self._n_vocab), None)
@@ -257,7 +258,7 @@ class Scheduler:
         the loop keeps delivering events meanwhile."""
         with self._lock:
             self._accepting = False
-            self._draining = drain
+            self._draining = self._draining and drain  # a cancelling stop() is never undone
             if not drain:
                 for h in self._waiting:
                     h._cancelled = True
@@ -269,9 +270,10 @@ class Scheduler:
             self._thread.join()
         else:  # never started: nothing decodes the queue
             self._end_waiting("cancelled", None)
-        if self._batch is not None:
-            self._lc.llama_batch_free(self._batch)
-            self._batch = None
+        with self._lock:  # a second stop() (drain, then cancel) may be returning too
+            batch, self._batch = self._batch, None
+        if batch is not None:
+            self._lc.llama_batch_free(batch)
 
     def stats(self) -> dict:
         """The engine's placement figures (Engine.stats(): hit rate, bytes moved, boundaries,
