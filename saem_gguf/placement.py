@@ -137,7 +137,8 @@ class Placement:
         policy replays the step and makes the decisions due before the next decode with the
         simulator's batch semantics (saem_gguf.simulator.build_blocks): an event of any row is a
         boundary, its cues are those of the rows that raised it (saem-cue blends them by their
-        share of the B rows). The decisions are put in force natively."""
+        share of the B rows; B counts the sequences of this step, where the simulator's lockstep
+        batch also counts rows whose sequence has ended). The decisions are put in force natively."""
         B = len(seqs)
         if routing.shape[0] != B or len(pieces) != B:
             raise SaemError(f"on_step: {routing.shape[0]} routing rows, {len(pieces)} pieces, {B} sequences")
