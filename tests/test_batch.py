@@ -352,3 +352,18 @@ def test_soak_random_arrivals_lengths_and_cancels(qwen3_path):
             assert toks == ref[pick][:len(toks)]  # what it got before the cancel is the reply's start
         else:
             assert toks == ref[pick]
+
+
+def test_parallel_settings_are_checked(qwen3_path):
+    for bad in (0, 257):
+        with pytest.raises(SaemError, match="n_parallel"):
+            EngineConfig(model=qwen3_path, n_parallel=bad)
+    eng = load(qwen3_path, 2)
+    try:
+        assert eng.n_ctx_seq == N_CTX_SEQ and eng.llm.n_ctx() == 2 * N_CTX_SEQ  # -c split per sequence
+        with pytest.raises(SaemError, match="n_parallel >= 3"):
+            Scheduler(eng, 3)
+        with pytest.raises(SaemError, match="queue_max"):
+            Scheduler(eng, 2, queue_max=-1)
+    finally:
+        eng.close()
