@@ -2,10 +2,11 @@
 
 One ``Placement`` per loaded model. The engine calls ``on_prompt`` after each prefill ubatch and
 ``on_token`` after each decoded token; the batch scheduler (saem_gguf.serving.batch) calls
-``on_step`` after each decode step of several sequences, one row per sequence (``on_token`` is its
-one-row case). Routing comes from the native counters (no eval callback). The policy runs through the same entry point as in the simulator
-(``Policy.run_steps`` on ``RoutingBlock.engine_step``): it replays the decoded token against its
-mirror of the native cache, then makes the decisions due before the next decode. Residency
+``on_step`` after each decode step of several sequences, one row per sequence (``on_token`` is
+its one-row case). Routing comes from the native counters (no eval callback). The policy runs
+through the same entry point as in the simulator (``Policy.run_steps`` on
+``RoutingBlock.engine_step``): it replays the decoded tokens against its mirror of the native
+cache, then makes the decisions due before the next decode. Residency
 changes become native copies (async where the build has a device) and slot-map updates, in force
 for that next decode. The mirror equals the native map at every decode, so hits are counted by
 the replay; copies and bytes from the copies issued.

@@ -2,11 +2,12 @@
 
 One decode thread owns the engine's llama context. Each step it (1) retires cancelled
 sequences and frees their KV cells (``llama_memory_seq_rm``), (2) admits waiting requests into
-free slots and prefills their prompts (each prompt in ubatches of its own, ``-ub`` tokens at a
-time, as ``Engine.generate`` evaluates it; placement sees them as ``on_prompt`` does), (3) decodes
-one token of every active sequence, with logits for each, (4) samples each sequence with its own
-llama-cpp-python sampler chain, releases its text and retires the finished ones, and (5) hands
-the step's routing, one row per sequence, to ``Placement.on_step``.
+free slots, (3) evaluates one prompt ubatch (``-ub`` tokens) of each sequence still prefilling,
+in a ``llama_decode`` of its own, as ``Engine.generate`` evaluates it (placement sees it as
+``on_prompt``), sampling the first token after the last one, (4) decodes one token of every
+sequence that has one, with logits for each, (5) samples each with its own llama-cpp-python
+sampler chain, releases its text and retires the finished ones, and (6) hands the step's
+routing, one row per sequence, to ``Placement.on_step``.
 
 KV layout. The context holds ``n_parallel`` sequences in one KV stream each (``kv_unified`` off,
 llama-server's default with ``-np N``): a slot's sequence has ``n_ctx / n_parallel`` cells (llama.cpp
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import math
 import threading
 import time
@@ -279,8 +279,9 @@ class Scheduler:
         """The engine's placement figures (Engine.stats(): hit rate, bytes moved, boundaries,
         placement updates) and the serving counters: requests accepted, tokens generated, their
         rate since start(), queue length, busy slots, decode steps, their mean batch size
-        (sequences per step) and llama_decode calls per step (runs of consecutive slots). ``tokens`` is the scheduler's count (the
-        engine's ``tokens`` counts decoded tokens, one fewer per reply cut by its limit)."""
+        (sequences per step) and llama_decode calls per step (runs of consecutive slots).
+        ``tokens`` is the scheduler's count of generated tokens (it replaces the engine's count
+        of decoded ones, one fewer per reply cut by its limit)."""
         d = self.engine.stats()
         with self._lock:
             busy = sum(s is not None for s in self._slots)
