@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
+from saem_gguf.accounting import Accounting
 from saem_gguf.cli.main import main
 from saem_gguf.costmodel import HW_PRESETS, CostModel
-from saem_gguf.policies.accounting import Accounting
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.simulator import (
-    SimConfig, build_blocks, calibration_counts, default_cost, run_policy, simulate, split_calibration,
+    SimConfig, build_blocks, calibration_counts, default_cost, replay, run_policy, simulate, split_calibration,
 )
 from saem_gguf.trace import ModelSignature, SequenceTrace, TraceSet, save_traces
 
@@ -150,9 +150,7 @@ def test_implicit_boundaries_fire_without_cues(synth):
     pol = make_policy("saem-implicit")
     state = pol.start(ctx)
     acct = Accounting()
-    for b in blocks:
-        pol.begin_group(b, state, acct)
-        pol.run_steps(b, 0, b.n_steps, state, acct)
+    replay(pol, blocks, acct)
     assert sum(r == "implicit" for _, r in pol.boundaries) >= 2
     del dataclasses
 
@@ -181,9 +179,7 @@ def test_detector_events(synth):
     pol = make_policy("saem-implicit")
     state = pol.start(ctx)
     acct = Accounting()
-    for b in blocks:
-        pol.begin_group(b, state, acct)
-        pol.run_steps(b, 0, b.n_steps, state, acct)
+    replay(pol, blocks, acct)
     reasons = [r for _, r in pol.boundaries]
     assert "implicit" in reasons and "cue" in reasons
 

@@ -393,7 +393,7 @@ class Scheduler:
             self._fill([(s.slot, s.next_token, s.n_past, True) for s in run])
             self._decode(len(run))
             if placement is not None:
-                routing_runs.append(placement.last_routing(len(run)))
+                routing_runs.append(placement.last_routing())
             for i, s in enumerate(run):
                 s.n_past += 1
                 self._take_sample(s, i)
