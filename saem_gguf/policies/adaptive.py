@@ -130,8 +130,8 @@ def _set_diff(c_slot, slot_of, c):
 
 
 @njit(cache=True)
-def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, stamp, score, led, ctl, cnt,
-                    uniq, miss, admitted, entrants, ops):
+def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, stamp, score, led, ctl, behind,
+                    cnt, uniq, miss, admitted, entrants, ops):
     """One decode step: pick the leader, update every candidate's shadow cache with the step's
     routing layer by layer, and bring each real layer to the leader's set after the layer ran.
     Returns how many ``ops`` rows it wrote.
@@ -142,7 +142,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     each candidate's expert->slot and slot->expert maps; c_key float64 [C, L, E]: their
     priority keys (caching.py); stamp int64 [L, E]: last step each expert was used; score
     float64 [C]: averaged net hits per step; led float64 [C]: steps each candidate led; ctl:
-    CTL_*; cnt int32 [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E, 3]:
+    CTL_*; behind uint8 [L]: 1 where the real layer may differ from the leader's (a switch, the
+    leader's own loads, a stage re-rank: only those layers are compared); cnt int32 [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E, 3]:
     scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per
     layer the evictions, then the entrants best first (OP_AFTER_USE for one the step used,
     OP_PREFETCH otherwise)."""
@@ -163,6 +164,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
         lead = best
         ctl[CTL_LEADER] = best
         ctl[CTL_SWITCHES] += 1
+        behind[:] = 1
     led[lead] += 1
     scale = np.ones(C, np.float64)  # KIND_DECAY: exp(lam * (g - ref)) at this step
     for c in range(C):
@@ -175,6 +177,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     net = np.zeros(C, np.float64)  # this step's hits minus priced copies, per candidate
     n_ops = 0
     for l in range(L):
+        if n_slots[l] == 0:  # no cache here, in any candidate: nothing to score, keep or follow
+            continue
         n = gather(rows, l, cnt, uniq)
         for c in range(C):
             n_miss = 0
@@ -199,8 +203,15 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 stamp[l, uniq[i]] = g
             n_in = admit_after_use(key, l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss, admitted)
             net[c] -= kappa * n_in
+            if n_in > 0 and c == lead:
+                behind[l] = 1
         for i in range(n):
             stamp[l, uniq[i]] = g
+        if behind[l] == 0:
+            for i in range(n):
+                cnt[uniq[i]] = 0
+            continue
+        behind[l] = 0
         # the real layer takes the leader's set: evict who left, copy who entered
         for sl in range(n_slots[l]):
             o = owner[l, sl]
@@ -304,6 +315,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
+        self._behind = np.ones(ctx.n_layer, np.uint8)
         E = ctx.n_expert
         self._cnt = np.zeros(E, np.int32)
         self._uniq, self._miss, self._entrants = (np.empty(E, np.int32) for _ in range(3))
@@ -335,15 +347,18 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         """A stage boundary re-ranks the stage candidate only; the real cache follows it at the
         next step's layers if it leads."""
         shadow = self._stage_shadow
-        shadow.place(plan_from_scores(shadow, scores, reason=reason))
+        plan = plan_from_scores(shadow, scores, reason=reason)
+        shadow.place(plan)
+        self._behind[plan.copies[:, 0]] = 1
+        self._behind[plan.evictions[:, 0]] = 1
         self._placed(reason)
         return ResidencyChange(ops=self._ops[:0], n_in_step=0, target=self.state.slot_of, placements=1)
 
     def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
         st = self.state
         n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
-                            self._c_owner, self._c_key, self._stamp, self._score, self._led, self._ctl, self._cnt,
-                            self._uniq, self._miss, self._admitted, self._entrants, self._ops)
+                            self._c_owner, self._c_key, self._stamp, self._score, self._led, self._ctl, self._behind,
+                            self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops)
         self._count(routing_rows, events)
         reason = self._due(events)
         placements = 0

@@ -320,3 +320,18 @@ def active_rows(rows):
         if rows[b, 0, 0] >= 0:
             n += 1
     return n
+
+
+@njit(cache=True)
+def resident_uses(rows, slot_of):
+    """How many (row, layer, k) uses of one step's ``rows`` int16 [B, L, K] (-1 rows: no token)
+    were of experts resident in ``slot_of`` int32 [L, E]: the step's hits under that map."""
+    n = 0
+    for b in range(rows.shape[0]):
+        if rows[b, 0, 0] < 0:
+            continue
+        for l in range(rows.shape[1]):
+            for k in range(rows.shape[2]):
+                if slot_of[l, rows[b, l, k]] >= 0:
+                    n += 1
+    return n
