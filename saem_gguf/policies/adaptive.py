@@ -143,8 +143,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     priority keys (caching.py); stamp int64 [L, E]: last step each expert was used; score
     float64 [C]: averaged net hits per step; led float64 [C]: steps each candidate led; ctl:
     CTL_*; behind uint8 [L]: 1 where the real layer may differ from the leader's (a switch, the
-    leader's own loads, a stage re-rank: only those layers are compared); cnt int32 [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E, 3]:
-    scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per
+    leader's own loads, a stage re-rank: only those layers are compared); cnt int32 [E]
+    (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E, 3]: scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per
     layer the evictions, then the entrants best first (OP_AFTER_USE for one the step used,
     OP_PREFETCH otherwise)."""
     L = slot_of.shape[0]

@@ -4,8 +4,9 @@ At each stage boundary, rank each layer's experts by their usage in the complete
 (token-level counts aggregated over every sequence of the batch since the last placement),
 make the top ``slots`` of each layer resident, and issue all copies at once (prefetch, layer 0
 first). Between boundaries residency never changes. A non-resident expert runs in place on the
-CPU unless moving it is faster (replay.fixed_layer: lower latency wins, so the CPU wins at
-few tokens); a transferred expert goes through a temporary slot and is not kept.
+CPU unless moving it is faster (``miss_mode`` MISS_RULE, priced by pricing.price_layer: lower
+latency wins, so the CPU wins at few tokens); a transferred expert goes through a temporary
+slot and is not kept.
 
 Boundaries, all decided causally from what has been generated:
 

@@ -102,7 +102,6 @@ class ResidencyPlan:
 
     copies: np.ndarray  # int32 [n, 3]
     evictions: np.ndarray  # int32 [m, 3]
-    proactive: bool = True
     target: np.ndarray | None = None  # int32 [L, E]
     reason: str = ""
 
@@ -144,13 +143,11 @@ class RoutingBlock:
     # Cue + implicit (routing-shift) events from the stage detector, when it was run; None otherwise.
     implicit_event_steps: np.ndarray | None = None
     event_cues: list[list[str]] | None = None
-    n_tok: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         if self.routing.ndim != 4 or self.routing.dtype != np.int16:
             raise SaemError("RoutingBlock.routing must be int16 [steps, batch, layers, top_k]")
         self.routing = np.ascontiguousarray(self.routing)
-        self.n_tok = (self.routing[:, :, 0, 0] >= 0).sum(axis=1).astype(np.int32)
         self.event_steps = np.asarray(self.event_steps, np.int32)
         if self.implicit_event_steps is not None:
             self.implicit_event_steps = np.asarray(self.implicit_event_steps, np.int32)
