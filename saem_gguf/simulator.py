@@ -151,7 +151,9 @@ def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | No
             p0 = seqs[i].prompt_len
             for tok in per_seq[i].tolist():
                 step = tok + 1 - p0  # known after token tok -> before the decode step of tok + 1
-                if 0 < step < n_dec[b]:
+                # an event after a sequence's last token counts too: the engine's policy is told
+                # of it (and may act on it before the batch's next step, or the next request)
+                if 0 < step <= n_dec[b]:
                     ev.setdefault(step, []).append(b)
                     cue.setdefault(step, []).append(texts[i].get(tok, "") if texts is not None else "")
         steps = sorted(ev)

@@ -54,6 +54,18 @@ def test_build_blocks_lockstep_events_prefill():
     assert [x.step0 for x in blocks] == [0, 6] and [x.n_steps for x in blocks] == [6, 3]
 
 
+def test_build_blocks_keeps_an_event_after_the_last_token():
+    """The engine's policy is told of an event its detector reports after a sequence's last
+    token (it may act on it before the next request, or the batch's next step): so is the
+    simulator's, through the block's last step."""
+    a = _seq([1, 1, 2, 2], starts=(0, 3))  # a stage starts at the last token: known after it
+    b = _seq([0, 0, 0, 0, 0, 0], starts=(0,))
+    (blk,) = build_blocks(TraceSet(signature=SIG, sequences=[a]), 1, "all")
+    assert blk.event_steps.tolist() == [4] and blk.events_after(3).cue_event
+    (blk,) = build_blocks(TraceSet(signature=SIG, sequences=[a, b]), 2, "all")
+    assert blk.event_steps.tolist() == [4] and blk.events_after(3).rows == (0,)  # b still decodes
+
+
 def test_metrics_hand_computed():
     # two sequences, batch 2: steps route {0,1}, {0,2}, {0} (second row finished)
     ts = TraceSet(signature=SIG, sequences=[_seq([0, 0, 0]), _seq([1, 2])])

@@ -128,7 +128,8 @@ class RoutingBlock:
 
     ``routing[s, b]`` is the [L, K] routing of sequence b's s-th decoded token, -1 where b has
     no token at step s. ``event_steps`` are the steps before which a stage event is known
-    (detected from text already generated), ``event_rows[i]`` the batch rows that raised it.
+    (detected from text already generated; S: after the block's last step), ``event_rows[i]``
+    the batch rows that raised it.
     ``step0`` is the global index of step 0 (so time-based policies see one clock).
     ``implicit_event_steps`` (optional) are the stage detector's cue + routing-shift events.
     ``event_cues[i]`` (optional) is the cue text each row of ``event_rows[i]`` matched, or ""
