@@ -57,6 +57,10 @@ class PlacementStats:
                 "boundaries": self.boundaries, "plans": self.plans}
 
 
+# on_token's detector slot (sequence 0), in the form the detectors take slots (read only)
+_SEQ0 = np.zeros(1, np.int64)
+
+
 class Placement:
     """Drives one policy over the native expert cache of one llama context: one sequence
     (``on_token``) or a batch of them decoding together (``on_step``)."""
@@ -129,7 +133,7 @@ class Placement:
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
         """After decoding one token (sequence 0) whose text is ``piece``: ``on_step`` of one row."""
-        return self.on_step(self.last_routing(), [piece], [0])
+        return self.on_step(self.last_routing(), [piece], _SEQ0)
 
     def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int]) -> list[StageEvent]:
         """After one decode step of ``len(seqs)`` sequences: ``routing`` int16 [B, L, K] holds one
@@ -147,8 +151,9 @@ class Placement:
         # hits against the maps in force for this decode (the policy's books before it observes)
         self.stats.hits += resident_uses(routing, self._native)
         self.stats.accesses += int(np.count_nonzero(routing[:, 0, 0] >= 0)) * routing.shape[1] * routing.shape[2]
-        events = self.detector.feed(seqs, pieces, routing if self.detector.tracks_routing else None)
-        combined = self.combined.feed(seqs, pieces, routing) if self.combined is not None else None
+        slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
+        events = self.detector.feed(slots, pieces, routing if self.detector.tracks_routing else None)
+        combined = self.combined.feed(slots, pieces, routing) if self.combined is not None else None
         if events or combined:
             self.stats.events.extend(events)
             self.stats.boundaries += len(events)
