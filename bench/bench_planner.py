@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from saem_gguf.costmodel import HW_PRESETS, MODEL_PRESETS, CostModel  # noqa: E402
 from saem_gguf.policies.ranking import plan_from_scores, rank_fill_kernel  # noqa: E402
-from saem_gguf.policies.accounting import Accounting  # noqa: E402
+from saem_gguf.accounting import Accounting  # noqa: E402
 from saem_gguf.policies.base import PolicyContext, budget_slots  # noqa: E402
 from saem_gguf.policies.state import CacheState  # noqa: E402
 from saem_gguf.policies.saem import SaemPolicy  # noqa: E402

@@ -452,6 +452,34 @@ def saem_moe_get_last_routing(ctx: Any, cap: int = 0) -> np.ndarray:
     return buf[:need].reshape(nt.value, nl.value, nu.value)
 
 
+class LastRoutingReader:
+    """``saem_moe_get_last_routing`` for one context, at the rate of one call per decoded token.
+
+    The plain wrapper above builds its buffer, its pointer, the three size outputs and the
+    context pointer at each call (several microseconds of ctypes work, more than the C call);
+    this makes them once for ``cap`` entries and calls the same C function. ``read()`` returns a
+    new int16 array [n_tokens, n_moe_layers, n_used] as the wrapper does (the wrapper is used
+    when the ubatch needs more than ``cap`` entries)."""
+
+    def __init__(self, ctx: Any, cap: int) -> None:
+        self._ctx_arg = ctx
+        self._ctx = _ctx(ctx)
+        self._buf = np.empty(max(int(cap), 1), np.int16)
+        self._ptr = self._buf.ctypes.data_as(_P_I16)
+        self._sizes = (ctypes.c_int32(0), ctypes.c_int32(0), ctypes.c_int32(0))
+        self._refs = tuple(ctypes.byref(x) for x in self._sizes)
+        self._f = _fn("saem_moe_get_last_routing")
+
+    def read(self) -> np.ndarray:
+        need = self._f(self._ctx, self._ptr, self._buf.size, *self._refs)
+        if need < 0 or need > self._buf.size:
+            if need < 0:
+                _check("saem_moe_get_last_routing", need)
+            return saem_moe_get_last_routing(self._ctx_arg, need)
+        nt, nl, nu = self._sizes
+        return self._buf[:need].reshape(nt.value, nl.value, nu.value).copy()
+
+
 def saem_moe_set_stock_min_batch(ctx: Any, n: int) -> None:
     """int32_t saem_moe_set_stock_min_batch(struct llama_context * ctx, int32_t n);
     -- ubatches of >= n tokens use the stock graph"""

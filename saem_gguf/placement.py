@@ -2,14 +2,13 @@
 
 One ``Placement`` per loaded model. The engine calls ``on_prompt`` after each prefill ubatch and
 ``on_token`` after each decoded token; the batch scheduler (saem_gguf.serving.batch) calls
-``on_step`` after each decode step of several sequences, one row per sequence (``on_token`` is
-its one-row case). Routing comes from the native counters (no eval callback). The policy runs
-through the same entry point as in the simulator (``Policy.run_steps`` on
-``RoutingBlock.engine_step``): it replays the decoded tokens against its mirror of the native
-cache, then makes the decisions due before the next decode. Residency
-changes become native copies (async where the build has a device) and slot-map updates, in force
-for that next decode. The mirror equals the native map at every decode, so hits are counted by
-the replay; copies and bytes from the copies issued.
+``on_step`` after each decode step of several sequences, one row per sequence (``on_token`` is its
+one-row case). Routing comes from the native counters (no eval callback). The policy is driven
+through the entry points the simulator drives it through (``Policy.begin_group``,
+``Policy.observe`` with the stage events reported after the step) and only decides; nothing is
+priced here. Its decisions (``ResidencyChange``) become native copies, in decision order (async
+where the build has a device), and slot-map updates, in force for the next decode. Hits are
+counted against the slot maps in force for the step's decode.
 """
 
 from __future__ import annotations
@@ -21,9 +20,10 @@ import numpy as np
 from saem_gguf import native_api as na
 from saem_gguf.errors import SaemError
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.accounting import A_ACCESS, A_DEMAND, A_EVICT, A_HIT, A_PROACTIVE, Accounting
 from saem_gguf.policies.base import PolicyContext
-from saem_gguf.policies.state import CacheState, RoutingBlock
+from saem_gguf.policies.state import (
+    OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, record_decision, resident_uses,
+)
 from saem_gguf.stage.detector import StageDetector, StageEvent
 
 
@@ -57,6 +57,10 @@ class PlacementStats:
                 "boundaries": self.boundaries, "plans": self.plans}
 
 
+# on_token's detector slot (sequence 0), in the form the detectors take slots (read only)
+_SEQ0 = np.zeros(1, np.int64)
+
+
 class Placement:
     """Drives one policy over the native expert cache of one llama context: one sequence
     (``on_token``) or a batch of them decoding together (``on_step``)."""
@@ -80,12 +84,11 @@ class Placement:
         pctx = PolicyContext(n_layer=L, n_expert=self.n_expert, top_k=self.top_k,
                              n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
                              calib_counts=calib_counts, cue_counts=cue_counts)
-        self.state: CacheState = self.policy.start(pctx)
+        self.state: CacheState = self.policy.start(pctx)  # the policy's books (read only here)
         # the policy may use fewer/more slots than the budget (n-cpu-moe, gpu-all)
         n_slots[self.moe_layers] = self.state.n_slots
         na.saem_moe_cache_init(ctx, n_slots.tolist())
         na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
-        self.acct = Accounting()  # the policy's books; a test may swap in one with a decision log
         self.detector = detector
         # the combined cue + routing-shift twin of the detector, for policies that act on both
         # (the simulator replays the same two detectors, simulator.detector_events)
@@ -95,21 +98,23 @@ class Placement:
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
         self._sync_to(self.state.slot_of, count=False)
         self._step = 0
-        self._blocks: dict[int, RoutingBlock] = {}  # one reused engine_step block per batch size
+        self._quiet: dict[int, StepEvents] = {}  # per batch size, the events of a step that raised none
+        # a test may set a list here to collect every decision (state.Decision records)
+        self.decisions: list | None = None
         self.record = record
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
-        # one decoded token's routing: a step's routing fits n_rows times this (one native call)
-        self._routing_cap = len(self.moe_layers) * self.top_k
+        # one native call reads a step of up to every detector slot's token (a prefill ubatch may take two)
+        self._routing_reader = na.LastRoutingReader(ctx, len(self.moe_layers) * self.top_k * detector.n_seq)
 
     # --- routing in ------------------------------------------------------------------------
-    def last_routing(self, n_rows: int = 1) -> np.ndarray:
-        """int16 [n_tokens, L, K]: the last ubatch's top-k experts of every MoE layer (``n_rows``:
-        the tokens expected, so one native call suffices).
+    def last_routing(self) -> np.ndarray:
+        """int16 [n_tokens, L, K]: the last ubatch's top-k experts of every MoE layer (one native
+        call reads up to a token per detector slot; a prefill ubatch may take a second).
 
         llama.cpp computes the last layer only for tokens whose logits are wanted (the prompt's
         last token), so a layer may report fewer tokens: its rows align to the ubatch's end and
         the rest stay -1."""
-        return na.saem_moe_get_last_routing(self.ctx, self._routing_cap * n_rows)
+        return self._routing_reader.read()
 
     def on_prompt(self, n_tokens: int) -> None:
         """After a prefill ubatch: its routing seeds the first placement."""
@@ -124,56 +129,73 @@ class Placement:
         block = RoutingBlock(routing=np.zeros((0, 1, routing.shape[1], self.top_k), np.int16),
                              event_steps=np.zeros(0, np.int32), prefill_counts=counts,
                              prefill_tokens=n_tokens, step0=self._step)
-        self.policy.begin_group(block, self.state, self.acct)
-        self._sync_to(self.state.slot_of)
+        self._put_in_force("group", self.policy.begin_group(block))
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
         """After decoding one token (sequence 0) whose text is ``piece``: ``on_step`` of one row."""
-        return self.on_step(self.last_routing(), [piece], [0])
+        return self.on_step(self.last_routing(), [piece], _SEQ0)
 
     def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int]) -> list[StageEvent]:
         """After one decode step of ``len(seqs)`` sequences: ``routing`` int16 [B, L, K] holds one
         row per sequence (row b is the token of detector slot ``seqs[b]`` whose text is
-        ``pieces[b]``). Hits are counted per row; the stage detector runs per sequence; the
-        policy replays the step and makes the decisions due before the next decode with the
-        simulator's batch semantics (saem_gguf.simulator.build_blocks): an event of any row is a
+        ``pieces[b]``). Hits are counted per row against the maps in force; the stage detector runs
+        per sequence; the policy observes the step with the simulator's batch semantics
+        (saem_gguf.simulator.build_blocks, RoutingBlock.events_after): an event of any row is a
         boundary, its cues are those of the rows that raised it (saem-cue blends them by their
         share of the B rows; B counts the sequences of this step, where the simulator's lockstep
-        batch also counts rows whose sequence has ended). The decisions are put in force natively."""
+        batch also counts rows whose sequence has ended). Its decisions are put in force natively."""
         B = len(seqs)
         if routing.shape[0] != B or len(pieces) != B:
             raise SaemError(f"on_step: {routing.shape[0]} routing rows, {len(pieces)} pieces, {B} sequences")
         if self.record:
             self.trace_experts.append(routing)
-        events = self.detector.feed(seqs, pieces, routing if self.detector.tracks_routing else None)
-        combined = self.combined.feed(seqs, pieces, routing) if self.combined is not None else None
-        self.stats.events.extend(events)
-        self.stats.boundaries += len(events)
-        # one cue per row that raised an event ("" when the row's events name none), as the
-        # simulator's blocks carry them
-        row_cue: dict[int, str] = {}
-        for e in events:
-            if not row_cue.get(e.seq):
-                row_cue[e.seq] = e.cue
-        block = self._blocks.get(B)
-        if block is None:
-            block = self._blocks[B] = RoutingBlock.engine_step(np.zeros((B,) + routing.shape[1:], np.int16), 0)
-        block.refill_engine_step(routing, self._step, bool(events), list(row_cue.values()),
-                                 bool(combined) if self.combined is not None else None)
-        # hits and accesses as the policy replayed them: against state.slot_of, which is the map
-        # the native cache had in force for this decode (synced after every decision)
-        c = self.acct.counters
-        hits, accesses, moved = c[A_HIT], c[A_ACCESS], c[A_DEMAND] + c[A_PROACTIVE] + c[A_EVICT]
-        self.policy.run_steps(block, 0, block.n_steps, self.state, self.acct)
-        self.stats.hits += int(c[A_HIT] - hits)
-        self.stats.accesses += int(c[A_ACCESS] - accesses)
+        # hits against the maps in force for this decode (the policy's books before it observes)
+        self.stats.hits += resident_uses(routing, self._native)
+        self.stats.accesses += int(np.count_nonzero(routing[:, 0, 0] >= 0)) * routing.shape[1] * routing.shape[2]
+        slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
+        events = self.detector.feed(slots, pieces, routing if self.detector.tracks_routing else None)
+        combined = self.combined.feed(slots, pieces, routing) if self.combined is not None else None
+        if events or combined:
+            self.stats.events.extend(events)
+            self.stats.boundaries += len(events)
+            # one cue per row that raised an event ("" when the row's events name none), as the
+            # simulator's blocks carry them
+            row_cue: dict[int, str] = {}
+            for e in events:
+                if not row_cue.get(e.seq):
+                    row_cue[e.seq] = e.cue
+            row_of = {s: b for b, s in enumerate(seqs)}
+            seen = StepEvents(rows=tuple(row_of[s] for s in row_cue), cues=tuple(row_cue.values()), n_rows=B,
+                              combined=bool(combined) if self.combined is not None else None)
+        else:
+            seen = self._quiet.get(B)
+            if seen is None:
+                seen = self._quiet[B] = StepEvents(n_rows=B, combined=None if self.combined is None else False)
+        self._put_in_force("step", self.policy.observe(routing, seen))
         self._step += 1
         self.stats.tokens += B
-        if c[A_DEMAND] + c[A_PROACTIVE] + c[A_EVICT] != moved:  # residency changes only with a copy or eviction
-            self._sync_to(self.state.slot_of)
         return events
 
     # --- residency out ---------------------------------------------------------------------
+    def _put_in_force(self, when: str, change: ResidencyChange | None) -> None:
+        """Issue a change's copies natively in decision order (those its target still holds),
+        then set the slot map of every layer it touched."""
+        if change is None:
+            return
+        record_decision(self.decisions, when, self._step, change)
+        ops, target = change.ops, change.target
+        if ops.shape[0] == 0:
+            return
+        for l, e, slot, kind in ops.tolist():
+            if kind != OP_EVICT and target[l, e] == slot:
+                na.saem_moe_copy_expert_async(self.ctx, self.moe_layers[l], e, slot, False)
+                self.stats.copies += 1
+                self.stats.bytes_moved += self.expert_nbytes[l]
+        for l in np.unique(ops[:, 0]).tolist():
+            na.saem_moe_set_slot_map(self.ctx, self.moe_layers[l], target[l].tolist())
+            self._native[l] = target[l]
+        self.stats.plans += 1
+
     def _sync_to(self, target: np.ndarray, count: bool = True) -> None:
         """Make the native cache hold ``target`` (int32 [L, E], expert -> slot or -1)."""
         changed_layers = np.flatnonzero((target != self._native).any(axis=1))  # one pass, not L compares

@@ -18,16 +18,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from saem_gguf.costmodel import CostModel, HardwareProfile, ModelShape, find_model_shape, get_hw
-from saem_gguf.errors import SaemError
-from saem_gguf.policies import DEFAULT_POLICIES, make_policy
-from saem_gguf.policies.accounting import (
+from saem_gguf.accounting import (
     A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_CPU_TOKENS, A_DEMAND, A_EVICT, A_GPU_RUNS, A_HIT, A_HIT_CPU,
     A_LAYER_STEPS, A_PLANS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, Accounting,
 )
-from saem_gguf.policies.base import PolicyContext, budget_slots
-from saem_gguf.policies.state import RoutingBlock
+from saem_gguf.costmodel import CostModel, HardwareProfile, ModelShape, find_model_shape, get_hw
+from saem_gguf.errors import SaemError
+from saem_gguf.policies import DEFAULT_POLICIES, make_policy
+from saem_gguf.policies.base import Policy, PolicyContext, budget_slots
 from saem_gguf.policies.cue_profiles import cue_stage_counts, detected_cues, detected_events
+from saem_gguf.policies.state import Decision, RoutingBlock, record_decision
+from saem_gguf.pricing import price_placement, price_steps
 from saem_gguf.stage.coherence import stage_histogram
 from saem_gguf.trace import TraceSet, validate_traces
 
@@ -150,7 +151,9 @@ def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | No
             p0 = seqs[i].prompt_len
             for tok in per_seq[i].tolist():
                 step = tok + 1 - p0  # known after token tok -> before the decode step of tok + 1
-                if 0 < step < n_dec[b]:
+                # an event after a sequence's last token counts too: the engine's policy is told
+                # of it (and may act on it before the batch's next step, or the next request)
+                if 0 < step <= n_dec[b]:
                     ev.setdefault(step, []).append(b)
                     cue.setdefault(step, []).append(texts[i].get(tok, "") if texts is not None else "")
         steps = sorted(ev)
@@ -254,15 +257,48 @@ def metrics(acc: np.ndarray, clock: np.ndarray, cost: CostModel) -> dict:
     }
 
 
+def replay(pol: Policy, blocks: list[RoutingBlock], acct: Accounting, decisions: list[Decision] | None = None) -> None:
+    """Drive a started policy over ``blocks`` through its entry points (``begin_group`` per block,
+    ``observe`` per step with the events reported after it, as the engine does) and price what
+    it decides into ``acct``: the simulator keeps its own copy of the residency in force and
+    of when each slot's copy lands. Steps between decisions are priced in one kernel call.
+    ``decisions`` collects every change (for comparing with the engine's)."""
+    cache = pol.state.copy()
+    ready_at = np.zeros(cache.owner.shape, np.float64)
+    cost = pol.ctx.cost.array
+    no_ops = np.zeros((0, 4), np.int32)
+    c = acct.counters
+    for blk in blocks:
+        change = pol.begin_group(blk)
+        if change is not None:
+            record_decision(decisions, "group", blk.step0, change)
+            c[A_PLANS] += change.placements
+            price_placement(change.ops, change.n_in_step, blk.step0, cache.slot_of, cache.owner, ready_at, cost,
+                            acct.clock, c, acct.log, acct.log_n)
+        priced = 0  # steps before this one are priced
+        for s in range(blk.n_steps):
+            change = pol.observe(blk.routing[s], blk.events_after(s))
+            if change is None:
+                continue
+            record_decision(decisions, "step", blk.step0 + s, change)
+            c[A_PLANS] += change.placements
+            price_steps(blk.routing, priced, s + 1, blk.step0, cache.slot_of, cache.owner, ready_at, change.ops,
+                        change.n_in_step, pol.miss_mode, cost, acct.clock, c, acct.log, acct.log_n)
+            priced = s + 1
+        if priced < blk.n_steps:
+            price_steps(blk.routing, priced, blk.n_steps, blk.step0, cache.slot_of, cache.owner, ready_at, no_ops, 0,
+                        pol.miss_mode, cost, acct.clock, c, acct.log, acct.log_n)
+        if not np.array_equal(cache.slot_of, pol.state.slot_of):
+            raise AssertionError(f"{pol.name}: its changes do not lead to the residency it holds")
+
+
 def run_policy(name: str, blocks: list[RoutingBlock], ctx: PolicyContext, policy_kwargs: dict | None = None) -> dict:
     """Replay every block under one policy; returns metrics plus wall time."""
     pol = make_policy(name, **(policy_kwargs or {}))
     state = pol.start(ctx)
     acct = Accounting()
     t0 = time.perf_counter()
-    for blk in blocks:
-        pol.begin_group(blk, state, acct)
-        pol.run_steps(blk, 0, blk.n_steps, state, acct)
+    replay(pol, blocks, acct)
     wall = time.perf_counter() - t0
     m = metrics(acct.counters, acct.clock, ctx.cost)
     m["wall_s"] = wall

@@ -8,10 +8,11 @@ import pytest
 
 from saem_gguf.costmodel import HW_PRESETS, CostModel
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.accounting import A_HIT, Accounting
+from saem_gguf.accounting import A_HIT, Accounting
 from saem_gguf.policies.adaptive import AdaptiveSaemPolicy, candidate_kind, copy_cost_in_hits
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import RoutingBlock
+from saem_gguf.simulator import replay
 
 HW = HW_PRESETS["rtx4090-ddr5"]
 
@@ -39,8 +40,7 @@ def _drifting_routing(rng, steps, L, E, K, period):
 def _replay(policy, ctx, blk):
     state = policy.start(ctx)
     acct = Accounting()
-    policy.begin_group(blk, state, acct)
-    policy.run_steps(blk, 0, blk.n_steps, state, acct)
+    replay(policy, [blk], acct)
     state.check()
     return state, acct
 

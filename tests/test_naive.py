@@ -8,11 +8,12 @@ import pytest
 import naive
 from saem_gguf.costmodel import HW_PRESETS, CostModel
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.accounting import A_ACCESS, A_ASYNC, A_HIT, A_STALL, A_TEMP, Accounting
-from saem_gguf.policies.base import PolicyContext
+from saem_gguf.accounting import A_ACCESS, A_ASYNC, A_HIT, A_STALL, A_TEMP, Accounting
+from saem_gguf.policies.base import MISS_CPU, MISS_RULE, PolicyContext
 from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.replay import MISS_CPU, MISS_RULE, new_detector, run_fixed
 from saem_gguf.policies.state import CacheState, RoutingBlock
+from saem_gguf.pricing import price_steps
+from saem_gguf.simulator import replay
 
 HW = HW_PRESETS["rtx4090-ddr5"]
 
@@ -56,22 +57,22 @@ def test_rank_fill_equals_naive(seed):
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_run_fixed_equals_naive(seed):
+def test_pricing_of_fixed_residency_equals_naive(seed):
     rng = np.random.default_rng(seed)
     L, E, K, B, S = int(rng.integers(1, 4)), int(rng.integers(4, 10)), 0, int(rng.integers(1, 20)), 12
     K = int(rng.integers(1, min(4, E) + 1))
     hw = HW.replace(cpu_gpu_overlap=bool(seed % 2), copy_barrier=bool(seed % 3 == 0))
     cost = CostModel.from_expert_bytes(2_000_000, hw).array
     st = _random_state(rng, L, E)
-    st.ready_at[:] = rng.random(st.ready_at.shape) * 2e-3  # some copies still in flight
+    ready_at = rng.random(st.owner.shape) * 2e-3  # some copies still in flight
     routing = _routing(rng, S, B, L, E, K)
     for mode in (MISS_CPU, MISS_RULE):
         acct = Accounting()
         acct.clock[1] = 1e-3  # the link is busy for a while
-        run_fixed(routing, 0, S, 0, st.slot_of, st.ready_at, cost, mode, acct.clock, acct.counters,
-                  new_detector(False), acct.log, acct.log_n)
+        price_steps(routing, 0, S, 0, st.slot_of, st.owner, ready_at, np.zeros((0, 4), np.int32), 0, mode, cost,
+                    acct.clock, acct.counters, acct.log, acct.log_n)
         clock = [0.0, 1e-3]
-        ref = naive.replay_fixed(routing, st.slot_of, st.ready_at, cost, mode == MISS_RULE, clock)
+        ref = naive.replay_fixed(routing, st.slot_of, ready_at, cost, mode == MISS_RULE, clock)
         c = acct.counters
         assert (c[A_ACCESS], c[A_HIT], c[A_TEMP]) == (ref["accesses"], ref["hits"], ref["temp"])
         assert c[A_STALL] == pytest.approx(ref["stall"], rel=1e-12, abs=1e-15)
@@ -92,7 +93,7 @@ def test_cpu_caches_equal_naive(name, kind, seed):
     resident = [[int(state.owner[l, s]) for s in range(slots)] for l in range(L)]
     blk = RoutingBlock(routing=_routing(rng, S, B, L, E, K), event_steps=np.zeros(0, np.int32))
     acct = Accounting()
-    pol.run_steps(blk, 0, S, state, acct)
+    replay(pol, [blk], acct)
     freq = calib / calib.sum(axis=1, keepdims=True) * K
     hits, loads, sets = naive.replay_cache_cpu(blk.routing, slots, resident, kind, freq, pol.prior_tokens,
                                                pol.half_life)

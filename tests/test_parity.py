@@ -1,6 +1,7 @@
 """One policy, two drivers: the simulator replaying a trace the engine recorded makes exactly the
-residency decisions the engine made live (same policy class, same entry point, same stage
-detectors, cue and combined), policy by policy."""
+residency decisions the engine made live (same policy class, same entry points ``begin_group``
+and ``observe``, same stage detectors, cue and combined), policy by policy; the engine prices
+nothing, the simulator prices those same decisions."""
 
 from __future__ import annotations
 
@@ -9,15 +10,14 @@ import pytest
 
 from saem_gguf import native_api as na
 from saem_gguf.engine import Engine, EngineConfig
+from saem_gguf.accounting import A_ACCESS, A_HIT, A_PLANS, Accounting
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.accounting import A_ACCESS, A_HIT, K_ASYNC, K_DEMAND, K_EVICT, K_PREFETCH, Accounting
-from saem_gguf.simulator import build_blocks, detector_events
+from saem_gguf.simulator import build_blocks, detector_events, replay
 from saem_gguf.trace import TraceSet
 
 # Every policy the engine runs as named (the wait-for-load caches run as their -cpu variant).
 ENGINE_POLICIES = ["cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "temporal-cpu", "saem", "saem-stage",
                    "saem-strict", "saem-implicit", "saem-cue", "gpu-all"]
-RESIDENCY_KINDS = (K_EVICT, K_DEMAND, K_ASYNC, K_PREFETCH)
 N_DECODE = 300
 QUESTIONS = 3
 
@@ -29,16 +29,19 @@ def questions():
     return [e.question for e in corpus.heldout_examples(QUESTIONS, seed=777)]
 
 
-def residency_decisions(acct: Accounting) -> np.ndarray:
-    """(step, layer, expert, slot, kind) rows of the copies and evictions, in issue order."""
-    rows = acct.logged()
-    return rows[np.isin(rows[:, 4], RESIDENCY_KINDS)]
+def same_decisions(live: list, replayed: list) -> None:
+    """The two drivers' decision records (state.Decision) are equal, one by one."""
+    assert len(live) == len(replayed), f"{len(live)} decisions live, {len(replayed)} replayed"
+    for i, ((w0, g0, c0), (w1, g1, c1)) in enumerate(zip(live, replayed)):
+        assert (w0, g0, c0.n_in_step, c0.placements) == (w1, g1, c1.n_in_step, c1.placements), f"decision {i}"
+        assert np.array_equal(c0.ops, c1.ops), f"decision {i} at step {g0}: other copies/evictions"
+        assert np.array_equal(c0.target, c1.target), f"decision {i} at step {g0}: other target map"
 
 
 def count_native_hits(pl) -> list[int]:
-    """Wrap ``pl.on_token`` to count, independently of the policy, the decoded token's routed
+    """Wrap ``pl.on_token`` to count, independently of the placement, the decoded token's routed
     experts that the native cache had resident (the slot maps read back from llama.cpp before
-    the placement changes them), and to check the policy's mirror equals those maps.
+    the placement changes them), and to check the policy's books equal those maps.
     Returns the live [hits, accesses]."""
     inner = pl.on_token
     out = [0, 0]
@@ -48,7 +51,7 @@ def count_native_hits(pl) -> list[int]:
             maps = np.array([na.saem_moe_get_slot_map(pl.ctx, il) for il in pl.moe_layers], np.int32)
         else:  # no slot anywhere (cpu-moe): every expert runs on the host
             maps = np.full_like(pl.state.slot_of, -1)
-        assert np.array_equal(maps, pl.state.slot_of), "the policy's mirror differs from the native cache"
+        assert np.array_equal(maps, pl.state.slot_of), "the policy's books differ from the native cache"
         routing = na.saem_moe_get_last_routing(pl.ctx, len(pl.moe_layers) * pl.top_k)[0]
         out[0] += int((maps[np.arange(len(pl.moe_layers))[:, None], routing] >= 0).sum())
         out[1] += int(routing.size)
@@ -71,13 +74,12 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
     eng = Engine(EngineConfig(policy=policy, ecr=ecr, n_threads=2, record=True, progress=False), log=lambda m: None)
     try:
         pl = eng.placement
-        pl.acct = Accounting.with_log(1 << 20)
+        pl.decisions = live = []
         native_hits = count_native_hits(pl)
         seqs = []
         for q in questions:
             eng.generate(eng.chat_prompt([{"role": "user", "content": q}]), N_DECODE)
             seqs.append(eng.sequence_trace())
-        live = residency_decisions(pl.acct)
         live_hits, live_accesses = eng.stats()["hits"], eng.stats()["expert_accesses"]
         assert live_hits == native_hits[0] and live_accesses == native_hits[1]
         ctx, detector, sig = pl.policy.ctx, pl.detector, eng.signature()
@@ -93,20 +95,20 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
     sim = make_policy(policy)
     state = sim.start(ctx)
     assert np.array_equal(state.n_slots, live_layout), "the simulator chose another slot layout"
-    acct = Accounting.with_log(1 << 20)
-    for blk in blocks:
-        sim.begin_group(blk, state, acct)
-        sim.run_steps(blk, 0, blk.n_steps, state, acct)
-    replayed = residency_decisions(acct)
+    acct = Accounting()
+    replayed = []
+    replay(sim, blocks, acct, replayed)
     # a layout of whole layers (every layer fully resident or empty) has nothing to change
     whole_layers = bool(np.all((live_layout == 0) | (live_layout == n_expert)))
     if policy == "saem" and ecr == 0.125:
         assert not whole_layers, "the case meant to cover saem's caches got a whole-layer layout"
     if policy not in ("cpu-moe", "n-cpu-moe", "static-hot", "gpu-all") and not whole_layers:
-        assert live.shape[0] > 0, "the run made no residency decision: the comparison would be empty"
+        assert sum(c.n_ops for _, _, c in live) > 0, "the run made no residency decision: the comparison would be empty"
     if policy.startswith("saem"):
         assert any(ev[0].size for ev in events), "no cue event: the stage path would be untested"
         assert list(sim.boundaries) == live_boundaries
-    assert np.array_equal(live, replayed)
+    same_decisions(live, replayed)
+    if policy.startswith("saem"):
+        assert acct.counters[A_PLANS] > 0
     # the engine's hit count is the replay's: each decode ran under the map the simulator assumes
     assert (acct.counters[A_HIT], acct.counters[A_ACCESS]) == (live_hits, live_accesses)

@@ -9,16 +9,18 @@ from hypothesis import strategies as hst
 
 from saem_gguf.costmodel import HW_PRESETS, CostModel, t_cpu, t_gpu, t_xfer
 from saem_gguf.policies import DEFAULT_POLICIES, POLICIES, make_policy
-from saem_gguf.policies.accounting import (
-    A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_DEMAND, A_EVICT, A_HIT, A_PROACTIVE, A_TEMP, K_ASYNC, K_CPU,
-    K_DEMAND, K_EVICT, K_HIT, K_HIT_CPU, K_PREFETCH, K_TEMP, Accounting,
+from saem_gguf.accounting import (
+    A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_DEMAND, A_EVICT, A_HIT, A_PLANS, A_PROACTIVE, A_TEMP, K_CPU, K_HIT,
+    K_HIT_CPU, K_TEMP, Accounting,
 )
+from saem_gguf.errors import SaemError
 from saem_gguf.policies.base import PolicyContext, budget_slots
 from saem_gguf.policies.oracle import OraclePolicy
 from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.state import CacheState, RoutingBlock
 from saem_gguf.policies.saem import SaemConfig, SaemPolicy
-from saem_gguf.errors import SaemError
+from saem_gguf.policies.state import OP_DEMAND, OP_EVICT, CacheState, RoutingBlock, StepEvents
+from saem_gguf.pricing import price_placement, price_steps
+from saem_gguf.simulator import replay
 
 HW = HW_PRESETS["rtx4090-ddr5"]
 EB = 1_000_000
@@ -41,8 +43,7 @@ def _block(seq, events=(), B=1):
 def _run(policy, ctx, block, log=10_000):
     state = policy.start(ctx)
     acct = Accounting.with_log(log)
-    policy.begin_group(block, state, acct)
-    policy.run_steps(block, 0, block.n_steps, state, acct)
+    replay(policy, [block], acct)
     state.check()
     return state, acct
 
@@ -211,34 +212,43 @@ def test_rank_fill():
     assert plan.by_layer() == {}
 
 
-@pytest.mark.parametrize("name", ["lru-cpu", "saem"])
-def test_one_step_blocks_log_the_changes_the_engine_applies(name):
-    """The engine drives a policy one step at a time and makes the native cache hold the map;
-    the decision log's evictions and copies, applied in order, give that same map."""
+@pytest.mark.parametrize("name", ["lru-cpu", "lru", "saem", "saem-stage"])
+def test_observed_changes_applied_in_order_give_the_policys_map(name):
+    """The engine applies each change's rows in order to the maps in force (its copy of the
+    native cache): that gives the map the policy holds, after every step."""
     ctx = _ctx(2, 5, 2, 2)
-    pol = make_policy(name)
+    pol = make_policy(name, **({"config": SaemConfig(min_gap_steps=2, warmup_steps=3, refresh_steps=9)}
+                               if name.startswith("saem") else {}))
     state = pol.start(ctx)
-    acct = Accounting.with_log(100_000)
     mirror = state.slot_of.copy()
     rng = np.random.default_rng(0)
-    seen = 0
+    n_evict = 0
     for step in range(80):
-        routing = np.argsort(rng.random((1, 2, 5)), axis=2)[:, :, :2]
-        blk = RoutingBlock.engine_step(routing, step)
-        pol.run_steps(blk, 0, blk.n_steps, state, acct)
-        rows = acct.logged()[seen:]
-        seen += rows.shape[0]
-        assert set(rows[:, 0].tolist()) <= {step}
-        for _, l, e, s, kind in rows.tolist():
-            if kind == K_EVICT:
+        routing = np.argsort(rng.random((1, 2, 5)), axis=2)[:, :, :2].astype(np.int16)
+        change = pol.observe(routing, StepEvents(rows=(0,) if step % 7 == 6 else ()))
+        if change is None:
+            continue
+        assert change.target is state.slot_of
+        for l, e, s, kind in change.ops.tolist():
+            if kind == OP_EVICT:
                 assert mirror[l, e] == s
                 mirror[l, e] = -1
-            elif kind in (K_DEMAND, K_ASYNC, K_PREFETCH):
+                n_evict += 1
+            else:
                 assert mirror[l, e] == -1 and s not in mirror[l]
                 mirror[l, e] = s
         assert np.array_equal(mirror, state.slot_of)
         state.check()
-    assert acct.counters[A_EVICT] > 0
+    assert n_evict > 0
+
+
+def test_lru_decides_demand_loads_within_the_step():
+    """A wait-for-load cache's loads belong to the observed step (the pricing makes its layer
+    wait for them); a -cpu cache's are loads after use."""
+    pol = make_policy("lru")
+    pol.start(_ctx(1, 4, 1, 1))
+    change = pol.observe(np.array([[[2]]], np.int16), StepEvents())
+    assert change.ops.tolist() == [[0, 2, 0, OP_DEMAND]] and change.n_in_step == 1
 
 
 def test_registry_and_budget():
@@ -295,10 +305,10 @@ def test_invariants_random(case, gap, warm):
         state = pol.start(ctx)
         state.check()
         acct = Accounting()
-        pol.begin_group(blk, state, acct)
-        for s in range(blk.n_steps):  # step by step so every intermediate state is checked
-            pol.run_steps(blk, s, s + 1, state, acct)
-            state.check()  # never more resident experts than slots, maps consistent
+        # the pricing checks every decision against the residency in force, and the replay
+        # that its copy of the residency equals the policy's at the end
+        replay(pol, [blk], acct)
+        state.check()  # never more resident experts than slots, maps consistent
         c = acct.counters
         assert c[A_ACCESS] == total
         assert 0 <= c[A_HIT] <= c[A_ACCESS]
@@ -315,30 +325,42 @@ def test_invariants_random(case, gap, warm):
 
 @settings(max_examples=25, deadline=None)
 @given(_case())
-def test_block_replay_equals_step_replay(case):
-    """run_steps over a block and step by step give the same counters (the simulator's fast
-    path and the engine's per-step path are one implementation)."""
+def test_pricing_steps_together_equals_one_by_one(case):
+    """The simulator prices the steps between two decisions in one kernel call: that gives the
+    counters and clock of pricing every step on its own."""
     L, E, K, slots, blk, calib = case
-    for name in ("lru", "lru-cpu", "lfu", "temporal-cpu", "saem", "saem-stage", "saem-implicit"):
+    for name in ("lru", "lru-cpu", "lfu", "temporal-cpu", "saem", "saem-stage", "saem-implicit", "static-hot"):
         out = []
-        for whole in (True, False):
+        for together in (True, False):
             ctx = _ctx(L, E, K, slots, calib, batch=blk.routing.shape[1])
             pol = make_policy(name)
-            state = pol.start(ctx)
+            pol.start(ctx)
             acct = Accounting()
-            pol.begin_group(blk, state, acct)
-            if whole:
-                pol.run_steps(blk, 0, blk.n_steps, state, acct)
+            if together:
+                replay(pol, [blk], acct)
             else:
+                cache = pol.state.copy()
+                ready = np.zeros(cache.owner.shape)
+                a = ctx.cost.array
+                ch = pol.begin_group(blk)
+                if ch is not None:
+                    acct.counters[A_PLANS] += ch.placements
+                    price_placement(ch.ops, 0, 0, cache.slot_of, cache.owner, ready, a, acct.clock, acct.counters,
+                                    acct.log, acct.log_n)
                 for s in range(blk.n_steps):
-                    pol.run_steps(blk, s, s + 1, state, acct)
-            out.append((acct.counters.copy(), state.slot_of.copy()))
+                    ch = pol.observe(blk.routing[s], blk.events_after(s))
+                    ops, n_in = (ch.ops, ch.n_in_step) if ch is not None else (np.zeros((0, 4), np.int32), 0)
+                    acct.counters[A_PLANS] += ch.placements if ch is not None else 0
+                    price_steps(blk.routing, s, s + 1, 0, cache.slot_of, cache.owner, ready, ops, n_in,
+                                pol.miss_mode, a, acct.clock, acct.counters, acct.log, acct.log_n)
+            out.append((acct.counters.copy(), acct.clock.copy(), pol.state.slot_of.copy()))
         np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-12)
-        assert np.array_equal(out[0][1], out[1][1])
+        np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-12)
+        assert np.array_equal(out[0][2], out[1][2])
 
 
 def test_dma_contention_slows_cpu_experts():
-    from saem_gguf.policies.replay import cpu_phase
+    from saem_gguf.pricing import cpu_phase
 
     cost = _ctx(1, 4, 1, 1).cost
     f = HW.cpu_mem_bw / (HW.cpu_mem_bw - HW.h2d_bw)
@@ -397,11 +419,16 @@ def test_saem_cue_falls_back_to_saem_without_a_usable_profile():
         np.testing.assert_array_equal(out[0], out[1])
 
 
-def test_routing_block_cues_at():
+def test_routing_block_events_after():
     blk = _two_kind_block()
-    assert blk.cues_at(20) == ["Let me verify"] and blk.cues_at(19) == [] and blk.cues_at(0) == []
-    assert RoutingBlock.engine_step(np.zeros((1, 1, 2)), 5, True, ["Wait"]).cues_at(1) == ["Wait"]
-    assert RoutingBlock.engine_step(np.zeros((1, 1, 2)), 5).cues_at(1) == []
+    ev = blk.events_after(19)  # the cue is known before step 20, so reported after step 19
+    assert ev.cue_event and ev.named_cues() == ["Let me verify"] and ev.combined is None and ev.n_rows == 1
+    assert not blk.events_after(20).cue_event and not blk.events_after(0).cue_event
+    both = RoutingBlock(routing=np.zeros((5, 2, 1, 2), np.int16), event_steps=np.array([2], np.int32),
+                        event_rows=[np.array([1], np.int32)], implicit_event_steps=np.array([2, 4], np.int32))
+    assert both.events_after(1) == StepEvents(rows=(1,), cues=("",), n_rows=2, combined=True)
+    assert both.events_after(3) == StepEvents(n_rows=2, combined=True)
+    assert both.events_after(2) == StepEvents(n_rows=2, combined=False)
     with pytest.raises(SaemError, match="event_cues"):
         RoutingBlock(routing=np.zeros((3, 1, 1, 2), np.int16), event_steps=np.array([1], np.int32), event_cues=[])
 

@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
+from saem_gguf.accounting import Accounting
 from saem_gguf.cli.main import main
 from saem_gguf.costmodel import HW_PRESETS, CostModel
-from saem_gguf.policies.accounting import Accounting
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.simulator import (
-    SimConfig, build_blocks, calibration_counts, default_cost, run_policy, simulate, split_calibration,
+    SimConfig, build_blocks, calibration_counts, default_cost, replay, run_policy, simulate, split_calibration,
 )
 from saem_gguf.trace import ModelSignature, SequenceTrace, TraceSet, save_traces
 
@@ -40,7 +40,7 @@ def test_build_blocks_lockstep_events_prefill():
     (blk,) = build_blocks(ts, 2, "all")
     assert blk.routing.shape == (6, 2, 1, 1)  # a has 6 decode tokens, b 3
     assert blk.routing[:, 1, 0, 0].tolist() == [0, 0, 0, -1, -1, -1]
-    assert blk.n_tok.tolist() == [2, 2, 2, 1, 1, 1]
+    assert (blk.routing[:, :, 0, 0] >= 0).sum(axis=1).tolist() == [2, 2, 2, 1, 1, 1]
     # a: "Wait" spans 2 pieces from token 2 -> known before decode step 2-2+2=2; the implicit one
     # at token 5 fires one token later (step 4); b: "Hmm," is one piece -> step 2
     assert blk.event_steps.tolist() == [2, 4]
@@ -52,6 +52,18 @@ def test_build_blocks_lockstep_events_prefill():
     assert blk.event_steps.size == 0
     blocks = build_blocks(ts, 1)
     assert [x.step0 for x in blocks] == [0, 6] and [x.n_steps for x in blocks] == [6, 3]
+
+
+def test_build_blocks_keeps_an_event_after_the_last_token():
+    """The engine's policy is told of an event its detector reports after a sequence's last
+    token (it may act on it before the next request, or the batch's next step): so is the
+    simulator's, through the block's last step."""
+    a = _seq([1, 1, 2, 2], starts=(0, 3))  # a stage starts at the last token: known after it
+    b = _seq([0, 0, 0, 0, 0, 0], starts=(0,))
+    (blk,) = build_blocks(TraceSet(signature=SIG, sequences=[a]), 1, "all")
+    assert blk.event_steps.tolist() == [4] and blk.events_after(3).cue_event
+    (blk,) = build_blocks(TraceSet(signature=SIG, sequences=[a, b]), 2, "all")
+    assert blk.event_steps.tolist() == [4] and blk.events_after(3).rows == (0,)  # b still decodes
 
 
 def test_metrics_hand_computed():
@@ -150,9 +162,7 @@ def test_implicit_boundaries_fire_without_cues(synth):
     pol = make_policy("saem-implicit")
     state = pol.start(ctx)
     acct = Accounting()
-    for b in blocks:
-        pol.begin_group(b, state, acct)
-        pol.run_steps(b, 0, b.n_steps, state, acct)
+    replay(pol, blocks, acct)
     assert sum(r == "implicit" for _, r in pol.boundaries) >= 2
     del dataclasses
 
@@ -181,9 +191,7 @@ def test_detector_events(synth):
     pol = make_policy("saem-implicit")
     state = pol.start(ctx)
     acct = Accounting()
-    for b in blocks:
-        pol.begin_group(b, state, acct)
-        pol.run_steps(b, 0, b.n_steps, state, acct)
+    replay(pol, blocks, acct)
     reasons = [r for _, r in pol.boundaries]
     assert "implicit" in reasons and "cue" in reasons
 

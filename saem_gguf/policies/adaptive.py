@@ -38,21 +38,16 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, C_OVERLAP, t_cpu, t_gpu, t_xfer
-from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.accounting import (
-    A_ASYNC, A_BYTES, A_EVICT, A_HIT_CPU, A_PLANS, A_PROACTIVE, A_TEMP, K_ASYNC, K_EVICT, K_PREFETCH,
-    Accounting, log_put,
-)
+from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, t_cpu, t_gpu, t_xfer
 from saem_gguf.policies.base import PolicyContext
-from saem_gguf.policies.state import CacheState, RoutingBlock
 from saem_gguf.policies.caching import KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda
-from saem_gguf.policies.replay import (
-    MISS_RULE, N_TALLY, T_ACCESS, T_CPU_RUNS, T_CPU_TOKENS, T_GPU_RUNS, T_HIT, T_HIT_CPU, T_STALL, T_TEMP,
-    active_tokens, fixed_layer, gather, layer_end, step_begin, step_end, time_tables,
-)
 from saem_gguf.policies.layout import choose_layout
+from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy
+from saem_gguf.policies.state import (
+    OP_AFTER_USE, OP_EVICT, OP_PREFETCH, CacheState, ResidencyChange, StepEvents, active_rows, gather, op_buffer,
+    put_op,
+)
 
 # Candidate kinds beyond the caching kinds (KIND_LRU, KIND_LFU): sets that change only when the
 # policy says so (at load, or at stage boundaries), and LRFU kept as a scaled linear sum.
@@ -79,10 +74,7 @@ CTL_SWITCHES = 4  # leader changes so far
 CTL_SWITCH_COST = 5  # what one copy of a leader switch must be outweighed by, in hits
 CTL_SCORED = 6  # steps scored so far: the first horizon's averages are plain means (no lag from 0)
 CTL_WARM = 7  # 1: the first steps are averaged as plain means; 0: all with weight 1 / horizon
-CTL_TIME = 8  # 1: score in seconds saved (hits weighted by t_cpu(n) - t_gpu(n), copies by DMA cost)
-CTL_DMA_COST = 9  # seconds of CPU expert time one copy's DMA takes while CPU experts run
-CTL_CPU_SHARE = 10  # averaged share of step time the real cache spends in CPU expert work
-N_CTL = 11
+N_CTL = 8
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -120,10 +112,6 @@ class AdaptiveConfig:
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     prior_tokens: float = 64.0  # LFU/LRFU calibration prior, as in caching.py
     copy_cost: float | None = None  # a copy's cost in hits; None: copy_cost_in_hits(cost model)
-    # "hits": score token hits minus copy_cost per copy; "time": seconds a candidate saves
-    # (t_cpu(n) - t_gpu(n) per hit expert, minus the CPU time a copy's DMA takes at the measured
-    # share of time spent in CPU expert work)
-    score: str = "hits"
     # "auto": split the slot budget over the layers by pricing layouts (layout.py: from uniform to
     # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer
     layout: str = "auto"
@@ -142,156 +130,125 @@ def _set_diff(c_slot, slot_of, c):
 
 
 @njit(cache=True)
-def run_adaptive(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, cand, c_slot, c_owner, c_key, stamp,
-                 score, led, ctl, cost, clock, acc, log, log_n):
-    """Replay steps [s0, s1): price each layer with the real residency (``fixed_layer``, SAEM's
-    CPU-vs-transfer rule), update every candidate's shadow cache with the layer's routing, then
-    bring the real layer to the leader's set, the copies issued on the link after the layer ran.
+def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, stamp, score, led, ctl, behind,
+                    cnt, uniq, miss, admitted, entrants, ops):
+    """One decode step: pick the leader, update every candidate's shadow cache with the step's
+    routing layer by layer, and bring each real layer to the leader's set after the layer ran.
+    Returns how many ``ops`` rows it wrote.
 
-    routing int16 [S, B, L, K]; step0: global index of step 0; slot_of/owner/n_slots/ready_at:
-    the real CacheState; cand float64 [C, N_CAND]: each candidate's CAND_* parameters;
-    c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]: each candidate's expert->slot and
-    slot->expert maps; c_key float64 [C, L, E]: their priority keys (caching.py); stamp int64
-    [L, E]: last step each expert was used; score float64 [C]: averaged net hits per step;
-    led float64 [C]: steps each candidate led; ctl: CTL_*; cost/clock/acc/log/log_n: as in run_fixed."""
-    S, B, L, K = routing.shape
-    E = slot_of.shape[1]
+    rows int16 [B, L, K]: the step's routing (-1 rows: no token); g: global step;
+    slot_of/owner/n_slots: the real CacheState, updated in place; cand float64 [C, N_CAND]:
+    each candidate's CAND_* parameters; c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]:
+    each candidate's expert->slot and slot->expert maps; c_key float64 [C, L, E]: their
+    priority keys (caching.py); stamp int64 [L, E]: last step each expert was used; score
+    float64 [C]: averaged net hits per step; led float64 [C]: steps each candidate led; ctl:
+    CTL_*; behind uint8 [L]: 1 where the real layer may differ from the leader's (a switch, the
+    leader's own loads, a stage re-rank: only those layers are compared); cnt int32 [E]
+    (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E, 3]: scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per
+    layer the evictions, then the entrants best first (OP_AFTER_USE for one the step used,
+    OP_PREFETCH otherwise)."""
+    L = slot_of.shape[0]
     C = cand.shape[0]
+    if active_rows(rows) == 0:
+        return 0
+    kappa = ctl[CTL_COPY_COST]
+    # follow a better candidate when its lead pays for the copies of the switch
+    lead = int(ctl[CTL_LEADER])
+    best = lead
+    for c in range(C):
+        if score[c] > score[best]:
+            best = c
+    gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
+    sw = ctl[CTL_SWITCH_COST]
+    if best != lead and gain > sw and gain > sw * _set_diff(c_slot, slot_of, best):
+        lead = best
+        ctl[CTL_LEADER] = best
+        ctl[CTL_SWITCHES] += 1
+        behind[:] = 1
+    led[lead] += 1
     scale = np.ones(C, np.float64)  # KIND_DECAY: exp(lam * (g - ref)) at this step
-    cnt = np.zeros(E, np.int32)
-    uniq = np.empty(E, np.int32)
-    miss = np.empty(E, np.int32)
-    admitted = np.empty((E, 3), np.int32)
-    entrants = np.empty(E, np.int32)
-    tally = np.zeros(N_TALLY, np.float64)
+    for c in range(C):
+        if int(cand[c, CAND_KIND]) == KIND_DECAY:
+            scale[c] = np.exp(cand[c, CAND_LAM] * (g - cand[c, CAND_REF]))
+            if scale[c] > RESCALE_AT:
+                c_key[c] /= scale[c]
+                cand[c, CAND_REF] = g
+                scale[c] = 1.0
     net = np.zeros(C, np.float64)  # this step's hits minus priced copies, per candidate
-    tx = t_xfer(cost)
-    tg, tc = time_tables(B, cost)
-    dense = cost[C_DENSE_LAYER_S]
-    alpha = ctl[CTL_ALPHA]
-    timed = ctl[CTL_TIME] > 0
-    for s in range(s0, s1):
-        ntok = active_tokens(routing, s)
-        if ntok == 0:
+    n_ops = 0
+    for l in range(L):
+        if n_slots[l] == 0:  # no cache here, in any candidate: nothing to score, keep or follow
             continue
-        g = step0 + s
-        # a copy's price: in hits, or in seconds (DMA slows the CPU experts only while they run)
-        kappa = ctl[CTL_DMA_COST] * ctl[CTL_CPU_SHARE] if timed else ctl[CTL_COPY_COST]
-        # follow a better candidate when its lead pays for the copies of the switch
-        lead = int(ctl[CTL_LEADER])
-        best = lead
+        n = gather(rows, l, cnt, uniq)
         for c in range(C):
-            if score[c] > score[best]:
-                best = c
-        gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
-        sw = kappa * ctl[CTL_SWITCH_COST] / ctl[CTL_COPY_COST] if timed and ctl[CTL_COPY_COST] > 0 else ctl[CTL_SWITCH_COST]
-        if best != lead and gain > sw and gain > sw * _set_diff(c_slot, slot_of, best):
-            lead = best
-            ctl[CTL_LEADER] = best
-            ctl[CTL_SWITCHES] += 1
-        led[lead] += 1
-        for c in range(C):
-            if int(cand[c, CAND_KIND]) == KIND_DECAY:
-                scale[c] = np.exp(cand[c, CAND_LAM] * (g - cand[c, CAND_REF]))
-                if scale[c] > RESCALE_AT:
-                    c_key[c] /= scale[c]
-                    cand[c, CAND_REF] = g
-                    scale[c] = 1.0
-        now, link, stall = step_begin(clock, cost)
-        t_step = now
-        cpu_work = 0.0
-        tally[:] = 0.0
-        net[:] = 0.0
-        n_load = 0.0
-        n_async = 0.0
-        n_pro = 0.0
-        n_evict = 0.0
-        for l in range(L):
-            n = gather(routing, s, l, cnt, uniq)
-            t = now + dense
-            gpu_t, cpu_t, n_cpu, link = fixed_layer(g, l, n, uniq, cnt, slot_of, ready_at, t, link, tx, tg, tc,
-                                                    MISS_RULE, tally, log, log_n)
-            now = layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
-            cpu_work += cpu_t
-            for c in range(C):
-                n_miss = 0
-                for i in range(n):
-                    e = uniq[i]
-                    if c_slot[c, l, e] >= 0:
-                        net[c] += tc[cnt[e]] - tg[cnt[e]] if timed else cnt[e]
-                    else:
-                        miss[n_miss] = e
-                        n_miss += 1
-                kind = int(cand[c, CAND_KIND])
-                if kind == KIND_FIXED:
-                    continue
-                key = c_key[c]
-                for i in range(n):
-                    e = uniq[i]
-                    if kind == KIND_DECAY:
-                        key[l, e] += cnt[e] * scale[c]
-                    else:
-                        _touch(kind, key, l, e, cnt[e], g, 0.0)
-                for i in range(n):
-                    stamp[l, uniq[i]] = g
-                n_in = admit_after_use(key, l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss, admitted)
-                net[c] -= kappa * n_in
+            n_miss = 0
+            for i in range(n):
+                e = uniq[i]
+                if c_slot[c, l, e] >= 0:
+                    net[c] += cnt[e]
+                else:
+                    miss[n_miss] = e
+                    n_miss += 1
+            kind = int(cand[c, CAND_KIND])
+            if kind == KIND_FIXED:
+                continue
+            key = c_key[c]
+            for i in range(n):
+                e = uniq[i]
+                if kind == KIND_DECAY:
+                    key[l, e] += cnt[e] * scale[c]
+                else:
+                    _touch(kind, key, l, e, cnt[e], g, 0.0)
             for i in range(n):
                 stamp[l, uniq[i]] = g
-            # the real layer takes the leader's set: evict who left, copy who entered
-            for sl in range(n_slots[l]):
-                o = owner[l, sl]
-                if o >= 0 and c_slot[lead, l, o] < 0:
-                    slot_of[l, o] = -1
-                    owner[l, sl] = -1
-                    n_evict += 1
-                    log_put(log, log_n, g, l, o, sl, K_EVICT)
-            # entrants best first by the leader's priority (a cache leader's own load order, so
-            # the copies most likely needed land first), in slot order for a fixed set
-            n_new = 0
-            for cs in range(n_slots[l]):
-                e = c_owner[lead, l, cs]
-                if e < 0 or slot_of[l, e] >= 0:
-                    continue
-                j = n_new
-                while j > 0 and c_key[lead, l, entrants[j - 1]] < c_key[lead, l, e]:
-                    entrants[j] = entrants[j - 1]
-                    j -= 1
-                entrants[j] = e
-                n_new += 1
-            free = 0
-            for i in range(n_new):
-                e = entrants[i]
-                while owner[l, free] >= 0:
-                    free += 1
-                owner[l, free] = e
-                slot_of[l, e] = free
-                done = max(now, link) + tx
-                link = done
-                ready_at[l, free] = done
-                if cnt[e] > 0:  # used at this step: a load after its CPU run
-                    n_load += 1
-                    n_async += 1
-                    log_put(log, log_n, g, l, e, free, K_ASYNC)
-                else:  # a prefetch (stage boundary or leader switch)
-                    n_pro += 1
-                    log_put(log, log_n, g, l, e, free, K_PREFETCH)
+            n_in = admit_after_use(key, l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss, admitted)
+            net[c] -= kappa * n_in
+            if n_in > 0 and c == lead:
+                behind[l] = 1
+        for i in range(n):
+            stamp[l, uniq[i]] = g
+        if behind[l] == 0:
             for i in range(n):
                 cnt[uniq[i]] = 0
-        step_end(clock, acc, now, link, cost, ntok, L, tally[T_ACCESS], tally[T_HIT], tally[T_CPU_TOKENS],
-                 tally[T_CPU_RUNS], tally[T_GPU_RUNS], n_load + tally[T_TEMP], stall + tally[T_STALL])
-        acc[A_HIT_CPU] += tally[T_HIT_CPU]
-        acc[A_TEMP] += tally[T_TEMP]
-        acc[A_ASYNC] += n_async
-        acc[A_PROACTIVE] += n_pro
-        acc[A_BYTES] += n_pro * cost[C_EXPERT_BYTES]
-        acc[A_EVICT] += n_evict
-        if now > t_step:
-            ctl[CTL_CPU_SHARE] += alpha * (min(1.0, cpu_work / (now - t_step)) - ctl[CTL_CPU_SHARE])
-        ctl[CTL_SCORED] += 1
-        w = max(alpha, 1.0 / ctl[CTL_SCORED]) if ctl[CTL_WARM] > 0 else alpha
-        for c in range(C):
-            score[c] += w * (net[c] - score[c])
+            continue
+        behind[l] = 0
+        # the real layer takes the leader's set: evict who left, copy who entered
+        for sl in range(n_slots[l]):
+            o = owner[l, sl]
+            if o >= 0 and c_slot[lead, l, o] < 0:
+                slot_of[l, o] = -1
+                owner[l, sl] = -1
+                n_ops = put_op(ops, n_ops, l, o, sl, OP_EVICT)
+        # entrants best first by the leader's priority (a cache leader's own load order, so
+        # the copies most likely needed land first), in slot order for a fixed set
+        n_new = 0
+        for cs in range(n_slots[l]):
+            e = c_owner[lead, l, cs]
+            if e < 0 or slot_of[l, e] >= 0:
+                continue
+            j = n_new
+            while j > 0 and c_key[lead, l, entrants[j - 1]] < c_key[lead, l, e]:
+                entrants[j] = entrants[j - 1]
+                j -= 1
+            entrants[j] = e
+            n_new += 1
+        free = 0
+        for i in range(n_new):
+            e = entrants[i]
+            while owner[l, free] >= 0:
+                free += 1
+            owner[l, free] = e
+            slot_of[l, e] = free
+            # used at this step: a load after its CPU run; else a prefetch (stage boundary or switch)
+            n_ops = put_op(ops, n_ops, l, e, free, OP_AFTER_USE if cnt[e] > 0 else OP_PREFETCH)
+        for i in range(n):
+            cnt[uniq[i]] = 0
+    ctl[CTL_SCORED] += 1
+    alpha = ctl[CTL_ALPHA]
+    w = max(alpha, 1.0 / ctl[CTL_SCORED]) if ctl[CTL_WARM] > 0 else alpha
+    for c in range(C):
+        score[c] += w * (net[c] - score[c])
+    return n_ops
 
 
 def copy_cost_in_hits(cost: np.ndarray) -> float:
@@ -315,14 +272,12 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
-                 copy_cost: float | None = None, score: str = "hits", layout: str = "auto", **overrides) -> None:
+                 copy_cost: float | None = None, layout: str = "auto", **overrides) -> None:
         super().__init__(config, **overrides)
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
-                                       copy_cost=copy_cost, score=score, layout=layout)
-        if score not in ("hits", "time"):
-            raise ValueError("score must be 'hits' or 'time'")
+                                       copy_cost=copy_cost, layout=layout)
         if layout not in ("auto", "uniform"):
             raise ValueError("layout must be 'auto' or 'uniform'")
         if not candidates or candidates[0] != "stage":
@@ -338,7 +293,6 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     def start(self, ctx: PolicyContext) -> CacheState:
         state = super().start(ctx)
-        self._n_slots = state.n_slots
         C = len(self.candidates)
         self._cand = np.zeros((C, N_CAND))
         self._c_slot = np.repeat(state.slot_of[None], C, axis=0)
@@ -361,19 +315,20 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
-        self._ctl[CTL_TIME] = 1.0 if self.adaptive.score == "time" else 0.0
-        a = ctx.cost.array
-        self._ctl[CTL_DMA_COST] = float(t_xfer(a) * (1.0 - 1.0 / max(float(a[C_DMA_SLOW]), 1.0)))
-        self._ctl[CTL_CPU_SHARE] = 1.0  # until measured: every copy costs its full DMA slow-down
+        self._behind = np.ones(ctx.n_layer, np.uint8)
+        E = ctx.n_expert
+        self._cnt = np.zeros(E, np.int32)
+        self._uniq, self._miss, self._entrants = (np.empty(E, np.int32) for _ in range(3))
+        self._admitted = np.empty((E, 3), np.int32)
+        self._ops = op_buffer(ctx.n_layer, E)
+        # the stage candidate's shadow cache, ranked like SAEM's cache at a boundary
+        self._stage_shadow = CacheState(slot_of=self._c_slot[0], owner=self._c_owner[0], n_slots=state.n_slots)
         return state
-
-    def _events(self, block: RoutingBlock) -> np.ndarray:
-        """The stage detector's cue + routing-shift events when the block carries them (a
-        boundary costs the stage candidate nothing but a re-rank), else the cue events."""
-        return block.implicit_event_steps if block.implicit_event_steps is not None else block.event_steps
 
     @property
     def uses_combined_events(self) -> bool:
+        """The stage detector's cue + routing-shift events when it ran (a boundary costs the
+        stage candidate nothing but a re-rank), else the cue events."""
         return True
 
     @property
@@ -388,30 +343,28 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         """Decode steps each candidate led so far."""
         return {name: int(n) for (name, _, _), n in zip(self.candidates, self._led)}
 
-    def _stage_state(self) -> CacheState:
-        """The stage candidate's shadow cache as a CacheState view (ranked like SAEM's cache)."""
-        return CacheState(slot_of=self._c_slot[0], owner=self._c_owner[0], n_slots=self._n_slots,
-                          ready_at=np.zeros(self._c_owner.shape[1:]))
-
-    def _place(self, scores: np.ndarray, block: RoutingBlock, s: int, state: CacheState, acct: Accounting,
-               reason: str) -> None:
+    def _place(self, scores: np.ndarray, reason: str) -> ResidencyChange | None:
         """A stage boundary re-ranks the stage candidate only; the real cache follows it at the
-        next layers if it leads."""
-        shadow = self._stage_state()
-        shadow.place(plan_from_scores(shadow, scores, reason=reason))
-        acct.counters[A_PLANS] += 1
-        self._placed(block, s, reason)
+        next step's layers if it leads."""
+        shadow = self._stage_shadow
+        plan = plan_from_scores(shadow, scores, reason=reason)
+        shadow.place(plan)
+        self._behind[plan.copies[:, 0]] = 1
+        self._behind[plan.evictions[:, 0]] = 1
+        self._placed(reason)
+        return ResidencyChange(ops=self._ops[:0], n_in_step=0, target=self.state.slot_of, placements=1)
 
-    def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:
-        s = s0
-        while s < s1:
-            reason = self._due(block, s)
-            if reason:
-                self._place(self._boundary_scores(block, s, reason), block, s, state, acct, reason)
-            nxt = min(self._next_check(block, s, s1), s1)
-            run_adaptive(block.routing, s, nxt, block.step0, state.slot_of, state.owner, state.n_slots,
-                         state.ready_at, self._cand, self._c_slot, self._c_owner, self._c_key,
-                         self._stamp, self._score, self._led, self._ctl, self.ctx.cost.array, acct.clock, acct.counters,
-                         acct.log, acct.log_n)
-            self._observe(block, s, nxt)
-            s = nxt
+    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+        st = self.state
+        n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
+                            self._c_owner, self._c_key, self._stamp, self._score, self._led, self._ctl, self._behind,
+                            self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops)
+        self._count(routing_rows, events)
+        reason = self._due(events)
+        placements = 0
+        if reason:
+            self._place(self._boundary_scores(events, reason), reason)
+            placements = 1
+        if n == 0 and placements == 0:
+            return None
+        return ResidencyChange(ops=self._ops[:n], n_in_step=n, target=st.slot_of, placements=placements)

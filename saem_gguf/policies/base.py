@@ -1,23 +1,23 @@
 """The policy interface shared by the simulator and the engine.
 
-A policy owns no cache memory: the residency lives in a ``CacheState`` (state.py: per-layer
-expert->slot maps, the mirror of the native slot cache) and every cost lands in an
-``Accounting`` (accounting.py). A policy is driven through three calls, by the simulator over
-whole blocks and by the engine (placement.py) over one-step blocks, with the same events:
+A policy keeps books and decides; it prices nothing. It owns its ``CacheState`` (state.py: the
+per-layer expert->slot maps it wants in force) and is driven through three calls, by the
+simulator (simulator.replay) and by the engine (placement.py) alike, with the same events:
 
 ``start(ctx) -> CacheState``
-    placement at model load (free: nothing is on the critical path yet).
-``begin_group(block, state, acct)``
-    a new batch of requests starts (prompts known); may issue copies.
-``run_steps(block, s0, s1, state, acct)``
-    decode steps ``s0..s1`` of ``block``: per step and layer, which used experts are hits,
-    which run in place on the CPU and which are transferred first, plus any residency changes
-    (loads for the next tokens, prefetches at stage boundaries). The engine makes the native
-    cache hold ``state.slot_of`` after each step.
+    the placement at model load (free: nothing is on the critical path yet).
+``begin_group(block) -> ResidencyChange | None``
+    a new batch of requests starts (their prompts' routing known: ``block.prefill_counts``).
+``observe(routing_rows, events) -> ResidencyChange | None``
+    one decode step ran with int16 [B, L, K] ``routing_rows`` (-1 rows: no token) under the
+    residency in force; ``events`` (StepEvents) are what the stage detectors reported after
+    it. Returns the residency decisions made while the step ran (loads after a CPU run,
+    demand loads) and those due before the next step (stage placements), or None.
 
-Residency changes are priced through ``Policy.apply`` (accounting.apply_plan_kernel) or inside
-the replay kernels, so every policy's copies share one FIFO host-to-device link with per-slot
-ready times.
+What a decision costs is the simulator's concern (pricing.py prices each change on one FIFO
+host-to-device link with per-slot ready times and the CPU/GPU time of every layer); the engine
+issues the copies natively. ``miss_mode`` says how the simulator serves this policy's misses
+(the engine always runs a non-resident expert in place on the CPU).
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ import numpy as np
 
 from saem_gguf.costmodel import CostModel
 from saem_gguf.errors import SaemError
-from saem_gguf.policies.accounting import A_PLANS, Accounting, apply_plan_kernel
 from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.state import CacheState, ResidencyPlan, RoutingBlock
+from saem_gguf.policies.state import CacheState, ResidencyChange, ResidencyPlan, RoutingBlock, StepEvents
+
+# How the simulator serves a miss (Policy.miss_mode; pricing.py)
+MISS_CPU = 0  # in place on the CPU (llama.cpp --cpu-moe style; what the engine does)
+MISS_RULE = 1  # lower latency wins: CPU in place or transfer into the temporary slot (SAEM)
+MISS_TRANSFER = 2  # always transfer into the temporary slot (the paper's "no CPU" ablation)
 
 
 @dataclass
@@ -80,14 +84,17 @@ class Policy(ABC):
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    miss_mode: ClassVar[int] = MISS_CPU
+
     @property
     def uses_combined_events(self) -> bool:
         """Whether the policy acts on the combined cue + routing-shift detector's events
-        (RoutingBlock.implicit_event_steps): the engine then runs that detector too."""
+        (StepEvents.combined): the engine then runs that detector too."""
         return False
 
     def __init__(self) -> None:
         self.ctx: PolicyContext | None = None
+        self.state: CacheState | None = None
 
     def slots_for(self, ctx: PolicyContext) -> np.ndarray:
         """Slots per layer this policy uses under ``ctx``'s budget (most use the budget)."""
@@ -99,24 +106,25 @@ class Policy(ABC):
         plan = self.initial_plan(ctx, state)
         if plan is not None:
             state.place(plan)
+        self.state = state
         return state
 
     def initial_plan(self, ctx: PolicyContext, state: CacheState) -> ResidencyPlan | None:
         """Load-time placement; default: the calibrated top experts of each layer."""
         return plan_from_scores(state, ctx.calib, reason="load")
 
-    def begin_group(self, block: RoutingBlock, state: CacheState, acct: Accounting) -> None:
+    def begin_group(self, block: RoutingBlock) -> ResidencyChange | None:
         """A new batch of requests starts decoding (default: nothing changes)."""
+        return None
 
     @abstractmethod
-    def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:
-        """Replay steps [s0, s1) of ``block`` (see module docstring)."""
+    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+        """One decode step ran (see module docstring)."""
 
-    def apply(self, plan: ResidencyPlan, state: CacheState, acct: Accounting, step: int) -> None:
-        """Issue a plan's copies on the link and account for them."""
+    def _apply_plan(self, plan: ResidencyPlan) -> ResidencyChange | None:
+        """Put a ranking's plan in the books; the change that moves the cache there (None when
+        it moves nothing)."""
         if plan.n_copies == 0 and plan.evictions.shape[0] == 0:
-            return
-        acct.counters[A_PLANS] += 1
-        apply_plan_kernel(plan.evictions, plan.copies, state.slot_of, state.owner, state.n_slots, state.ready_at,
-                          self.ctx.cost.array, acct.clock, acct.counters, plan.proactive, step,
-                          acct.log, acct.log_n)
+            return None
+        self.state.place(plan)
+        return ResidencyChange.placement(plan, self.state.slot_of)

@@ -19,11 +19,10 @@ from typing import ClassVar
 import numpy as np
 from numba import njit
 
-from saem_gguf.costmodel import C_DENSE_LAYER_S, t_xfer
-from saem_gguf.policies.accounting import A_ASYNC, A_EVICT, K_ASYNC, K_CPU, K_DEMAND, K_EVICT, K_HIT, Accounting, log_put
 from saem_gguf.policies.base import Policy, PolicyContext
-from saem_gguf.policies.state import CacheState, RoutingBlock
-from saem_gguf.policies.replay import active_tokens, gather, layer_end, step_begin, step_end, time_tables
+from saem_gguf.policies.state import (
+    OP_AFTER_USE, OP_DEMAND, OP_EVICT, CacheState, ResidencyChange, StepEvents, put_op, gather, op_buffer,
+)
 
 KIND_LRU = 0
 KIND_LFU = 1
@@ -109,134 +108,61 @@ def admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, adm
 
 
 @njit(cache=True)
-def run_caching(routing, s0, s1, step0, slot_of, owner, n_slots, ready_at, key, stamp, kind, lam,
-                miss_cpu, cost, clock, acc, log, log_n):
-    """Replay steps [s0, s1) under a priority cache.
+def decide_caching(rows, g, slot_of, owner, n_slots, key, stamp, kind, lam, miss_cpu, cnt, uniq, miss, admitted,
+                   ops):
+    """The cache's decisions for one decode step: returns how many ``ops`` rows it wrote.
 
-    routing int16 [S, B, L, K] (-1 = no token); step0: global index of step 0 (the clock of
-    LRU keys and LRFU decay); slot_of int32 [L, E], owner int32 [L, Smax], n_slots int32 [L],
-    ready_at float64 [L, Smax]: the CacheState, updated in place; key float64 [L, E]: priority
-    keys (see above), stamp int64 [L, E]: last global step each expert was used; kind: KIND_*;
-    lam: LRFU decay per step (0 otherwise); miss_cpu: a miss runs on the CPU and is loaded after
-    the layer (True) or is loaded first while the layer waits (False); cost: CostModel.array
-    (C_*); clock float64 [now, link free at]; acc: counters (accounting.A_*); log int32 [n, 5] /
-    log_n int64 [1]: the decision log (accounting.log_put)."""
-    S, B, L, K = routing.shape
-    E = slot_of.shape[1]
-    cnt = np.zeros(E, np.int32)
-    uniq = np.empty(E, np.int32)
-    miss = np.empty(E, np.int32)
-    admitted = np.empty((E, 3), np.int32)
-    tx = t_xfer(cost)
-    tg, tc = time_tables(B, cost)
-    dense = cost[C_DENSE_LAYER_S]
-    for s in range(s0, s1):
-        ntok = active_tokens(routing, s)
-        if ntok == 0:
-            continue
-        g = step0 + s
-        now, link, stall = step_begin(clock, cost)
-        n_acc = 0.0
-        n_hit = 0.0
-        n_cpu_tok = 0.0
-        n_cpu_runs = 0.0
-        n_gpu_runs = 0.0
-        n_load = 0.0
-        n_async = 0.0
-        n_evict = 0.0
-        for l in range(L):
-            n = gather(routing, s, l, cnt, uniq)
-            t = now + dense
-            for i in range(n):  # priorities see every access, resident or not
-                e = uniq[i]
-                _touch(kind, key, l, e, cnt[e], g, lam)
-                stamp[l, e] = g
-            gpu_t = t
-            cpu_t = 0.0
-            n_cpu = 0
-            n_miss = 0
-            for i in range(n):
-                e = uniq[i]
-                c = cnt[e]
-                n_acc += c
-                slot = slot_of[l, e]
+    rows int16 [B, L, K]: the step's routing (-1 rows: no token); g: the global step (the clock
+    of LRU keys and LRFU decay); slot_of int32 [L, E] / owner int32 [L, Smax] / n_slots int32
+    [L]: the CacheState, updated in place; key float64 [L, E]: priority keys (see above), stamp
+    int64 [L, E]: last global step each expert was used; kind: KIND_*; lam: LRFU decay per step
+    (0 otherwise); miss_cpu: a miss runs on the CPU and is loaded after the layer when it beats
+    the victim (True; ops OP_EVICT, OP_AFTER_USE) or is loaded into the lowest-priority slot
+    before the layer uses it (False; OP_EVICT, OP_DEMAND); cnt int32 [E] (zeros) / uniq / miss
+    int32 [E] / admitted int32 [E, 3]: scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot,
+    OP_*) rows in issue order."""
+    L = slot_of.shape[0]
+    n_ops = 0
+    for l in range(L):
+        n = gather(rows, l, cnt, uniq)
+        for i in range(n):  # priorities see every access, resident or not
+            e = uniq[i]
+            _touch(kind, key, l, e, cnt[e], g, lam)
+            stamp[l, e] = g
+        n_miss = 0
+        for i in range(n):
+            e = uniq[i]
+            if slot_of[l, e] < 0:
+                miss[n_miss] = e
+                n_miss += 1
+        if not miss_cpu:
+            for i in range(n_miss):
+                if n_slots[l] == 0:  # nowhere to load: the host runs it
+                    break
+                e = miss[i]
+                # Prefer victims not used at this step; with fewer slots than routed experts
+                # an expert already computed at this step is evicted.
+                slot = _victim(key, l, g, owner, n_slots, stamp, True)
                 if slot < 0:
-                    miss[n_miss] = e
-                    n_miss += 1
-                    continue
-                n_hit += c
-                r = ready_at[l, slot]
-                if r > gpu_t:
-                    stall += r - gpu_t
-                    gpu_t = r
-                gpu_t += tg[c]
-                n_gpu_runs += 1
-                log_put(log, log_n, g, l, e, slot, K_HIT)
-            if not miss_cpu:
-                for i in range(n_miss):
-                    e = miss[i]
-                    c = cnt[e]
-                    if n_slots[l] == 0:  # nowhere to load: the host runs it
-                        cpu_t += tc[c]
-                        n_cpu += 1
-                        n_cpu_tok += c
-                        log_put(log, log_n, g, l, e, -1, K_CPU)
-                        continue
-                    # Prefer victims not used at this step; with fewer slots than routed experts
-                    # an expert already computed at this step is evicted.
-                    slot = _victim(key, l, g, owner, n_slots, stamp, True)
-                    if slot < 0:
-                        slot = _victim(key, l, g, owner, n_slots, stamp, False)
-                    o = owner[l, slot]
-                    start = max(t, link)
-                    if o >= 0:
-                        if stamp[l, o] == g:
-                            start = max(start, gpu_t)  # its run at this step must finish first
-                        slot_of[l, o] = -1
-                        n_evict += 1
-                        log_put(log, log_n, g, l, o, slot, K_EVICT)
-                    owner[l, slot] = e
-                    slot_of[l, e] = slot
-                    done = start + tx
-                    link = done
-                    ready_at[l, slot] = done
-                    n_load += 1
-                    if done > gpu_t:
-                        stall += done - gpu_t
-                        gpu_t = done
-                    gpu_t += tg[c]
-                    n_gpu_runs += 1
-                    log_put(log, log_n, g, l, e, slot, K_DEMAND)
-                now = layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
-            else:
-                for i in range(n_miss):
-                    e = miss[i]
-                    c = cnt[e]
-                    cpu_t += tc[c]
-                    n_cpu += 1
-                    n_cpu_tok += c
-                    log_put(log, log_n, g, l, e, -1, K_CPU)
-                now = layer_end(t, gpu_t, cpu_t, n_cpu, cost, link)
-                # load the missed experts for the next tokens, best first, while they beat the victim
-                n_in = admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, admitted)
-                for i in range(n_in):
-                    e, slot, o = admitted[i, 0], admitted[i, 1], admitted[i, 2]
-                    if o >= 0:
-                        n_evict += 1
-                        log_put(log, log_n, g, l, o, slot, K_EVICT)
-                    done = max(now, link) + tx
-                    link = done
-                    ready_at[l, slot] = done
-                    n_load += 1
-                    n_async += 1
-                    log_put(log, log_n, g, l, e, slot, K_ASYNC)
-            n_cpu_runs += n_cpu
-            for i in range(n):
-                cnt[uniq[i]] = 0
-        step_end(clock, acc, now, link, cost, ntok, L, n_acc, n_hit, n_cpu_tok, n_cpu_runs, n_gpu_runs, n_load,
-                 stall)
-        acc[A_ASYNC] += n_async
-        acc[A_EVICT] += n_evict
+                    slot = _victim(key, l, g, owner, n_slots, stamp, False)
+                o = owner[l, slot]
+                if o >= 0:
+                    slot_of[l, o] = -1
+                    n_ops = put_op(ops, n_ops, l, o, slot, OP_EVICT)
+                owner[l, slot] = e
+                slot_of[l, e] = slot
+                n_ops = put_op(ops, n_ops, l, e, slot, OP_DEMAND)
+        else:
+            # load the missed experts for the next tokens, best first, while they beat the victim
+            n_in = admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, admitted)
+            for i in range(n_in):
+                e, slot, o = admitted[i, 0], admitted[i, 1], admitted[i, 2]
+                if o >= 0:
+                    n_ops = put_op(ops, n_ops, l, o, slot, OP_EVICT)
+                n_ops = put_op(ops, n_ops, l, e, slot, OP_AFTER_USE)
+        for i in range(n):
+            cnt[uniq[i]] = 0
+    return n_ops
 
 
 def lrfu_lambda(half_life: float) -> float:
@@ -284,12 +210,22 @@ class CachingPolicy(Policy):
         self._lam = lrfu_lambda(self.half_life) if self.kind == KIND_LRFU else 0.0
         self._key = initial_keys(self.kind, ctx.calib, ctx.top_k, self.prior_tokens, state.slot_of)
         self._stamp = np.full((ctx.n_layer, ctx.n_expert), -1, np.int64)
+        self._step = 0  # global decode step: one per observe
+        E = ctx.n_expert
+        self._cnt, self._uniq, self._miss = np.zeros(E, np.int32), np.empty(E, np.int32), np.empty(E, np.int32)
+        self._admitted = np.empty((E, 3), np.int32)
+        self._ops = op_buffer(ctx.n_layer, E)
         return state
 
-    def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:
-        run_caching(block.routing, s0, s1, block.step0, state.slot_of, state.owner, state.n_slots, state.ready_at,
-                    self._key, self._stamp, self.kind, self._lam, self.miss_cpu,
-                    self.ctx.cost.array, acct.clock, acct.counters, acct.log, acct.log_n)
+    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+        st = self.state
+        n = decide_caching(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._key, self._stamp,
+                           self.kind, self._lam, self.miss_cpu, self._cnt, self._uniq, self._miss, self._admitted,
+                           self._ops)
+        self._step += 1
+        if n == 0:
+            return None
+        return ResidencyChange(ops=self._ops[:n], n_in_step=n, target=st.slot_of)
 
 
 class LruPolicy(CachingPolicy):

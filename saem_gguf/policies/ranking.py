@@ -88,7 +88,7 @@ def rank_fill_kernel(scores, n_slots, slot_of, owner, copies, evicts):
     return nc, ne
 
 
-def plan_from_scores(state: CacheState, scores: np.ndarray, reason: str = "", proactive: bool = True) -> ResidencyPlan:
+def plan_from_scores(state: CacheState, scores: np.ndarray, reason: str = "") -> ResidencyPlan:
     """The plan that makes each layer's residents its top-scoring experts (see rank_fill_kernel)."""
     scores = np.ascontiguousarray(scores, np.float64)
     L, E = state.slot_of.shape
@@ -101,5 +101,4 @@ def plan_from_scores(state: CacheState, scores: np.ndarray, reason: str = "", pr
     target = state.slot_of.copy()
     target[evicts[:ne, 0], evicts[:ne, 1]] = -1
     target[copies[:nc, 0], copies[:nc, 1]] = copies[:nc, 2]
-    return ResidencyPlan(copies=copies[:nc].copy(), evictions=evicts[:ne].copy(), proactive=proactive,
-                         target=target, reason=reason)
+    return ResidencyPlan(copies=copies[:nc].copy(), evictions=evicts[:ne].copy(), target=target, reason=reason)

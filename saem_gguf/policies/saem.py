@@ -4,8 +4,9 @@ At each stage boundary, rank each layer's experts by their usage in the complete
 (token-level counts aggregated over every sequence of the batch since the last placement),
 make the top ``slots`` of each layer resident, and issue all copies at once (prefetch, layer 0
 first). Between boundaries residency never changes. A non-resident expert runs in place on the
-CPU unless moving it is faster (replay.fixed_layer: lower latency wins, so the CPU wins at
-few tokens); a transferred expert goes through a temporary slot and is not kept.
+CPU unless moving it is faster (``miss_mode`` MISS_RULE, priced by pricing.price_layer: lower
+latency wins, so the CPU wins at few tokens); a transferred expert goes through a temporary
+slot and is not kept.
 
 Boundaries, all decided causally from what has been generated:
 
@@ -36,13 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
-from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.accounting import Accounting
-from saem_gguf.policies.base import Policy, PolicyContext
-from saem_gguf.policies.state import CacheState, RoutingBlock, counts_between
+from saem_gguf.policies.base import MISS_CPU, MISS_RULE, MISS_TRANSFER, Policy, PolicyContext
 from saem_gguf.policies.cue_profiles import START
-from saem_gguf.policies.replay import D_ON, MISS_CPU, MISS_RULE, MISS_TRANSFER, new_detector, reset_detector, run_fixed
+from saem_gguf.policies.ranking import plan_from_scores
+from saem_gguf.policies.state import CacheState, ResidencyChange, RoutingBlock, StepEvents
 
 
 @dataclass
@@ -66,6 +66,69 @@ class SaemConfig:
 
 _MISS = {"rule": MISS_RULE, "cpu": MISS_CPU, "transfer": MISS_TRANSFER}
 
+# The built-in implicit-boundary detector's state (float64 array ``det``): the hit fraction's
+# moving average against its mean since the last placement (used when no stage detector's
+# routing-shift events are given: StepEvents.combined is None)
+D_ON = 0
+D_ALPHA = 1  # EWMA weight of the newest step's hit fraction
+D_DROP = 2  # fire when EWMA < (1 - drop) * mean since the last placement
+D_MIN_STEPS = 3  # steps after a placement before the detector may fire
+D_STEPS = 4
+D_MEAN = 5
+D_EWMA = 6
+N_DET = 7
+
+
+def new_detector(enabled: bool, alpha: float = 0.1, drop: float = 0.2, min_steps: int = 32) -> np.ndarray:
+    d = np.zeros(N_DET, np.float64)
+    d[D_ON] = 1.0 if enabled else 0.0
+    d[D_ALPHA] = alpha
+    d[D_DROP] = drop
+    d[D_MIN_STEPS] = min_steps
+    return d
+
+
+def reset_detector(det: np.ndarray) -> None:
+    det[D_STEPS] = 0.0
+    det[D_MEAN] = 0.0
+    det[D_EWMA] = 0.0
+
+
+@njit(cache=True)
+def stage_books(rows, slot_of, counts, det, ring):
+    """SAEM's books for one decode step: add the routing of ``rows`` int16 [B, L, K] (-1 rows:
+    no token) to ``counts`` float64 [L, E]; with the built-in detector on (``det[D_ON]``), write
+    the step's counts to ``ring`` [L, E] and feed its hit fraction under ``slot_of`` (the
+    residency the step ran with) to ``det`` (D_*). Returns (decoded: whether any row had a
+    token, fired: whether the detector reports a drop)."""
+    L, E = counts.shape
+    on = det[D_ON] > 0
+    if on:
+        ring[:] = 0.0
+    decoded = False
+    n_acc = 0.0
+    n_hit = 0.0
+    for b in range(rows.shape[0]):
+        if rows[b, 0, 0] < 0:
+            continue
+        decoded = True
+        for l in range(L):
+            for k in range(rows.shape[2]):
+                e = rows[b, l, k]
+                counts[l, e] += 1.0
+                if on:
+                    ring[l, e] += 1.0
+                    n_acc += 1.0
+                    if slot_of[l, e] >= 0:
+                        n_hit += 1.0
+    if not on or n_acc == 0.0:
+        return decoded, False
+    h = n_hit / n_acc
+    det[D_STEPS] += 1
+    det[D_MEAN] += (h - det[D_MEAN]) / det[D_STEPS]
+    det[D_EWMA] = h if det[D_STEPS] == 1 else det[D_EWMA] + det[D_ALPHA] * (h - det[D_EWMA])
+    return decoded, det[D_STEPS] >= det[D_MIN_STEPS] and det[D_EWMA] < (1.0 - det[D_DROP]) * det[D_MEAN]
+
 
 class SaemPolicy(Policy):
     name = "saem-stage"
@@ -79,7 +142,7 @@ class SaemPolicy(Policy):
         self.cfg = SaemConfig(**{**cfg.__dict__, **overrides})
         if self.cfg.miss not in _MISS:
             raise ValueError(f"miss must be one of {sorted(_MISS)}")
-        self._miss = _MISS[self.cfg.miss]
+        self.miss_mode = _MISS[self.cfg.miss]
         self.boundaries: list[tuple[int, str]] = []  # (global step, reason) of every placement
 
     # -- state ---------------------------------------------------------------------------
@@ -91,17 +154,19 @@ class SaemPolicy(Policy):
         self._group_steps = 0
         self._warm_pending = False
         self._fired = False
+        self._step = 0  # global index of the next decode step (one per observe)
         self._det = new_detector(self.cfg.implicit, self.cfg.detector_alpha, self.cfg.detector_drop,
                                  self.cfg.detector_min_steps)
         W = max(1, self.cfg.implicit_window)
-        self._ring = np.zeros((W, ctx.n_layer, ctx.n_expert)) if self.cfg.implicit else None  # built-in detector
+        # the built-in detector's window of per-step counts (the new stage's start)
+        self._ring = np.zeros((W, ctx.n_layer, ctx.n_expert)) if self.cfg.implicit else np.zeros((1, 1, 1))
         self._ring_pos = 0
         return state
 
-    def begin_group(self, block: RoutingBlock, state: CacheState, acct: Accounting) -> None:
+    def begin_group(self, block: RoutingBlock) -> ResidencyChange | None:
         self._group_steps = 0
         self._warm_pending = self.cfg.warmup_steps > 0
-        self._place(self._request_scores(block), block, 0, state, acct, "request")
+        return self._place(self._request_scores(block), "request")
 
     def _request_scores(self, block: RoutingBlock) -> np.ndarray:
         if block.prefill_counts is not None and block.prefill_tokens >= self.cfg.min_prefill_tokens:
@@ -110,113 +175,69 @@ class SaemPolicy(Policy):
 
     # -- boundary schedule (shared with the oracle) ---------------------------------------
 
-    def _events(self, block: RoutingBlock) -> np.ndarray:
-        """Stage events this policy acts on: cue events, or with ``implicit`` the stage
-        detector's cue + routing-shift events when the block carries them."""
-        if self.cfg.implicit and block.implicit_event_steps is not None:
-            return block.implicit_event_steps
-        return block.event_steps
-
     @property
     def uses_combined_events(self) -> bool:
         return self.cfg.implicit
 
-    def _builtin_detector(self, block: RoutingBlock) -> bool:
-        return self.cfg.implicit and block.implicit_event_steps is None
+    def _builtin_detector(self, events: StepEvents) -> bool:
+        """The hit-fraction fallback runs when the policy wants routing-shift boundaries and no
+        stage detector reports them."""
+        return self.cfg.implicit and events.combined is None
 
-    def _has_event(self, block: RoutingBlock, s: int) -> bool:
-        ev = self._events(block)
-        i = int(np.searchsorted(ev, s))
-        return i < ev.size and int(ev[i]) == s
+    def _has_event(self, events: StepEvents) -> bool:
+        """A stage event this policy acts on: the combined cue + routing-shift detector's, when
+        the policy uses it and it ran, else the cue detector's."""
+        if self.uses_combined_events and events.combined is not None:
+            return events.combined
+        return events.cue_event
 
-    def _due(self, block: RoutingBlock, s: int) -> str:
+    def _due(self, events: StepEvents) -> str:
         cfg = self.cfg
         if self._fired:
             return "implicit"
-        if cfg.use_events and self._since_plan >= cfg.min_gap_steps and self._has_event(block, s):
-            ev = block.event_steps
-            i = int(np.searchsorted(ev, s))
-            return "cue" if i < ev.size and int(ev[i]) == s else "implicit"
+        if cfg.use_events and self._since_plan >= cfg.min_gap_steps and self._has_event(events):
+            return "cue" if events.cue_event else "implicit"
         if self._warm_pending and self._group_steps >= cfg.warmup_steps:
             return "warmup"
         if cfg.refresh_steps > 0 and self._since_plan >= cfg.refresh_steps:
             return "refresh"
         return ""
 
-    def _next_check(self, block: RoutingBlock, s: int, s1: int) -> int:
-        """First step after s at which _due could become true (implicit fires stop the kernel)."""
-        cfg = self.cfg
-        nxt = s1
-        if cfg.use_events:
-            ev = self._events(block)
-            i = int(np.searchsorted(ev, s + 1))
-            if i < ev.size:
-                nxt = min(nxt, int(ev[i]))
-        if self._warm_pending:
-            nxt = min(nxt, s + max(1, cfg.warmup_steps - self._group_steps))
-        if cfg.refresh_steps > 0:
-            nxt = min(nxt, s + max(1, cfg.refresh_steps - self._since_plan))
-        return max(nxt, s + 1)
+    # -- decisions -----------------------------------------------------------------------
 
-    def next_boundary(self, block: RoutingBlock, s: int) -> int:
-        """Step of the next placement if one is made at s (no implicit fires): what the oracle
-        needs to know how far its "next stage" runs."""
-        cfg = self.cfg
-        nb = block.n_steps
-        if cfg.use_events:
-            ev = self._events(block)
-            i = int(np.searchsorted(ev, s + max(1, cfg.min_gap_steps)))
-            if i < ev.size:
-                nb = min(nb, int(ev[i]))
-        if self._warm_pending:
-            nb = min(nb, s + max(1, cfg.warmup_steps - self._group_steps))
-        if cfg.refresh_steps > 0:
-            nb = min(nb, s + cfg.refresh_steps)
-        return nb
+    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+        self._count(routing_rows, events)
+        reason = self._due(events)
+        if not reason:
+            return None
+        return self._place(self._boundary_scores(events, reason), reason)
 
-    # -- replay --------------------------------------------------------------------------
+    def _count(self, routing_rows: np.ndarray, events: StepEvents) -> None:
+        """The step's books: stage counts, the built-in detector, the schedule's clocks."""
+        builtin = self._builtin_detector(events)
+        self._det[D_ON] = 1.0 if builtin else 0.0
+        decoded, fired = stage_books(routing_rows, self.state.slot_of, self._counts, self._det,
+                                     self._ring[self._ring_pos])
+        if builtin:
+            self._ring_pos = (self._ring_pos + 1) % self._ring.shape[0]
+        self._fired = self._fired or fired
+        self._since_plan += int(decoded)
+        self._group_steps += int(decoded)
+        self._step += 1
 
-    def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:
-        s = s0
-        cost = self.ctx.cost.array
-        self._det[D_ON] = 1.0 if self._builtin_detector(block) else 0.0
-        while s < s1:
-            reason = self._due(block, s)
-            if reason:
-                self._place(self._boundary_scores(block, s, reason), block, s, state, acct, reason)
-            nxt = min(self._next_check(block, s, s1), s1)
-            stop = run_fixed(block.routing, s, nxt, block.step0, state.slot_of, state.ready_at, cost, self._miss,
-                             acct.clock, acct.counters, self._det, acct.log, acct.log_n)
-            self._observe(block, s, stop)
-            if stop < nxt:
-                self._fired = True
-            s = stop
-
-    def _observe(self, block: RoutingBlock, a: int, b: int) -> None:
-        self._counts += counts_between(block.routing, a, b, self.ctx.n_expert)
-        decoded = int(np.count_nonzero(block.n_tok[a:b]))  # the engine's next step has no token yet
-        self._since_plan += decoded
-        self._group_steps += decoded
-        if self._ring is not None and self._det[D_ON] > 0:
-            W = self._ring.shape[0]
-            for s in range(max(a, b - W), b):
-                self._ring[self._ring_pos] = counts_between(block.routing, s, s + 1, self.ctx.n_expert)
-                self._ring_pos = (self._ring_pos + 1) % W
-
-    def _boundary_scores(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
-        if reason == "implicit" and self._ring is not None and self._builtin_detector(block):
+    def _boundary_scores(self, events: StepEvents, reason: str) -> np.ndarray:
+        if reason == "implicit" and self._builtin_detector(events):
             return self._ring.sum(axis=0)
         return self._counts
 
-    def _place(self, scores: np.ndarray, block: RoutingBlock, s: int, state: CacheState, acct: Accounting,
-               reason: str) -> None:
-        plan = plan_from_scores(state, scores, reason=reason)
-        self.apply(plan, state, acct, block.step0 + s)
-        self._placed(block, s, reason)
+    def _place(self, scores: np.ndarray, reason: str) -> ResidencyChange | None:
+        change = self._apply_plan(plan_from_scores(self.state, scores, reason=reason))
+        self._placed(reason)
+        return change
 
-    def _placed(self, block: RoutingBlock, s: int, reason: str) -> None:
-        """The schedule after a placement at step ``s``: a new stage starts counting."""
-        self.boundaries.append((block.step0 + s, reason))
+    def _placed(self, reason: str) -> None:
+        """The schedule after a placement before step ``self._step``: a new stage starts counting."""
+        self.boundaries.append((self._step, reason))
         self._counts[:] = 0.0
         self._since_plan = 0
         self._fired = False
@@ -252,14 +273,14 @@ class SaemCuePolicy(SaemPolicy):
         start = self._cue_share(START)
         return base if start is None else self._blend([start], 1, base)
 
-    def _boundary_scores(self, block: RoutingBlock, s: int, reason: str) -> np.ndarray:
-        base = super()._boundary_scores(block, s, reason)
+    def _boundary_scores(self, events: StepEvents, reason: str) -> np.ndarray:
+        base = super()._boundary_scores(events, reason)
         if reason != "cue":
             return base
-        shares = [x for x in (self._cue_share(c) for c in block.cues_at(s)) if x is not None]
+        shares = [x for x in (self._cue_share(c) for c in events.named_cues()) if x is not None]
         if not shares:
             return base
-        return self._blend(shares, block.routing.shape[1], base)
+        return self._blend(shares, events.n_rows, base)
 
 
 class SaemStrictPolicy(SaemPolicy):

@@ -1,7 +1,11 @@
-"""Residency and its inputs: the per-layer slot cache (``CacheState``, the mirror of the native
-slot cache), residency changes (``ResidencyPlan``) and the routing a policy observes
-(``RoutingBlock``: decode steps of a batch in lockstep, with the stage events known before
-each step)."""
+"""Residency and its inputs: the per-layer slot cache a policy keeps (``CacheState``), the
+residency decisions it hands out (``ResidencyChange``, rows of ``OP_*``; ``ResidencyPlan`` is a
+ranking's evictions and copies), the stage events it is told of after a step (``StepEvents``)
+and the simulator's routing (``RoutingBlock``: decode steps of a batch in lockstep, with the
+stage events known before each step).
+
+Nothing here has a clock: what a decision costs is the simulator's business (pricing.py); the
+engine puts decisions in force natively (placement.py)."""
 
 from __future__ import annotations
 
@@ -17,13 +21,11 @@ from saem_gguf.errors import SaemError
 @dataclass
 class CacheState:
     """Per-layer slot cache: ``slot_of[l, e]`` is e's slot or -1 (host); ``owner[l, s]`` is the
-    expert in slot s or -1; layer l has ``n_slots[l]`` usable slots; ``ready_at[l, s]`` is the
-    simulated time the last copy into s completes."""
+    expert in slot s or -1; layer l has ``n_slots[l]`` usable slots."""
 
     slot_of: np.ndarray  # int32 [L, E]
     owner: np.ndarray  # int32 [L, max(1, max slots)]
     n_slots: np.ndarray  # int32 [L]
-    ready_at: np.ndarray  # float64 [L, max(1, max slots)]
 
     @classmethod
     def empty(cls, n_expert: int, n_slots: np.ndarray) -> "CacheState":
@@ -33,7 +35,10 @@ class CacheState:
             raise SaemError(f"slots per layer must be in [0, {n_expert}]")
         smax = max(1, int(n_slots.max()) if L else 1)
         return cls(slot_of=np.full((L, n_expert), -1, np.int32), owner=np.full((L, smax), -1, np.int32),
-                   n_slots=n_slots.copy(), ready_at=np.zeros((L, smax), np.float64))
+                   n_slots=n_slots.copy())
+
+    def copy(self) -> "CacheState":
+        return CacheState(slot_of=self.slot_of.copy(), owner=self.owner.copy(), n_slots=self.n_slots.copy())
 
     @property
     def n_layer(self) -> int:
@@ -97,7 +102,6 @@ class ResidencyPlan:
 
     copies: np.ndarray  # int32 [n, 3]
     evictions: np.ndarray  # int32 [m, 3]
-    proactive: bool = True
     target: np.ndarray | None = None  # int32 [L, E]
     reason: str = ""
 
@@ -124,7 +128,8 @@ class RoutingBlock:
 
     ``routing[s, b]`` is the [L, K] routing of sequence b's s-th decoded token, -1 where b has
     no token at step s. ``event_steps`` are the steps before which a stage event is known
-    (detected from text already generated), ``event_rows[i]`` the batch rows that raised it.
+    (detected from text already generated; S: after the block's last step), ``event_rows[i]``
+    the batch rows that raised it.
     ``step0`` is the global index of step 0 (so time-based policies see one clock).
     ``implicit_event_steps`` (optional) are the stage detector's cue + routing-shift events.
     ``event_cues[i]`` (optional) is the cue text each row of ``event_rows[i]`` matched, or ""
@@ -139,64 +144,121 @@ class RoutingBlock:
     # Cue + implicit (routing-shift) events from the stage detector, when it was run; None otherwise.
     implicit_event_steps: np.ndarray | None = None
     event_cues: list[list[str]] | None = None
-    n_tok: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         if self.routing.ndim != 4 or self.routing.dtype != np.int16:
             raise SaemError("RoutingBlock.routing must be int16 [steps, batch, layers, top_k]")
         self.routing = np.ascontiguousarray(self.routing)
-        self.n_tok = (self.routing[:, :, 0, 0] >= 0).sum(axis=1).astype(np.int32)
         self.event_steps = np.asarray(self.event_steps, np.int32)
         if self.implicit_event_steps is not None:
             self.implicit_event_steps = np.asarray(self.implicit_event_steps, np.int32)
         if self.event_cues is not None and len(self.event_cues) != self.event_steps.size:
             raise SaemError("RoutingBlock.event_cues needs one entry per event step")
-
-    def cues_at(self, s: int) -> list[str]:
-        """The cue texts of the event at step ``s`` ([] when there is none or none is known)."""
-        if self.event_cues is None:
-            return []
-        i = int(np.searchsorted(self.event_steps, s))
-        if i < self.event_steps.size and int(self.event_steps[i]) == s:
-            return [c for c in self.event_cues[i] if c]
-        return []
+        self._index_events()
 
     @property
     def n_steps(self) -> int:
         return int(self.routing.shape[0])
 
+    def events_after(self, s: int) -> "StepEvents":
+        """The events reported after step ``s`` (those known before step s + 1), as a policy's
+        ``observe`` is told of them."""
+        ev = self._events.get(s + 1)
+        if ev is not None:
+            return ev
+        return self._quiet
+
+    def _index_events(self) -> None:
+        B = int(self.routing.shape[1])
+        combined = None if self.implicit_event_steps is None else set(self.implicit_event_steps.tolist())
+        self._quiet = StepEvents(n_rows=B, combined=None if combined is None else False)
+        self._events: dict[int, StepEvents] = {}
+        rows = self.event_rows if len(self.event_rows) == self.event_steps.size else None
+        for i, step in enumerate(self.event_steps.tolist()):
+            r = tuple(int(x) for x in rows[i]) if rows is not None else (0,)
+            cues = tuple(self.event_cues[i]) if self.event_cues is not None else ("",) * len(r)
+            self._events[step] = StepEvents(rows=r, cues=cues, n_rows=B,
+                                            combined=None if combined is None else step in combined)
+        for step in sorted(combined or ()):
+            if step not in self._events:
+                self._events[step] = StepEvents(n_rows=B, combined=True)
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """What the stage detectors reported after one decode step (acted on before the next).
+
+    ``rows``: the batch rows whose cue detector reported a boundary (a cue, or the routing
+    shift when that detector tracks one); ``cues[i]``: the cue text row ``rows[i]`` matched, ""
+    when none the detector could name; ``n_rows``: rows in the step (a share of them opened the
+    stage); ``combined``: whether the combined cue + routing-shift detector reported one (None:
+    it was not run)."""
+
+    rows: tuple[int, ...] = ()
+    cues: tuple[str, ...] = ()
+    n_rows: int = 1
+    combined: bool | None = None
+
+    @property
+    def cue_event(self) -> bool:
+        return bool(self.rows)
+
+    def named_cues(self) -> list[str]:
+        return [c for c in self.cues if c]
+
+
+# Kinds of residency decision (column 3 of ResidencyChange.ops); the values are the decision
+# log's kinds (accounting.K_*), so a priced change logs as it was decided.
+OP_DEMAND = 3  # copied before the observed step's layer used it, the layer waiting (wait-for-load caches)
+OP_AFTER_USE = 4  # copied after the observed step's layer ran it on the CPU, for the next tokens
+OP_EVICT = 5
+OP_PREFETCH = 6  # copied though the observed step did not use it (a stage placement, a leader switch)
+
+
+@dataclass
+class ResidencyChange:
+    """The residency decisions a policy made on observing one step, in issue order.
+
+    ``ops`` rows are (layer, expert, slot, OP_*). The first ``n_in_step`` were made while the
+    observed step ran, layer by layer in layer order: an ``OP_DEMAND`` copy (and the eviction
+    before it) before the layer used the expert, the others after the layer ran. The rest were
+    made after the step, before the next one (a placement at a stage boundary: evictions, then
+    copies best first). ``target`` is the policy's expert->slot map after all of them (int32
+    [L, E]; a view of the policy's books: read it before the next ``observe``). ``placements``:
+    stage placements decided (counted even when one moved nothing)."""
+
+    ops: np.ndarray  # int32 [n, 4]
+    n_in_step: int
+    target: np.ndarray
+    placements: int = 0
+
+    @property
+    def n_ops(self) -> int:
+        return int(self.ops.shape[0])
+
     @classmethod
-    def engine_step(cls, routing: np.ndarray, step: int, event_after: bool = False, cues: list[str] | None = None,
-                    combined_after: bool | None = None) -> "RoutingBlock":
-        """The engine's block for one decoded token: step 0 is the token just decoded (``routing``
-        int [n_tokens, L, K], global step ``step``); step 1 is the next decode, not yet run (no
-        routing), carrying the events the detectors reported after this token: ``event_after``
-        with its ``cues``, and ``combined_after`` from the combined cue + routing-shift detector
-        (None when it is not run). Running both steps replays this token and then makes the
-        decisions due before the next decode, so the native cache has them in force for it,
-        exactly where the simulator places them."""
-        r = np.full((2,) + np.shape(routing), -1, np.int16)
-        r[0] = routing
-        blk = cls(routing=r, event_steps=_NO_STEP, step0=step)
-        blk.refill_engine_step(routing, step, event_after, cues, combined_after)
-        return blk
-
-    def refill_engine_step(self, routing: np.ndarray, step: int, event_after: bool = False,
-                           cues: list[str] | None = None, combined_after: bool | None = None) -> None:
-        """Reuse this ``engine_step`` block for the next token (same shape; no allocation: the
-        engine calls this once per decoded token)."""
-        self.routing[0] = routing
-        self.step0 = step
-        self.event_steps = _NEXT_STEP if event_after else _NO_STEP
-        self.event_cues = [list(cues or [])] if event_after else None
-        self.implicit_event_steps = None if combined_after is None else (_NEXT_STEP if combined_after else _NO_STEP)
+    def placement(cls, plan: ResidencyPlan, target: np.ndarray, placements: int = 1) -> "ResidencyChange":
+        """A stage placement before the next step: the plan's evictions, then its copies."""
+        ne, nc = plan.evictions.shape[0], plan.copies.shape[0]
+        ops = np.empty((ne + nc, 4), np.int32)
+        ops[:ne, :3] = plan.evictions
+        ops[:ne, 3] = OP_EVICT
+        ops[ne:, :3] = plan.copies
+        ops[ne:, 3] = OP_PREFETCH
+        return cls(ops=ops, n_in_step=0, target=target, placements=placements)
 
 
-# event-step arrays of engine_step blocks (never written to)
-_NO_STEP = np.zeros(0, np.int32)
-_NEXT_STEP = np.ones(1, np.int32)
-_NO_STEP.flags.writeable = False
-_NEXT_STEP.flags.writeable = False
+# One decision of a policy as a driver (simulator.replay, placement.Placement) records it:
+# ("group", global step of the group's first step, change) for begin_group, ("step", global
+# step observed, change) for observe; the change is a copy (its ops view the policy's buffer).
+Decision = tuple[str, int, ResidencyChange]
+
+
+def record_decision(decisions: list[Decision] | None, when: str, step: int, change: ResidencyChange | None) -> None:
+    """Append a copy of ``change`` to ``decisions`` (nothing when either is None)."""
+    if decisions is not None and change is not None:
+        decisions.append((when, step, ResidencyChange(ops=change.ops.copy(), n_in_step=change.n_in_step,
+                                                      target=change.target.copy(), placements=change.placements)))
 
 
 @njit(cache=True)
@@ -212,3 +274,62 @@ def counts_between(routing, s0, s1, n_expert):
                 for k in range(K):
                     out[l, routing[s, b, l, k]] += 1.0
     return out
+
+
+@njit(cache=True)
+def gather(rows, l, cnt, uniq):
+    """Unique experts of layer ``l`` in one step's ``rows`` int16 [B, L, K] (rows whose first
+    id is -1 have no token) into ``uniq[:n]``, in order of first use, with their token counts
+    in ``cnt[e]`` (an expert used by several tokens of the step runs once). Returns n; the
+    caller zeroes ``cnt`` at ``uniq[:n]`` before the next layer."""
+    n = 0
+    for b in range(rows.shape[0]):
+        if rows[b, 0, 0] < 0:
+            continue
+        for k in range(rows.shape[2]):
+            e = rows[b, l, k]
+            if cnt[e] == 0:
+                uniq[n] = e
+                n += 1
+            cnt[e] += 1
+    return n
+
+
+@njit(cache=True)
+def put_op(ops, n, layer, expert, slot, kind):
+    """Write residency decision row ``n`` of ``ops`` int32 [m, 4]; returns n + 1."""
+    ops[n, 0] = layer
+    ops[n, 1] = expert
+    ops[n, 2] = slot
+    ops[n, 3] = kind
+    return n + 1
+
+
+def op_buffer(n_layer: int, n_expert: int) -> np.ndarray:
+    """Room for the decisions of one step: at most an eviction and a copy per (layer, expert)."""
+    return np.empty((2 * n_layer * n_expert, 4), np.int32)
+
+
+@njit(cache=True)
+def active_rows(rows):
+    """Rows of one step's routing int16 [B, L, K] that have a token."""
+    n = 0
+    for b in range(rows.shape[0]):
+        if rows[b, 0, 0] >= 0:
+            n += 1
+    return n
+
+
+@njit(cache=True)
+def resident_uses(rows, slot_of):
+    """How many (row, layer, k) uses of one step's ``rows`` int16 [B, L, K] (-1 rows: no token)
+    were of experts resident in ``slot_of`` int32 [L, E]: the step's hits under that map."""
+    n = 0
+    for b in range(rows.shape[0]):
+        if rows[b, 0, 0] < 0:
+            continue
+        for l in range(rows.shape[1]):
+            for k in range(rows.shape[2]):
+                if slot_of[l, rows[b, l, k]] >= 0:
+                    n += 1
+    return n

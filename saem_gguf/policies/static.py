@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from saem_gguf.policies.accounting import Accounting
 from saem_gguf.policies.base import Policy, PolicyContext
-from saem_gguf.policies.state import CacheState, ResidencyPlan, RoutingBlock
-from saem_gguf.policies.replay import MISS_CPU, new_detector, run_fixed
+from saem_gguf.policies.state import ResidencyChange, ResidencyPlan, StepEvents
 
 
 class StaticPolicy(Policy):
-    """Shared replay: fixed residency, misses on the CPU."""
+    """Residency fixed at load; misses run on the CPU."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._det = new_detector(False)
-
-    def run_steps(self, block: RoutingBlock, s0: int, s1: int, state: CacheState, acct: Accounting) -> None:
-        run_fixed(block.routing, s0, s1, block.step0, state.slot_of, state.ready_at, self.ctx.cost.array,
-                  MISS_CPU, acct.clock, acct.counters, self._det, acct.log, acct.log_n)
+    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+        return None
 
 
 class CpuMoePolicy(StaticPolicy):

@@ -441,7 +441,7 @@ class Scheduler:
             if not self._decode(run):
                 continue
             if placement is not None:
-                routing_runs.append(placement.last_routing(len(run)))
+                routing_runs.append(placement.last_routing())
                 pieces += [self.engine.piece(s.next_token) for s in run]
                 slots += [s.slot for s in run]
             for i, s in enumerate(run):

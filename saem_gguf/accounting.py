@@ -1,5 +1,5 @@
-"""What placement costs: the counters every replay kernel adds to, the simulated clock, the
-decision log, and the pricing of a plan's copies on the host-to-device link.
+"""The simulator's books: the counters the pricing kernels (pricing.py) add to, the simulated
+clock and the decision log.
 
 ``Accounting.counters`` is one float64 array indexed by the ``A_*`` constants below (counts and
 seconds side by side, so a Numba kernel takes one array); ``Accounting.clock`` is
@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
-from saem_gguf.costmodel import C_EXPERT_BYTES, t_xfer
 from saem_gguf.errors import SaemError
-from saem_gguf.policies.state import apply_free
+from saem_gguf.policies.state import OP_AFTER_USE, OP_DEMAND, OP_EVICT, OP_PREFETCH
 
 A_ACCESS = 0  # routed (token, layer, k) accesses
 A_HIT = 1  # accesses whose expert was resident at access time
@@ -41,10 +40,10 @@ N_ACC = 17
 K_HIT = 0
 K_CPU = 1
 K_TEMP = 2
-K_DEMAND = 3
-K_ASYNC = 4
-K_EVICT = 5
-K_PREFETCH = 6
+K_DEMAND = OP_DEMAND  # the residency decisions log as the policy made them (state.OP_*)
+K_ASYNC = OP_AFTER_USE
+K_EVICT = OP_EVICT
+K_PREFETCH = OP_PREFETCH
 K_HIT_CPU = 7
 KIND_NAMES = ("hit", "cpu", "transfer_first", "demand_load", "load_after_cpu", "evict", "prefetch", "hit_on_cpu")
 
@@ -85,32 +84,3 @@ def log_put(log, log_n, step, layer, expert, slot, kind):
         log[i, 3] = slot
         log[i, 4] = kind
     log_n[0] = i + 1  # counts past capacity so overflow is detectable
-
-
-@njit(cache=True)
-def apply_plan_kernel(evicts, copies, slot_of, owner, n_slots, ready_at, cost, clock, acc, proactive,
-                      step, log, log_n):
-    """Evict, then issue the copies on the host-to-device link in order (FIFO behind whatever
-    is already queued); each slot becomes usable when its copy completes.
-
-    evicts / copies int32 [n, 3] (layer, expert, slot); slot_of, owner, n_slots, ready_at: the
-    CacheState; cost: CostModel.array; clock [now, link free at]; acc: counters (A_*);
-    proactive: count the copies as prefetches (else as demand copies); step: global step for
-    the log; log / log_n: the decision log."""
-    apply_free(evicts, copies, slot_of, owner, n_slots)
-    tx = t_xfer(cost)
-    now = clock[0]
-    for i in range(evicts.shape[0]):
-        acc[A_EVICT] += 1
-        log_put(log, log_n, step, evicts[i, 0], evicts[i, 1], evicts[i, 2], K_EVICT)
-    for i in range(copies.shape[0]):
-        l, e, s = copies[i, 0], copies[i, 1], copies[i, 2]
-        start = max(now, clock[1])
-        clock[1] = start + tx
-        ready_at[l, s] = clock[1]
-        acc[A_BYTES] += cost[C_EXPERT_BYTES]
-        if proactive:
-            acc[A_PROACTIVE] += 1
-        else:
-            acc[A_DEMAND] += 1
-        log_put(log, log_n, step, l, e, s, K_PREFETCH if proactive else K_DEMAND)
