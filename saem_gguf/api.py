@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from saem_gguf.budget import parse_ecr, parse_size
+from saem_gguf.budget import parse_ecr, parse_vram_budget
 from saem_gguf.engine import Engine, EngineConfig, _make_llama_class
 from saem_gguf.llama_lib import load_llama_cpp
 
@@ -44,7 +44,7 @@ class Llama(_SaemLlama):
         cfg = EngineConfig(
             model=Path(model_path), n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
             policy=expert_policy, ecr=parse_ecr(ecr) if isinstance(ecr, str) else ecr,
-            vram_budget=parse_size(vram_budget) if isinstance(vram_budget, str) else vram_budget,
+            vram_budget=parse_vram_budget(vram_budget) if isinstance(vram_budget, str) else vram_budget,
             profile=Path(profile) if profile is not None else None, verbose=verbose, progress=False,
             **({"hw": hw} if hw is not None else {}))
 

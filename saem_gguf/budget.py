@@ -118,6 +118,11 @@ AUTO_MARGIN_BYTES = 1 << 30
 AUTO_MARGIN_FRACTION = 0.02
 
 
+def parse_vram_budget(text: str) -> int | str:
+    """--vram-budget's value: AUTO (free VRAM, sized after the load) or a size (parse_size)."""
+    return AUTO if str(text).strip().lower() == AUTO else parse_size(text)
+
+
 def auto_margin(total_bytes: int) -> int:
     return AUTO_MARGIN_BYTES + int(AUTO_MARGIN_FRACTION * total_bytes)
 

@@ -68,3 +68,16 @@ def test_bad_api_arguments_are_clear(llama_cpp):
         Llama(str(model), ecr="250%", verbose=False)
     with pytest.raises(SaemError, match="no such file|not found|does not exist"):
         Llama("/nonexistent/model.gguf", verbose=False)
+
+
+def test_vram_budget_takes_the_cli_values(llama_cpp):
+    """vram_budget="auto" means what --vram-budget auto does (on this CPU build: the default ECR,
+    with a note), and a size string is parsed as the flag's is."""
+    from saem_gguf import Llama
+
+    model = model_for("qwen3moe", "chatml", False)
+    llm = Llama(str(model), n_ctx=256, n_threads=2, vram_budget="auto", verbose=False)
+    try:
+        assert any("--vram-budget auto" in n for n in llm._saem_engine.notes), llm._saem_engine.notes
+    finally:
+        llm.close()

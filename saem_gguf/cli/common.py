@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from saem_gguf.budget import AUTO, ECR_HELP, parse_ecr, parse_ecr_list, parse_size
+from saem_gguf.budget import ECR_HELP, parse_ecr, parse_ecr_list, parse_size, parse_vram_budget
 from saem_gguf.engine import KV_CACHE_TYPES
 from saem_gguf.numa import LLAMA_NUMA_STRATEGIES
 
@@ -89,8 +89,7 @@ class _Extend(argparse.Action):
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *values])
 
 
-def _vram_budget(text: str) -> int | str:
-    return AUTO if text.strip().lower() == AUTO else _size(text)
+_vram_budget = _usage(parse_vram_budget)
 
 
 def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
