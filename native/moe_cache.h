@@ -15,6 +15,7 @@
 
 struct llama_context;
 struct llama_model;
+struct saem_ram_state;  // ram_tier.cpp: readahead thread, locked ranges
 
 // access to llama_context internals (friend of llama_context, see patches/0004)
 struct saem_ctx_access {
@@ -109,6 +110,7 @@ struct saem_moe_cache {
     int64_t  counted_tokens  = 0;
     int32_t  stock_min_batch = 32;
     uint64_t topo_version    = 1;     // bumped on any topology change (sig)
+    std::shared_ptr<saem_ram_state> ram;  // RAM tier state, made on first use (ram_tier.cpp)
 
     explicit saem_moe_cache(llama_context * lctx);
     ~saem_moe_cache();
