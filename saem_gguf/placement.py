@@ -99,6 +99,8 @@ class Placement:
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
         # one decoded token's routing: a step's routing fits n_rows times this (one native call)
         self._routing_cap = len(self.moe_layers) * self.top_k
+        # lower tiers (ram_tier.RamTier) driven by the same blocks after this policy
+        self.tiers: list = []
 
     # --- routing in ------------------------------------------------------------------------
     def last_routing(self, n_rows: int = 1) -> np.ndarray:
@@ -125,6 +127,8 @@ class Placement:
                              prefill_tokens=n_tokens, step0=self._step)
         self.policy.begin_group(block, self.state, self.acct)
         self._sync_to(self.state.slot_of)
+        for tier in self.tiers:
+            tier.begin_group(block)
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
         """After decoding one token (sequence 0) whose text is ``piece``: ``on_step`` of one row."""
@@ -169,6 +173,8 @@ class Placement:
         self.stats.tokens += B
         if c[A_DEMAND] + c[A_PROACTIVE] + c[A_EVICT] != moved:  # residency changes only with a copy or eviction
             self._sync_to(self.state.slot_of)
+        for tier in self.tiers:
+            tier.on_step(block, routing)
         return events
 
     # --- residency out ---------------------------------------------------------------------
