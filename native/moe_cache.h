@@ -111,6 +111,7 @@ struct saem_moe_cache {
     int32_t  stock_min_batch = 32;
     uint64_t topo_version    = 1;     // bumped on any topology change (sig)
     std::shared_ptr<saem_ram_state> ram;  // RAM tier state, made on first use (ram_tier.cpp)
+    bool     ram_route_prefetch = false;  // graph op: madvise(WILLNEED) the routed experts before their matmuls
 
     explicit saem_moe_cache(llama_context * lctx);
     ~saem_moe_cache();
@@ -133,4 +134,7 @@ struct saem_moe_cache {
 saem_moe_cache * saem_get_cache(const llama_context * ctx);      // may be null
 saem_moe_cache * saem_get_or_create_cache(llama_context * ctx);  // creates the counters-only object
 bool saem_arch_supported(const llama_model & model, std::string & why);
+// RAM tier (ram_tier.cpp): madvise(MADV_WILLNEED) the experts in ids[0..n) of layer L (the routed
+// experts of a ubatch, called from the graph before their MUL_MAT_IDs)
+void saem_ram_prefetch_routed(const saem_layer & L, const int32_t * ids, int64_t n);
 void saem_describe_layer(const llama_context * ctx, int il, saem_moe_layer_info & out); // throws saem_error

@@ -61,6 +61,19 @@ static saem_graph_input * get_input(saem_moe_cache * c, const llm_graph_context 
     return p;
 }
 
+// GGML_OP_MAP_CUSTOM1 (in place on the routed ids, one task): the RAM tier's read-ahead of the
+// experts this ubatch routes to, issued after the router and before the expert matmuls that
+// depend on this op, so their page faults wait on large reads already in flight instead of each
+// starting its own (llama.cpp's mmap readaround). The ids pass through unchanged.
+static void saem_route_prefetch_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    GGML_UNUSED(a);
+    GGML_UNUSED(nth);
+    if (ith == 0) {
+        saem_ram_prefetch_routed(*static_cast<const saem_layer *>(userdata), (const int32_t *) dst->data,
+                                 ggml_nelements(dst));
+    }
+}
+
 uint64_t saem_moe_graph_sig(const saem_moe_cache * c) {
     return c ? c->topo_version : 0;
 }
@@ -106,7 +119,34 @@ bool saem_moe_graph_layer(saem_moe_cache * c, const llm_graph_context & g, int i
         inp->t_ids[il] = ids_flat;
     }
 
-    if (!c->initialised || L.n_slots == 0 || L.mode == SAEM_MODE_STOCK) {
+    const bool stock_layer = !c->initialised || L.n_slots == 0 || L.mode == SAEM_MODE_STOCK;
+    if (c->ram_route_prefetch && (stock_layer || n_tokens >= c->stock_min_batch)) {
+        // every expert on the host: one branch, the model's own tensors, ids through the prefetch
+        // op (the same ops on the same tensors as the stock graph, so the same results)
+        if (!ids_flat) {
+            ids_flat = ggml_cont(ctx0, selected_experts);
+            g.cb(ids_flat, "saem_ids", il);
+        }
+        ggml_tensor * ids = ggml_map_custom1_inplace(ctx0, ids_flat, saem_route_prefetch_op, 1, &L);
+        g.cb(ids, "saem_ram_prefetch", il);
+        saem_moe_branch & bh = plan.br[0];
+        bh.ids       = ids;
+        bh.mm_flags  = 0;
+        bh.up        = L.h_up;
+        bh.gate      = L.h_gate;
+        bh.gate_up   = L.h_gate_up;
+        bh.down      = L.h_down;
+        bh.up_b      = L.h_up_b;
+        bh.gate_b    = L.h_gate_b;
+        bh.gate_up_b = L.h_gate_up_b;
+        bh.up_s      = L.h_up_s;
+        bh.gate_s    = L.h_gate_s;
+        bh.down_s    = L.h_down_s;
+        plan.down_b  = L.h_down_b;
+        plan.n_branches = 1;
+        return true;
+    }
+    if (stock_layer) {
         return false;
     }
     if (g.loras && !g.loras->empty()) {

@@ -236,6 +236,34 @@ static int release_advice_os(int32_t advice) {
     }
 }
 
+void saem_ram_prefetch_routed(const saem_layer & L, const int32_t * ids, int64_t n) {
+    // each routed expert once: a ubatch of many tokens repeats them
+    std::vector<bool> seen(L.n_expert, false);
+    for (int64_t i = 0; i < n; ++i) {
+        const int32_t e = ids[i];
+        if (e < 0 || e >= L.n_expert || seen[e]) {
+            continue;
+        }
+        seen[e] = true;
+        for (const auto & [addr, nbytes] : expert_bytes(L, e)) {
+            const page_range r = pages_covering(addr, nbytes);
+            madvise((void *) r.begin, r.end - r.begin, MADV_WILLNEED);  // advice: a failure only costs speed
+        }
+    }
+}
+
+static int32_t ram_set_route_prefetch(llama_context * ctx, int32_t on) {
+    saem_moe_cache & c = *saem_get_or_create_cache(ctx);
+    if (on) {
+        need_mapped(c);
+    }
+    if (c.ram_route_prefetch != (on != 0)) {
+        c.ram_route_prefetch = on != 0;
+        c.topo_version++;  // the graph gains / loses the prefetch ops
+    }
+    return SAEM_OK;
+}
+
 // the C functions' bodies (saem_native.h); the extern "C" wrappers at the end add saem_guarded
 static int32_t experts_mapped(llama_context * ctx) {
     saem_moe_cache * c = saem_get_or_create_cache(ctx);
@@ -459,6 +487,13 @@ int32_t saem_ram_prefetch(struct llama_context * ctx, int32_t il, const int32_t 
     return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         return ram_prefetch(ctx, il, experts, n, method);
+    });
+}
+
+int32_t saem_ram_set_route_prefetch(struct llama_context * ctx, int32_t on) {
+    return saem_guarded(__func__, [&]() -> int32_t {
+        CHECK_CTX(ctx);
+        return ram_set_route_prefetch(ctx, on);
     });
 }
 

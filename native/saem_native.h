@@ -196,6 +196,11 @@ SAEM_API int32_t saem_ram_expert_ranges(const struct llama_context * ctx, int32_
 #define SAEM_RAM_PREFETCH_THREAD  1
 SAEM_API int32_t saem_ram_prefetch(struct llama_context * ctx, int32_t il, const int32_t * experts, int32_t n, int32_t method);
 
+// Read-ahead of the routed experts inside the graph (on != 0): after each MoE layer's router, an
+// op issues madvise(MADV_WILLNEED) for the experts the ubatch routes to, before the expert
+// matmuls that read them (layers computed on the host; results unchanged). Off by default.
+SAEM_API int32_t saem_ram_set_route_prefetch(struct llama_context * ctx, int32_t on);
+
 // Block until the readahead thread has finished what was queued (at once if it has nothing).
 SAEM_API int32_t saem_ram_prefetch_wait(struct llama_context * ctx);
 

@@ -81,6 +81,7 @@ class EngineConfig:
     ram_budget: int | str | None = None
     ram_policy: str | None = None  # None: --policy's (saem when that one is fixed)
     ram_prefetch: str = "madvise"  # ram_tier.PREFETCH_METHODS
+    ram_route_prefetch: bool = True  # the routed experts read ahead inside the graph
     # sampling seed, llama.cpp's meaning: any value is a fixed seed (0 too); None or -1: a random
     # one, drawn at load (Engine.seed says which, to repeat the run)
     seed: int | None = None
@@ -428,7 +429,7 @@ class Engine:
 
                 self.ram_tier = attach_ram_tier(
                     self.llm, self.placement, self.info, ram_plan,
-                    RamTierSettings(cfg.ram_budget, cfg.ram_policy, cfg.ram_prefetch), self.note)
+                    RamTierSettings(cfg.ram_budget, cfg.ram_policy, cfg.ram_prefetch, cfg.ram_route_prefetch), self.note)
             self.llm._saem_hook = self._on_ubatch
             self._setup_generation()
         except BaseException:

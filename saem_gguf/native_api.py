@@ -206,6 +206,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "saem_ram_expert_ranges": ([_CTX, ctypes.c_int32, ctypes.c_int32, _P_U64, _P_U64, ctypes.c_int32],
                                ctypes.c_int32),
     "saem_ram_prefetch": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    "saem_ram_set_route_prefetch": ([_CTX, ctypes.c_int32], ctypes.c_int32),
     "saem_ram_prefetch_wait": ([_CTX], ctypes.c_int32),
     "saem_ram_release": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
     "saem_ram_expert_residency": ([_CTX, ctypes.c_int32, ctypes.c_int32, _P_U64, _P_U64], ctypes.c_int32),
@@ -516,6 +517,11 @@ def saem_ram_prefetch(ctx: Any, il: int, experts: Sequence[int], method: int = S
     int32_t n, int32_t method);   -- SAEM_RAM_PREFETCH_MADVISE / SAEM_RAM_PREFETCH_THREAD"""
     arr = _i32_array(experts, "experts")
     _call("saem_ram_prefetch", _ctx(ctx), int(il), arr, len(arr), int(method))
+
+
+def saem_ram_set_route_prefetch(ctx: Any, on: bool) -> None:
+    """int32_t saem_ram_set_route_prefetch(struct llama_context * ctx, int32_t on);"""
+    _call("saem_ram_set_route_prefetch", _ctx(ctx), 1 if on else 0)
 
 
 def saem_ram_prefetch_wait(ctx: Any) -> None:

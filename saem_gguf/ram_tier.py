@@ -11,7 +11,11 @@ the middle of a layer while the kernel evicts whatever it likes. The RAM tier de
 * a newly resident expert is read ahead of use in large requests (``madvise(MADV_WILLNEED)`` or
   the native readahead thread); an evicted one, and one a step used without making it resident,
   is released (``MADV_PAGEOUT``, falling back to ``MADV_COLD`` / ``MADV_DONTNEED``, see
-  ``native_api.saem_ram_release``).
+  ``native_api.saem_ram_release``);
+* inside the graph, right after each MoE layer's router, the experts the token routes to are
+  read ahead with one ``MADV_WILLNEED`` each (``saem_ram_set_route_prefetch``), so a miss costs
+  one read of exactly that expert instead of page faults that each read llama.cpp's whole
+  readahead window around them (8 MiB x 2 here: ``read_ahead_kb`` and ``POSIX_FADV_SEQUENTIAL``).
 
 Nothing here changes a byte the model computes with: advice on read-only file pages changes only
 when they are read from disk. With a GPU the VRAM tier sits on top, unchanged (its copies read
@@ -272,11 +276,12 @@ def lock_non_expert(ctx, note: Callable[[str], None]) -> int:
 @dataclass(frozen=True)
 class RamTierSettings:
     """The RAM tier's flags: ``--ram-budget`` (bytes or ``auto``), ``--ram-policy`` (None: see
-    ``ram_policy_for``), ``--ram-prefetch``."""
+    ``ram_policy_for``), ``--ram-prefetch``, ``--no-ram-route-prefetch``."""
 
     budget: int | str
     policy: str | None = None
     prefetch: str = "madvise"
+    route_prefetch: bool = True  # read the routed experts ahead inside the graph (saem_ram_set_route_prefetch)
 
 
 def attach_ram_tier(llm, placement, info: ModelInfo, budget: RamBudget | None, settings: RamTierSettings,
@@ -294,12 +299,14 @@ def attach_ram_tier(llm, placement, info: ModelInfo, budget: RamBudget | None, s
         return None
     policy = ram_policy_for(placement.policy.name, settings.policy)
     lock_non_expert(llm, note)
+    na.saem_ram_set_route_prefetch(llm, settings.route_prefetch)
     pctx = placement.policy.ctx
     tier = RamTier(llm, placement.moe_layers, policy, budget, pctx.cost, settings.prefetch,
                    calib_counts=pctx.calib_counts, cue_counts=pctx.cue_counts)
     placement.tiers.append(tier)
     note(f"RAM tier: {budget.slots}/{budget.n_expert} experts per layer resident "
          f"({budget.fraction:.1%}, {format_size(budget.resident_bytes)} of {format_size(info.expert_bytes)} "
-         f"expert bytes), policy {policy}, prefetch {settings.prefetch}, release {tier.release_name}"
+         f"expert bytes), policy {policy}, prefetch {settings.prefetch}"
+         f"{' + routed experts in the graph' if settings.route_prefetch else ''}, release {tier.release_name}"
          + (f"; {budget.note}" if budget.note else ""))
     return tier

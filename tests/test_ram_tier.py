@@ -159,21 +159,25 @@ def test_mlock_refusal_is_one_note_naming_the_limit(private_model):
 
 
 # --- the tier: placement never changes results ---------------------------------------------------
+@pytest.mark.parametrize("route_prefetch", [True, False], ids=["route-prefetch", "no-route-prefetch"])
 @pytest.mark.parametrize("policy", TIER_POLICIES)
 @pytest.mark.parametrize("slots", [1, N_EXPERT // 4, N_EXPERT // 2, N_EXPERT])
-def test_greedy_output_is_bit_identical_with_the_tier(engine, reference, policy, slots):
+def test_greedy_output_is_bit_identical_with_the_tier(engine, reference, policy, slots, route_prefetch):
     """Tokens and the last logits equal the run without the tier, while the tier really pages:
-    it released experts (dropping their pages) and the next steps read them back from the file."""
+    it released experts (dropping their pages) and the next steps read them back from the file;
+    with the routed-expert prefetch the graph runs the host branch through the prefetch op."""
     info = read_model_info(engine.path)
     budget = RamBudget(slots * info.bytes_per_expert_all_layers, slots, N_EXPERT, info.bytes_per_expert_all_layers)
     cost = CostModel.from_expert_bytes(info.moe_layers[0].bytes_per_expert, get_hw("rtx3060-ddr4"))
     calib = 1.0 + np.arange(len(info.moe_layers) * N_EXPERT, dtype=np.float64).reshape(len(info.moe_layers), N_EXPERT)
     tier = RamTier(engine.llm, _moe_layers(engine), policy, budget, cost, calib_counts=calib)
     engine.placement.tiers[:] = [tier]
+    na.saem_ram_set_route_prefetch(engine.llm, route_prefetch)
     try:
         got = _greedy(engine)
     finally:
         engine.placement.tiers.clear()
+        na.saem_ram_set_route_prefetch(engine.llm, False)
     assert got == reference
     assert tier.stats.accesses == 4 * len(info.moe_layers) * (len(got[0]) - 1)
     if slots < N_EXPERT:

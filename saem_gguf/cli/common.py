@@ -193,6 +193,9 @@ def add_ram_tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ram-prefetch", choices=tuple(PREFETCH_METHODS), default="madvise",
                    help="how experts are read ahead: madvise (MADV_WILLNEED, the kernel reads "
                         "asynchronously) or thread (a readahead thread faults them in) (madvise)")
+    g.add_argument("--no-ram-route-prefetch", dest="ram_route_prefetch", action="store_false",
+                   help="do not read the experts a token routes to ahead inside the graph (their pages "
+                        "then fault in with the kernel's readahead around each fault)")
 
 
 def _finite_float(text: str) -> float:
