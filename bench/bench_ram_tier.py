@@ -17,11 +17,13 @@ disk (/proc/self/io read_bytes, all threads), major faults (getrusage, all threa
 peak usage over the whole run. Configurations:
 
 * ``stock``: stock llama-cpp-python on the stock llama.cpp build (``build --variant stock``),
-  plain mmap, the kernel's page cache decides;
+  plain mmap (llama.cpp's ``--no-repack``: its default repacks Q4_0 experts into anonymous memory
+  on this CPU, which no limit below the model size survives), the kernel's page cache decides;
 * ``no-mmap``: stock without mmap, only if the whole model fits the limit (it never does when
   the model is at least twice the limit; reported as skipped);
 * ``tier:<policy>``: saem_gguf with the experts on the CPU (``--policy cpu-moe``: no VRAM tier on
-  a CPU machine) and ``--ram-budget`` f x expert bytes under ``--ram-policy <policy>``.
+  a CPU machine) and ``--ram-budget`` f x expert bytes under ``--ram-policy <policy>``;
+  ``+thread``: ``--ram-prefetch thread``; ``-noroute``: ``--no-ram-route-prefetch``.
 
 A preparation step (its own process, no limit) tokenizes the texts and writes a calibration
 profile whose expert counts come from a prefill of *other* held-out examples (static-hot and the
@@ -172,8 +174,21 @@ def child(job: dict) -> dict:
     if job["kind"] in ("stock", "no-mmap"):
         import llama_cpp  # the stock library: LLAMA_CPP_LIB_PATH points at it, saem_gguf is not imported
 
-        llm = llama_cpp.Llama(model_path=job["model"], n_ctx=N_CTX, n_threads=job["threads"],
-                              n_threads_batch=job["threads"], use_mmap=job["kind"] == "stock", verbose=False)
+        class PlainLlama(llama_cpp.Llama):
+            """llama.cpp's --no-repack: by default this CPU repacks Q4_0 weights into anonymous
+            memory (CPU_REPACK), a copy of every expert that no mmap backs (OOM-killed here)."""
+
+            @property
+            def model_params(self):
+                return self._plain_params
+
+            @model_params.setter
+            def model_params(self, params) -> None:
+                params.use_extra_bufts = False
+                self._plain_params = params
+
+        llm = PlainLlama(model_path=job["model"], n_ctx=N_CTX, n_threads=job["threads"],
+                         n_threads_batch=job["threads"], use_mmap=job["kind"] == "stock", verbose=False)
         library = llama_cpp.llama_cpp._lib._name
         notes, extra = [], {}
         load_s = time.perf_counter() - t0
@@ -185,7 +200,8 @@ def child(job: dict) -> dict:
         notes = []
         eng = Engine(EngineConfig(model=Path(job["model"]), n_ctx=N_CTX, n_threads=job["threads"], policy="cpu-moe",
                                   ecr=0.0, hw=job["hw"], profile=Path(job["profile"]), ram_budget=job["ram_budget"],
-                                  ram_policy=job["policy"], ram_prefetch=job["prefetch"], progress=False),
+                                  ram_policy=job["policy"], ram_prefetch=job["prefetch"],
+                                  ram_route_prefetch=job["route_prefetch"], progress=False),
                      log=notes.append)
         load_s = time.perf_counter() - t0
         if eng.ram_tier is None:
@@ -251,12 +267,14 @@ class Config:
     fraction: float
     policy: str = ""
     prefetch: str = "madvise"
+    route_prefetch: bool = True
 
     @property
     def label(self) -> str:
         if self.kind != "tier":
             return self.kind
-        return f"tier:{self.policy}" + ("" if self.prefetch == "madvise" else f"+{self.prefetch}")
+        return (f"tier:{self.policy}" + ("" if self.prefetch == "madvise" else f"+{self.prefetch}")
+                + ("" if self.route_prefetch else "-noroute"))
 
 
 def _gib(n: float) -> str:
@@ -273,7 +291,7 @@ def run_config(cfg: Config, prep: dict, args, stock_lib: Path) -> dict:
     resident = drop_file_cache(args.model)
     job = {"kind": cfg.kind, "model": str(args.model), "threads": args.threads, "texts": prep["texts"],
            "profile": prep["profile"], "hw": args.hw, "ram_budget": budget, "policy": cfg.policy,
-           "prefetch": cfg.prefetch}
+           "prefetch": cfg.prefetch, "route_prefetch": cfg.route_prefetch}
     env = dict(os.environ)
     if cfg.kind != "tier":
         env["LLAMA_CPP_LIB_PATH"] = str(stock_lib)
@@ -367,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="tier policies at the other fractions (%(default)s)")
     ap.add_argument("--thread-prefetch", action="store_true",
                     help="also saem at 50 %% with --ram-prefetch thread (madvise vs readahead thread)")
+    ap.add_argument("--no-route", action="store_true",
+                    help="also saem at 50 %% with --no-ram-route-prefetch (what the in-graph read-ahead adds)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--texts", type=int, default=1, help="held-out reasoning texts replayed (1)")
     ap.add_argument("--max-tokens", type=int, default=48, help="decoded tokens per text (48)")
@@ -420,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         configs += [Config("tier", f, p) for p in pols.split(",") if p]
         if args.thread_prefetch and abs(f - 0.5) < 1e-9:
             configs.append(Config("tier", f, "saem", "thread"))
+        if args.no_route and abs(f - 0.5) < 1e-9:
+            configs.append(Config("tier", f, "saem", route_prefetch=False))
     head = (f"model {args.model.name}: {_gib(prep['model_bytes'])} ({_gib(prep['expert_bytes'])} experts, "
             f"{_gib(prep['non_expert_bytes'])} other); {sum(len(t['text']) for t in prep['texts'])} decoded tokens "
             f"per run after a {sum(len(t['prompt']) for t in prep['texts'])}-token prompt; calibration "
