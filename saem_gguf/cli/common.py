@@ -168,7 +168,8 @@ def add_placement_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
     add_ram_tier_args(p)
 
 
-def _ram_budget(text: str) -> int | str:
+def ram_budget_arg(text: str) -> int | str:
+    """--ram-budget's value: a size or auto (a usage error otherwise)."""
     from saem_gguf.ram_tier import parse_ram_budget
 
     return _usage(parse_ram_budget)(text)
@@ -181,7 +182,7 @@ def add_ram_tier_args(p: argparse.ArgumentParser) -> None:
 
     choosable = sorted(n for n in POLICIES if n not in FIXED_POLICIES and n != "oracle")
     g = p.add_argument_group("RAM tier (a memory-mapped model larger than RAM)")
-    g.add_argument("--ram-budget", type=_ram_budget, default=None, metavar="SIZE|auto",
+    g.add_argument("--ram-budget", type=ram_budget_arg, default=None, metavar="SIZE|auto",
                    help="expert bytes kept resident in RAM, e.g. 8G, or auto (available memory, within "
                         "the memory cgroup's limit, minus the non-expert weights, KV cache and a "
                         "margin); the non-expert weights are locked in RAM, the experts the RAM policy "
