@@ -95,6 +95,9 @@ struct saem_layer {
     std::vector<int32_t> last_ids;  // [n_tokens][n_used]
     int last_n_tokens = 0;
 
+    // RAM tier: routed experts the graph's prefetch op advised (one task per layer, so no race)
+    uint64_t ram_route_prefetched = 0;
+
     void    rebuild_maps();          // mode/n_resident from slot_of
     size_t  expert_nbytes() const;
 };
@@ -136,5 +139,5 @@ saem_moe_cache * saem_get_or_create_cache(llama_context * ctx);  // creates the 
 bool saem_arch_supported(const llama_model & model, std::string & why);
 // RAM tier (ram_tier.cpp): madvise(MADV_WILLNEED) the experts in ids[0..n) of layer L (the routed
 // experts of a ubatch, called from the graph before their MUL_MAT_IDs)
-void saem_ram_prefetch_routed(const saem_layer & L, const int32_t * ids, int64_t n);
+void saem_ram_prefetch_routed(saem_layer & L, const int32_t * ids, int64_t n);
 void saem_describe_layer(const llama_context * ctx, int il, saem_moe_layer_info & out); // throws saem_error

@@ -69,9 +69,27 @@ static void saem_route_prefetch_op(ggml_tensor * dst, const ggml_tensor * a, int
     GGML_UNUSED(a);
     GGML_UNUSED(nth);
     if (ith == 0) {
-        saem_ram_prefetch_routed(*static_cast<const saem_layer *>(userdata), (const int32_t *) dst->data,
+        saem_ram_prefetch_routed(*static_cast<saem_layer *>(userdata), (const int32_t *) dst->data,
                                  ggml_nelements(dst));
     }
+}
+
+// a branch computing from the model's own (host) expert tensors with these ids and MUL_MAT_ID flags
+static saem_moe_branch host_branch(const saem_layer & L, ggml_tensor * ids, int32_t mm_flags) {
+    saem_moe_branch b;
+    b.ids       = ids;
+    b.mm_flags  = mm_flags;
+    b.up        = L.h_up;
+    b.gate      = L.h_gate;
+    b.gate_up   = L.h_gate_up;
+    b.down      = L.h_down;
+    b.up_b      = L.h_up_b;
+    b.gate_b    = L.h_gate_b;
+    b.gate_up_b = L.h_gate_up_b;
+    b.up_s      = L.h_up_s;
+    b.gate_s    = L.h_gate_s;
+    b.down_s    = L.h_down_s;
+    return b;
 }
 
 uint64_t saem_moe_graph_sig(const saem_moe_cache * c) {
@@ -129,19 +147,7 @@ bool saem_moe_graph_layer(saem_moe_cache * c, const llm_graph_context & g, int i
         }
         ggml_tensor * ids = ggml_map_custom1_inplace(ctx0, ids_flat, saem_route_prefetch_op, 1, &L);
         g.cb(ids, "saem_ram_prefetch", il);
-        saem_moe_branch & bh = plan.br[0];
-        bh.ids       = ids;
-        bh.mm_flags  = 0;
-        bh.up        = L.h_up;
-        bh.gate      = L.h_gate;
-        bh.gate_up   = L.h_gate_up;
-        bh.down      = L.h_down;
-        bh.up_b      = L.h_up_b;
-        bh.gate_b    = L.h_gate_b;
-        bh.gate_up_b = L.h_gate_up_b;
-        bh.up_s      = L.h_up_s;
-        bh.gate_s    = L.h_gate_s;
-        bh.down_s    = L.h_down_s;
+        plan.br[0]   = host_branch(L, ids, 0);
         plan.down_b  = L.h_down_b;
         plan.n_branches = 1;
         return true;
@@ -198,19 +204,7 @@ bool saem_moe_graph_layer(saem_moe_cache * c, const llm_graph_context & g, int i
         ggml_tensor * ids_host = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, map_host, ids_1d), n_used, n_tokens);
         g.cb(ids_host, "saem_ids_host", il);
 
-        saem_moe_branch & bh = plan.br[1];
-        bh.ids       = ids_host;
-        bh.mm_flags  = GGML_MUL_MAT_ID_FLAG_SKIP_NEG;
-        bh.up        = L.h_up;
-        bh.gate      = L.h_gate;
-        bh.gate_up   = L.h_gate_up;
-        bh.down      = L.h_down;
-        bh.up_b      = L.h_up_b;
-        bh.gate_b    = L.h_gate_b;
-        bh.gate_up_b = L.h_gate_up_b;
-        bh.up_s      = L.h_up_s;
-        bh.gate_s    = L.h_gate_s;
-        bh.down_s    = L.h_down_s;
+        plan.br[1] = host_branch(L, ids_host, GGML_MUL_MAT_ID_FLAG_SKIP_NEG);
         plan.n_branches = 2;
     }
     return true;

@@ -208,18 +208,22 @@ static void need_mapped(const saem_moe_cache & c) {
     }
 }
 
-static std::vector<page_range> covering_pages(const saem_layer & L, const int32_t * experts, int32_t n) {
-    std::vector<page_range> out;
-    for (int32_t i = 0; i < n; ++i) {
-        if (experts[i] < 0 || experts[i] >= L.n_expert) {
-            throw saem_error(SAEM_E_EXPERT, "expert " + std::to_string(experts[i]) + " out of range [0, " +
-                    std::to_string(L.n_expert) + ")");
-        }
-        for (const auto & [addr, nbytes] : expert_bytes(L, experts[i])) {
-            out.push_back(pages_covering(addr, nbytes));
-        }
+// The cache and layer il for a call on experts[0..n) of it: arguments checked, experts in the mapping.
+static std::pair<saem_moe_cache *, const saem_layer *> mapped_layer(llama_context * ctx, int32_t il,
+                                                                    const int32_t * experts, int32_t n) {
+    if (n < 0 || (n > 0 && !experts)) {
+        throw saem_error(SAEM_E_INVALID_ARG, "experts is NULL or n < 0");
     }
-    return out;
+    saem_moe_cache & c = *saem_get_or_create_cache(ctx);
+    const saem_layer & L = c.layer(il);
+    if (L.n_expert == 0) {
+        throw saem_error(SAEM_E_NOT_MOE, "layer " + std::to_string(il) + " has no experts");
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        expert_layer(c, il, experts[i]);
+    }
+    need_mapped(c);
+    return { &c, &L };
 }
 
 // advice ladder of SAEM_RAM_RELEASE_AUTO, strongest first
@@ -236,7 +240,7 @@ static int release_advice_os(int32_t advice) {
     }
 }
 
-void saem_ram_prefetch_routed(const saem_layer & L, const int32_t * ids, int64_t n) {
+void saem_ram_prefetch_routed(saem_layer & L, const int32_t * ids, int64_t n) {
     // each routed expert once: a ubatch of many tokens repeats them
     std::vector<bool> seen(L.n_expert, false);
     for (int64_t i = 0; i < n; ++i) {
@@ -245,6 +249,7 @@ void saem_ram_prefetch_routed(const saem_layer & L, const int32_t * ids, int64_t
             continue;
         }
         seen[e] = true;
+        L.ram_route_prefetched++;
         for (const auto & [addr, nbytes] : expert_bytes(L, e)) {
             const page_range r = pages_covering(addr, nbytes);
             madvise((void *) r.begin, r.end - r.begin, MADV_WILLNEED);  // advice: a failure only costs speed
@@ -298,22 +303,19 @@ static int32_t ram_expert_ranges(const llama_context * ctx, int32_t il, int32_t 
 }
 
 static int32_t ram_prefetch(llama_context * ctx, int32_t il, const int32_t * experts, int32_t n, int32_t method) {
-    if (n < 0 || (n > 0 && !experts)) {
-        throw saem_error(SAEM_E_INVALID_ARG, "experts is NULL or n < 0");
-    }
     if (method != SAEM_RAM_PREFETCH_MADVISE && method != SAEM_RAM_PREFETCH_THREAD) {
         throw saem_error(SAEM_E_INVALID_ARG, "prefetch method " + std::to_string(method) +
                 " (0 madvise WILLNEED, 1 readahead thread)");
     }
-    saem_moe_cache & c = *saem_get_or_create_cache(ctx);
-    const saem_layer & L = c.layer(il);
-    if (L.n_expert == 0) {
-        throw saem_error(SAEM_E_NOT_MOE, "layer " + std::to_string(il) + " has no experts");
+    const auto [c, L] = mapped_layer(ctx, il, experts, n);
+    std::vector<page_range> pages;
+    for (int32_t i = 0; i < n; ++i) {
+        for (const auto & [addr, nbytes] : expert_bytes(*L, experts[i])) {
+            pages.push_back(pages_covering(addr, nbytes));
+        }
     }
-    need_mapped(c);
-    const auto pages = covering_pages(L, experts, n);
     if (method == SAEM_RAM_PREFETCH_THREAD) {
-        saem_ram_state_of(c).enqueue(pages);
+        saem_ram_state_of(*c).enqueue(pages);
         return SAEM_OK;
     }
     for (const page_range & r : pages) {
@@ -333,23 +335,14 @@ static int32_t ram_prefetch_wait(llama_context * ctx) {
 }
 
 static int32_t ram_release(llama_context * ctx, int32_t il, const int32_t * experts, int32_t n, int32_t advice) {
-    if (n < 0 || (n > 0 && !experts)) {
-        throw saem_error(SAEM_E_INVALID_ARG, "experts is NULL or n < 0");
-    }
     if (advice < SAEM_RAM_RELEASE_AUTO || advice > SAEM_RAM_RELEASE_DONTNEED) {
         throw saem_error(SAEM_E_INVALID_ARG, "release advice " + std::to_string(advice) +
                 " (0 auto, 1 pageout, 2 cold, 3 dontneed)");
     }
-    saem_moe_cache & c = *saem_get_or_create_cache(ctx);
-    const saem_layer & L = c.layer(il);
-    if (L.n_expert == 0) {
-        throw saem_error(SAEM_E_NOT_MOE, "layer " + std::to_string(il) + " has no experts");
-    }
-    need_mapped(c);
+    const auto [c, L] = mapped_layer(ctx, il, experts, n);
     std::vector<page_range> pages;
     for (int32_t i = 0; i < n; ++i) {
-        expert_layer(c, il, experts[i]);
-        for (const auto & [addr, nbytes] : expert_bytes(L, experts[i])) {
+        for (const auto & [addr, nbytes] : expert_bytes(*L, experts[i])) {
             pages.push_back(pages_inside(addr, nbytes));
         }
     }
@@ -495,6 +488,20 @@ int32_t saem_ram_set_route_prefetch(struct llama_context * ctx, int32_t on) {
         CHECK_CTX(ctx);
         return ram_set_route_prefetch(ctx, on);
     });
+}
+
+int64_t saem_ram_route_prefetched(const struct llama_context * ctx) {
+    int64_t n = 0;
+    const int32_t rc = saem_guarded(__func__, [&]() -> int32_t {
+        CHECK_CTX(ctx);
+        if (const saem_moe_cache * c = saem_get_cache(ctx)) {
+            for (const saem_layer & L : c->layers) {
+                n += (int64_t) L.ram_route_prefetched;
+            }
+        }
+        return SAEM_OK;
+    });
+    return rc < 0 ? rc : n;
 }
 
 int32_t saem_ram_prefetch_wait(struct llama_context * ctx) {

@@ -201,6 +201,10 @@ SAEM_API int32_t saem_ram_prefetch(struct llama_context * ctx, int32_t il, const
 // matmuls that read them (layers computed on the host; results unchanged). Off by default.
 SAEM_API int32_t saem_ram_set_route_prefetch(struct llama_context * ctx, int32_t on);
 
+// Routed experts the graph's read-ahead has advised since the context was made (each expert once
+// per layer and ubatch), or < 0.
+SAEM_API int64_t saem_ram_route_prefetched(const struct llama_context * ctx);
+
 // Block until the readahead thread has finished what was queued (at once if it has nothing).
 SAEM_API int32_t saem_ram_prefetch_wait(struct llama_context * ctx);
 

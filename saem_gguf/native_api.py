@@ -207,6 +207,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
                                ctypes.c_int32),
     "saem_ram_prefetch": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
     "saem_ram_set_route_prefetch": ([_CTX, ctypes.c_int32], ctypes.c_int32),
+    "saem_ram_route_prefetched": ([_CTX], ctypes.c_int64),
     "saem_ram_prefetch_wait": ([_CTX], ctypes.c_int32),
     "saem_ram_release": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
     "saem_ram_expert_residency": ([_CTX, ctypes.c_int32, ctypes.c_int32, _P_U64, _P_U64], ctypes.c_int32),
@@ -522,6 +523,11 @@ def saem_ram_prefetch(ctx: Any, il: int, experts: Sequence[int], method: int = S
 def saem_ram_set_route_prefetch(ctx: Any, on: bool) -> None:
     """int32_t saem_ram_set_route_prefetch(struct llama_context * ctx, int32_t on);"""
     _call("saem_ram_set_route_prefetch", _ctx(ctx), 1 if on else 0)
+
+
+def saem_ram_route_prefetched(ctx: Any) -> int:
+    """int64_t saem_ram_route_prefetched(const struct llama_context * ctx);"""
+    return _call("saem_ram_route_prefetched", _ctx(ctx))
 
 
 def saem_ram_prefetch_wait(ctx: Any) -> None:

@@ -166,6 +166,7 @@ class RamTierStats:
     prefetched: int = 0  # experts read ahead (newly resident)
     released: int = 0  # experts released (evicted, or used without staying)
     bytes_prefetched: int = 0
+    route_prefetched: int = 0  # routed experts the graph's read-ahead advised (native count)
 
     @property
     def hit_rate(self) -> float:
@@ -174,7 +175,7 @@ class RamTierStats:
     def to_dict(self) -> dict:
         return {"ram_accesses": self.accesses, "ram_hits": self.hits, "ram_hit_rate": round(self.hit_rate, 6),
                 "ram_prefetched": self.prefetched, "ram_released": self.released,
-                "ram_bytes_prefetched": self.bytes_prefetched}
+                "ram_bytes_prefetched": self.bytes_prefetched, "ram_route_prefetched": self.route_prefetched}
 
 
 class RamTier:
@@ -202,6 +203,7 @@ class RamTier:
         self.state: CacheState = self.policy.start(pctx)
         self.acct = Accounting()
         self.stats = RamTierStats()
+        self._route_base = na.saem_ram_route_prefetched(ctx)
         self.release_advice = na.SAEM_RAM_RELEASE_AUTO  # becomes the advice the kernel accepted
         self._resident = np.zeros((L, E), bool)  # what the tier has made resident natively
         self._realise(self.state.slot_of >= 0, used=None, count=False, release_all_others=True)
@@ -229,6 +231,7 @@ class RamTier:
             e = ids[:, l, :].ravel()
             used[l, e[e >= 0]] = True
         self._realise(self.state.slot_of >= 0, used=used)
+        self.stats.route_prefetched = na.saem_ram_route_prefetched(self.ctx) - self._route_base
 
     def _realise(self, want: np.ndarray, used: np.ndarray | None, count: bool = True,
                  release_all_others: bool = False) -> None:

@@ -173,12 +173,16 @@ def test_greedy_output_is_bit_identical_with_the_tier(engine, reference, policy,
     tier = RamTier(engine.llm, _moe_layers(engine), policy, budget, cost, calib_counts=calib)
     engine.placement.tiers[:] = [tier]
     na.saem_ram_set_route_prefetch(engine.llm, route_prefetch)
+    advised = na.saem_ram_route_prefetched(engine.llm)
     try:
         got = _greedy(engine)
     finally:
         engine.placement.tiers.clear()
         na.saem_ram_set_route_prefetch(engine.llm, False)
     assert got == reference
+    # each decode step advises its 4 routed experts in each of the 3 layers (plus the prompt's)
+    advised = na.saem_ram_route_prefetched(engine.llm) - advised
+    assert advised >= 4 * 3 * (len(got[0]) - 1) if route_prefetch else advised == 0, advised
     assert tier.stats.accesses == 4 * len(info.moe_layers) * (len(got[0]) - 1)
     if slots < N_EXPERT:
         assert tier.stats.released > 0, tier.stats
