@@ -235,3 +235,17 @@ def test_ram_policy_defaults():
     assert ram_policy_for("saem", "static-hot") == "static-hot"
     with pytest.raises(SaemError, match="places nothing"):
         ram_policy_for("saem", "gpu-all")
+
+
+def test_python_api_takes_a_ram_budget(private_model, reference):
+    from saem_gguf import Llama
+
+    llm = Llama(str(private_model), expert_policy="cpu-moe", ecr=0.0, ram_budget="1M", ram_policy="lfu-cpu",
+                n_ctx=256, n_threads=2, verbose=False, hw="rtx3060-ddr4")
+    try:
+        stats = llm.expert_stats()
+        assert llm._saem_engine.ram_tier is not None and llm._saem_engine.ram_tier.policy_name == "lfu-cpu"
+        assert _greedy(llm._saem_engine) == reference
+        assert "ram_hit_rate" in llm.expert_stats() and stats["policy"] == "cpu-moe"
+    finally:
+        llm.close()
