@@ -581,7 +581,8 @@ class Engine:
                                    calib_counts=calib, cue_counts=cue_counts, record=self.cfg.record,
                                    policy_args=policy_args)
         self.policy_name = policy
-        if self.ram_tier is not None:  # the RAM tier outlives a policy switch (bench)
+        if self.ram_tier is not None:  # the RAM tier outlives a policy switch (bench); its counts restart
+            self.ram_tier.reset_stats()
             self.placement.tiers.append(self.ram_tier)
         self.note(f"policy {policy}: {self.placement.policy.summary}")
         if policy == "saem-cue" and not cue_counts:

@@ -202,11 +202,15 @@ class RamTier:
                              cost=cost, calib_counts=calib_counts, cue_counts=cue_counts)
         self.state: CacheState = self.policy.start(pctx)
         self.acct = Accounting()
-        self.stats = RamTierStats()
-        self._route_base = na.saem_ram_route_prefetched(ctx)
+        self.reset_stats()
         self.release_advice = na.SAEM_RAM_RELEASE_AUTO  # becomes the advice the kernel accepted
         self._resident = np.zeros((L, E), bool)  # what the tier has made resident natively
         self._realise(self.state.slot_of >= 0, used=None, count=False, release_all_others=True)
+
+    def reset_stats(self) -> None:
+        """Counts start again from zero (a new placement over the same tier)."""
+        self.stats = RamTierStats()
+        self._route_base = na.saem_ram_route_prefetched(self.ctx)
 
     @property
     def release_name(self) -> str:

@@ -249,3 +249,25 @@ def test_python_api_takes_a_ram_budget(private_model, reference):
         assert "ram_hit_rate" in llm.expert_stats() and stats["policy"] == "cpu-moe"
     finally:
         llm.close()
+
+
+def test_cli_flags_reach_the_tier_in_generate_and_bench(private_model):
+    """--ram-budget / --ram-policy / --ram-prefetch through the commands; bench keeps the tier
+    across its policy switches (one note at load, the tier's hit rate in every row's stats)."""
+    from conftest import run_cli
+
+    r = run_cli("generate", "-m", str(private_model), "-p", "hi", "-n", "4", "--ecr", "0", "--hw", "rtx3060-ddr4",
+                "--ram-budget", "1M", "--ram-policy", "lru-cpu", "--ram-prefetch", "thread")
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if line.startswith("[saem] RAM tier: ") and "resident" in line]
+    assert len(notes) == 1 and "policy lru-cpu, prefetch thread + routed experts" in notes[0], r.stderr
+    out = private_model.parent / "bench.json"
+    r = run_cli("bench", "-m", str(private_model), "-n", "2", "--reps", "1", "--max-prompts", "1",
+                "--policies", "cpu-moe,saem", "--ecr", "0", "--hw", "rtx3060-ddr4", "--ram-budget", "1M",
+                "--no-ram-route-prefetch", "--json", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert sum("RAM tier: " in line and "resident" in line for line in r.stderr.splitlines()) == 1, r.stderr
+    import json
+
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 2 and all(row["ram_accesses"] > 0 for row in rows), rows

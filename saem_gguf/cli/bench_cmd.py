@@ -155,5 +155,6 @@ def _report(rows, configs, policies, args, eng):
         out["results"].append({"policy": pol, "ecr": ecr, "pp_tps": r["pp"], "tg_tps": r["tg"],
                                "tg_ratio": tg / tg_base if tg_base else None, "same_output": same,
                                **{k: s.get(k) for k in ("hit_rate", "mb_moved_per_token", "boundaries",
-                                                        "copies", "bytes_moved", "slots_per_layer")}})
+                                                        "copies", "bytes_moved", "slots_per_layer")},
+                               **{k: v for k, v in s.items() if k.startswith("ram_")}})  # the RAM tier's
     return "\n".join(lines), out
