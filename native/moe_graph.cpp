@@ -201,7 +201,12 @@ bool saem_moe_graph_layer(saem_moe_cache * c, const llm_graph_context & g, int i
         ggml_set_input(map_host);
         g.cb(map_host, "saem_map_host", il);
         inp->t_map_host[il] = map_host;
-        ggml_tensor * ids_host = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, map_host, ids_1d), n_used, n_tokens);
+        ggml_tensor * host_ids = ggml_get_rows(ctx0, map_host, ids_1d);  // -1 where a slot serves
+        if (c->ram_route_prefetch) {  // read ahead only what the host branch will read
+            host_ids = ggml_map_custom1_inplace(ctx0, host_ids, saem_route_prefetch_op, 1, &L);
+            g.cb(host_ids, "saem_ram_prefetch", il);
+        }
+        ggml_tensor * ids_host = ggml_reshape_2d(ctx0, host_ids, n_used, n_tokens);
         g.cb(ids_host, "saem_ids_host", il);
 
         plan.br[1] = host_branch(L, ids_host, GGML_MUL_MAT_ID_FLAG_SKIP_NEG);
