@@ -34,6 +34,7 @@ from saem_gguf import native_api as na
 from saem_gguf.budget import AUTO, format_size, parse_size
 from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo, compute_buffer_bytes, kv_cache_bytes
+from saem_gguf.placement import ENGINE_VARIANT
 from saem_gguf.policies import make_policy
 from saem_gguf.policies.accounting import A_ACCESS, A_HIT, Accounting
 from saem_gguf.policies.base import PolicyContext
@@ -46,8 +47,6 @@ RELEASE_NAMES = {na.SAEM_RAM_RELEASE_PAGEOUT: "MADV_PAGEOUT", na.SAEM_RAM_RELEAS
 # tier then runs the project's own policy (--ram-policy names another).
 FIXED_POLICIES = ("cpu-moe", "n-cpu-moe", "gpu-all")
 DEFAULT_RAM_POLICY = "saem"
-# the engine variants of policies whose misses would wait for a load (placement.ENGINE_VARIANT)
-ENGINE_VARIANT = {"lru": "lru-cpu", "lfu": "lfu-cpu", "temporal": "temporal-cpu"}
 # --ram-budget auto keeps this much of the available memory free: the process itself (Python,
 # NumPy, Numba), llama.cpp's compute buffers and what other programs allocate meanwhile
 AUTO_RAM_MARGIN_BYTES = 512 << 20
