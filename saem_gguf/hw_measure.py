@@ -113,7 +113,7 @@ def measure_cpu(base: HardwareProfile, quick: bool = False) -> HardwareProfile:
     return base.replace(
         name=f"measured+{base.name}", cpu_mem_bw=bw, cpu_cores=int(cores), cpu_flops_per_core=fl,
         notes=f"CPU measured here: {cores} cores, {bw / GB:.1f} GB/s read, {fl / 1e9:.1f} GFLOP/s/core, "
-              f"{mem / 2**30:.0f} GiB RAM; GPU and host-to-device link not measured: from the "
+              f"{mem / 2**30:.0f} GiB RAM; GPU, host-to-device link and SSD not measured: from the "
               f"{base.name} preset")
 
 
@@ -179,7 +179,7 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
                 raise SaemError(f"{where}: {name} must be a number, got {value!r}")
             if value < 0 or (value == 0 and name in ("gpu_mem_bw", "gpu_flops", "h2d_bw", "cpu_mem_bw",
-                                                     "cpu_cores", "cpu_flops_per_core")):
+                                                     "cpu_cores", "cpu_flops_per_core", "ssd_read_bw")):
                 raise SaemError(f"{where}: {name} must be > 0, got {value!r}")
             if kind == "int" and value != int(value):
                 raise SaemError(f"{where}: {name} must be a whole number, got {value!r}")

@@ -203,6 +203,8 @@ class RamTier:
         self.acct = Accounting()
         self.reset_stats()
         self.release_advice = na.SAEM_RAM_RELEASE_AUTO  # becomes the advice the kernel accepted
+        # experts used in passing: MADV_COLD, else (a kernel without it) what evictions get
+        self.passing_advice = na.SAEM_RAM_RELEASE_COLD
         self._resident = np.zeros((L, E), bool)  # what the tier has made resident natively
         self._realise(self.state.slot_of >= 0, used=None, count=False, release_all_others=True)
 
@@ -239,24 +241,43 @@ class RamTier:
     def _realise(self, want: np.ndarray, used: np.ndarray | None, count: bool = True,
                  release_all_others: bool = False) -> None:
         """Make the mapping hold ``want`` (bool [L, E]): prefetch the newly wanted, release the no
-        longer wanted and the ``used`` ones that are not wanted (they were faulted in by the step)."""
+        longer wanted, and mark cold the ``used`` ones that are not wanted (the step read them in).
+
+        Evicted experts are released with the strongest advice the kernel takes (MADV_PAGEOUT): the
+        policy chose to drop them. An expert used in passing only gets MADV_COLD: it goes to the
+        inactive list, so reclaim takes it before any resident expert, but while the memory limit
+        has room beyond the budget the kernel keeps it, and the next miss on it is not a disk read.
+        Paging it out at once (as evictions) made a policy that runs misses without admitting them
+        (saem's stage and static leaders) read the same experts from disk again and again."""
         drop = ~want if release_all_others else (self._resident & ~want)
-        if used is not None:
-            drop |= used & ~want
+        passing = used & ~want & ~drop if used is not None else np.zeros_like(want)
         load = want & ~self._resident
-        for l in np.flatnonzero(drop.any(axis=1) | load.any(axis=1)).tolist():
+        for l in np.flatnonzero(drop.any(axis=1) | passing.any(axis=1) | load.any(axis=1)).tolist():
             il = self.moe_layers[l]
             gone = np.flatnonzero(drop[l]).tolist()
+            cold = np.flatnonzero(passing[l]).tolist()
             new = np.flatnonzero(load[l]).tolist()
             if gone:
                 self.release_advice = na.saem_ram_release(self.ctx, il, gone, self.release_advice)
+            if cold:
+                self._mark_cold(il, cold)
             if new:
                 na.saem_ram_prefetch(self.ctx, il, new, self.prefetch_method)
             if count:
-                self.stats.released += len(gone)
+                self.stats.released += len(gone) + len(cold)
                 self.stats.prefetched += len(new)
                 self.stats.bytes_prefetched += len(new) * self.expert_nbytes[l]
         self._resident = want.copy()
+
+    def _mark_cold(self, il: int, experts: list[int]) -> None:
+        """MADV_COLD on ``experts`` of layer ``il``; a kernel without it (Linux < 5.4) gets
+        MADV_DONTNEED (unmapped from this process, the clean pages stay cached) from then on."""
+        try:
+            self.passing_advice = na.saem_ram_release(self.ctx, il, experts, self.passing_advice)
+        except na.OsCallError:
+            if self.passing_advice != na.SAEM_RAM_RELEASE_COLD:
+                raise
+            self.passing_advice = na.saem_ram_release(self.ctx, il, experts, na.SAEM_RAM_RELEASE_DONTNEED)
 
     def resident_pages(self) -> tuple[int, int]:
         """(resident, total) pages of every expert of every MoE layer (mincore): what is in RAM."""
@@ -307,7 +328,9 @@ def attach_ram_tier(llm, placement, info: ModelInfo, budget: RamBudget | None, s
     lock_non_expert(llm, note)
     na.saem_ram_set_route_prefetch(llm, settings.route_prefetch)
     pctx = placement.policy.ctx
-    tier = RamTier(llm, placement.moe_layers, policy, budget, pctx.cost, settings.prefetch,
+    # the tier's copies are disk reads, not the VRAM link's: copy-cost-aware policies (the adaptive
+    # saem's leader switches, its layout) price them so
+    tier = RamTier(llm, placement.moe_layers, policy, budget, pctx.cost.ram_tier(), settings.prefetch,
                    calib_counts=pctx.calib_counts, cue_counts=pctx.cue_counts)
     placement.tiers.append(tier)
     note(f"RAM tier: {budget.slots}/{budget.n_expert} experts per layer resident "
