@@ -132,6 +132,38 @@ def test_release_drops_pages_and_prefetch_reads_them_back(engine):
         assert na.saem_ram_expert_residency(engine.llm, il, e) == (total, total), method
 
 
+def test_evicted_experts_are_paged_out_and_passing_ones_only_marked_cold(engine):
+    """An expert the policy evicts is released (MADV_PAGEOUT drops its pages); one a step used
+    without the policy keeping it is only marked cold (MADV_COLD): its pages stay while memory has
+    room, so the next miss on it is not a disk read."""
+    info = read_model_info(engine.path)
+    per = info.bytes_per_expert_all_layers
+    cost = CostModel.from_expert_bytes(info.moe_layers[0].bytes_per_expert, get_hw("rtx3060-ddr4")).ram_tier()
+    calib = np.tile(np.arange(N_EXPERT, dtype=np.float64), (len(info.moe_layers), 1))  # 12..15 hottest
+    tier = RamTier(engine.llm, _moe_layers(engine), "static-hot", RamBudget(4 * per, 4, N_EXPERT, per), cost,
+                   calib_counts=calib)
+    l, il = 1, _moe_layers(engine)[1]
+    want = tier.state.slot_of >= 0
+    assert want[l, 12:].all() and not want[l, :12].any()
+    passing = 0
+    na.saem_ram_prefetch(engine.llm, il, [passing])  # the step's in-graph read-ahead read it
+    total = na.saem_ram_expert_residency(engine.llm, il, passing)[1]
+    deadline = time.monotonic() + 5.0
+    while na.saem_ram_expert_residency(engine.llm, il, passing)[0] < total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    used = np.zeros_like(want)
+    used[l, passing] = True
+    smaller = want.copy()
+    smaller[l, 15] = False  # the policy evicts expert 15
+    tier._realise(smaller, used=used)
+    assert tier.stats.released == 2
+    if tier.passing_advice == na.SAEM_RAM_RELEASE_COLD:
+        assert na.saem_ram_expert_residency(engine.llm, il, passing) == (total, total)
+    if tier.release_advice == na.SAEM_RAM_RELEASE_PAGEOUT:
+        resident, total15 = na.saem_ram_expert_residency(engine.llm, il, 15)
+        assert resident <= total15 - _inside_pages(engine, il, 15), (resident, total15)
+
+
 def test_non_expert_weights_lock(engine):
     locked = na.saem_ram_lock_non_expert(engine.llm)
     info = read_model_info(engine.path)
