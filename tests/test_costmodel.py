@@ -133,3 +133,14 @@ def test_ram_tier_cost_prices_a_copy_as_a_disk_read(tmp_path):
         get_hw(str(p))
     with pytest.raises(SaemError, match="ssd_read_bw"):
         CostModel.from_expert_bytes(1000, hw.replace(ssd_read_bw=0))
+
+
+def test_measure_disk_read_reads_a_dropped_scratch_file(tmp_path):
+    """The disk probe reads its scratch file back after dropping it from the page cache (a real
+    read, so slower than RAM and with a positive per-read latency) and leaves nothing behind."""
+    from saem_gguf.hw_measure import measure_disk_read, measure_memory_bandwidth
+
+    bw, latency = measure_disk_read(tmp_path, n_bytes=8 << 20, read_size=1 << 20, n_latency=8)
+    assert 1e6 < bw < measure_memory_bandwidth(32 << 20) * 4
+    assert 0 < latency < 1.0
+    assert list(tmp_path.iterdir()) == []
