@@ -1,5 +1,6 @@
 // saem_gguf native C API (saem_native.h): argument checking, error codes, no exception escapes.
 
+#include "api_guard.h"
 #include "moe_cache.h"
 
 #include "llama-context.h"
@@ -17,26 +18,8 @@
 
 static thread_local std::string g_last_error;
 
-static int32_t fail(int32_t code, const std::string & msg) {
+void saem_set_last_error(const std::string & msg) {
     g_last_error = msg;
-    return code;
-}
-
-// run f(); map saem_error / other exceptions to codes
-template <typename F>
-static int32_t guarded(const char * fn, F && f) {
-    try {
-        g_last_error.clear();
-        return f();
-    } catch (const saem_error & e) {
-        return fail(e.code, std::string(fn) + ": " + e.what());
-    } catch (const std::bad_alloc &) {
-        return fail(SAEM_E_ALLOC, std::string(fn) + ": out of memory");
-    } catch (const std::exception & e) {
-        return fail(SAEM_E_INTERNAL, std::string(fn) + ": " + e.what());
-    } catch (...) {
-        return fail(SAEM_E_INTERNAL, std::string(fn) + ": unknown exception");
-    }
 }
 
 #define CHECK_CTX(ctx) \
@@ -102,14 +85,14 @@ const char * saem_expert_tensor_regex(void) {
 }
 
 int32_t saem_moe_n_layers(const struct llama_context * ctx) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         return (int32_t) saem_ctx_access::model(*ctx).layers.size();
     });
 }
 
 int32_t saem_moe_get_layer_info(const struct llama_context * ctx, int32_t il, struct saem_moe_layer_info * out) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         CHECK_PTR(out);
         saem_describe_layer(ctx, il, *out);
@@ -118,7 +101,7 @@ int32_t saem_moe_get_layer_info(const struct llama_context * ctx, int32_t il, st
 }
 
 int32_t saem_moe_cache_init(struct llama_context * ctx, const int32_t * n_slots, int32_t n_layers) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         CHECK_PTR(n_slots);
         if (!model_has_experts(ctx)) {
@@ -131,7 +114,7 @@ int32_t saem_moe_cache_init(struct llama_context * ctx, const int32_t * n_slots,
 }
 
 int32_t saem_moe_cache_is_init(const struct llama_context * ctx) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         const saem_moe_cache * c = saem_get_cache(ctx);
         return c && c->initialised ? 1 : 0;
@@ -150,7 +133,7 @@ static saem_moe_cache & need_cache(const llama_context * ctx) {
 }
 
 int32_t saem_moe_set_slot_map(struct llama_context * ctx, int32_t il, const int32_t * expert_to_slot, int32_t n_expert) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         CHECK_PTR(expert_to_slot);
         saem_moe_cache & c = need_cache(ctx);
@@ -162,7 +145,7 @@ int32_t saem_moe_set_slot_map(struct llama_context * ctx, int32_t il, const int3
 }
 
 int32_t saem_moe_get_slot_map(const struct llama_context * ctx, int32_t il, int32_t * expert_to_slot, int32_t n_expert) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         CHECK_PTR(expert_to_slot);
         saem_moe_cache & c = need_cache(ctx);
@@ -174,7 +157,7 @@ int32_t saem_moe_get_slot_map(const struct llama_context * ctx, int32_t il, int3
 }
 
 int32_t saem_moe_get_slot_owner(const struct llama_context * ctx, int32_t il, int32_t * slot_to_expert, int32_t n_slots) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         saem_moe_cache & c = need_cache(ctx);
         const saem_layer & L = moe_layer(c, il);
@@ -188,7 +171,7 @@ int32_t saem_moe_get_slot_owner(const struct llama_context * ctx, int32_t il, in
 }
 
 static int32_t copy_impl(const char * fn, llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t update_map, bool async) {
-    return guarded(fn, [&]() -> int32_t {
+    return saem_guarded(fn, [&]() -> int32_t {
         CHECK_CTX(ctx);
         saem_moe_cache & c = need_cache(ctx);
         moe_layer(c, il);
@@ -206,7 +189,7 @@ int32_t saem_moe_copy_expert_async(struct llama_context * ctx, int32_t il, int32
 }
 
 int32_t saem_moe_copy_query(struct llama_context * ctx) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         saem_moe_cache & c = need_cache(ctx);
         return c.copy_query() ? 1 : 0;
@@ -214,7 +197,7 @@ int32_t saem_moe_copy_query(struct llama_context * ctx) {
 }
 
 int32_t saem_moe_copy_sync(struct llama_context * ctx) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         saem_moe_cache & c = need_cache(ctx);
         c.copy_sync();
@@ -223,7 +206,7 @@ int32_t saem_moe_copy_sync(struct llama_context * ctx) {
 }
 
 int32_t saem_moe_set_counting(struct llama_context * ctx, int32_t mode) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         if (mode != SAEM_COUNT_OFF && mode != SAEM_COUNT_ON && mode != SAEM_COUNT_IDS) {
             throw saem_error(SAEM_E_INVALID_ARG, "counting mode " + std::to_string(mode) + " (0 off, 1 counts, 2 counts + ids)");
@@ -241,7 +224,7 @@ int32_t saem_moe_set_counting(struct llama_context * ctx, int32_t mode) {
 }
 
 int32_t saem_moe_get_counting(const struct llama_context * ctx) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         const saem_moe_cache * c = saem_get_cache(ctx);
         return c ? c->counting : SAEM_COUNT_OFF;
@@ -249,7 +232,7 @@ int32_t saem_moe_get_counting(const struct llama_context * ctx) {
 }
 
 int32_t saem_moe_get_counts(const struct llama_context * ctx, int32_t il, int32_t which, int64_t * counts, int32_t n_expert) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         CHECK_PTR(counts);
         if (which != 0 && which != 1) {
@@ -275,7 +258,7 @@ int32_t saem_moe_get_counts(const struct llama_context * ctx, int32_t il, int32_
 }
 
 int32_t saem_moe_reset_counts(struct llama_context * ctx) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         saem_moe_cache * c = saem_get_cache(ctx);
         if (c) {
@@ -293,7 +276,7 @@ int32_t saem_moe_reset_counts(struct llama_context * ctx) {
 
 int64_t saem_moe_counted_tokens(const struct llama_context * ctx) {
     int64_t n = 0;
-    const int32_t rc = guarded(__func__, [&]() -> int32_t {
+    const int32_t rc = saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         const saem_moe_cache * c = saem_get_cache(ctx);
         n = c ? c->counted_tokens : 0;
@@ -315,7 +298,7 @@ static const saem_moe_cache * ids_cache(const llama_context * ctx, int32_t cap) 
 }
 
 int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int32_t * ids, int32_t cap, int32_t * n_tokens, int32_t * n_used) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         const saem_moe_cache * c = ids_cache(ctx, cap);
         const saem_layer & L = moe_layer(*c, il);
@@ -332,7 +315,7 @@ int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int3
 }
 
 int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         const saem_moe_cache * c = ids_cache(ctx, cap);
         int32_t nt = 0, nl = 0, nu = 0;
@@ -386,7 +369,7 @@ int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * ou
 }
 
 int32_t saem_moe_set_stock_min_batch(struct llama_context * ctx, int32_t n) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         if (n < 1) {
             throw saem_error(SAEM_E_INVALID_ARG, "stock_min_batch must be >= 1");
@@ -404,7 +387,7 @@ int32_t saem_moe_set_stock_min_batch(struct llama_context * ctx, int32_t n) {
 }
 
 int32_t saem_moe_get_stock_min_batch(const struct llama_context * ctx) {
-    return guarded(__func__, [&]() -> int32_t {
+    return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         const saem_moe_cache * c = saem_get_cache(ctx);
         if (c) {

@@ -15,6 +15,7 @@
 
 struct llama_context;
 struct llama_model;
+struct saem_ram_state;  // ram_tier.cpp: readahead thread, locked ranges
 
 // access to llama_context internals (friend of llama_context, see patches/0004)
 struct saem_ctx_access {
@@ -94,6 +95,9 @@ struct saem_layer {
     std::vector<int32_t> last_ids;  // [n_tokens][n_used]
     int last_n_tokens = 0;
 
+    // RAM tier: routed experts the graph's prefetch op advised (one task per layer, so no race)
+    uint64_t ram_route_prefetched = 0;
+
     void    rebuild_maps();          // mode/n_resident from slot_of
     size_t  expert_nbytes() const;
 };
@@ -109,6 +113,8 @@ struct saem_moe_cache {
     int64_t  counted_tokens  = 0;
     int32_t  stock_min_batch = 32;
     uint64_t topo_version    = 1;     // bumped on any topology change (sig)
+    std::shared_ptr<saem_ram_state> ram;  // RAM tier state, made on first use (ram_tier.cpp)
+    bool     ram_route_prefetch = false;  // graph op: madvise(WILLNEED) the routed experts before their matmuls
 
     explicit saem_moe_cache(llama_context * lctx);
     ~saem_moe_cache();
@@ -131,4 +137,7 @@ struct saem_moe_cache {
 saem_moe_cache * saem_get_cache(const llama_context * ctx);      // may be null
 saem_moe_cache * saem_get_or_create_cache(llama_context * ctx);  // creates the counters-only object
 bool saem_arch_supported(const llama_model & model, std::string & why);
+// RAM tier (ram_tier.cpp): madvise(MADV_WILLNEED) the experts in ids[0..n) of layer L (the routed
+// experts of a ubatch, called from the graph before their MUL_MAT_IDs)
+void saem_ram_prefetch_routed(saem_layer & L, const int32_t * ids, int64_t n);
 void saem_describe_layer(const llama_context * ctx, int il, saem_moe_layer_info & out); // throws saem_error

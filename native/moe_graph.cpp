@@ -61,6 +61,37 @@ static saem_graph_input * get_input(saem_moe_cache * c, const llm_graph_context 
     return p;
 }
 
+// GGML_OP_MAP_CUSTOM1 (in place on the routed ids, one task): the RAM tier's read-ahead of the
+// experts this ubatch routes to, issued after the router and before the expert matmuls that
+// depend on this op, so their page faults wait on large reads already in flight instead of each
+// starting its own (llama.cpp's mmap readaround). The ids pass through unchanged.
+static void saem_route_prefetch_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * userdata) {
+    GGML_UNUSED(a);
+    GGML_UNUSED(nth);
+    if (ith == 0) {
+        saem_ram_prefetch_routed(*static_cast<saem_layer *>(userdata), (const int32_t *) dst->data,
+                                 ggml_nelements(dst));
+    }
+}
+
+// a branch computing from the model's own (host) expert tensors with these ids and MUL_MAT_ID flags
+static saem_moe_branch host_branch(const saem_layer & L, ggml_tensor * ids, int32_t mm_flags) {
+    saem_moe_branch b;
+    b.ids       = ids;
+    b.mm_flags  = mm_flags;
+    b.up        = L.h_up;
+    b.gate      = L.h_gate;
+    b.gate_up   = L.h_gate_up;
+    b.down      = L.h_down;
+    b.up_b      = L.h_up_b;
+    b.gate_b    = L.h_gate_b;
+    b.gate_up_b = L.h_gate_up_b;
+    b.up_s      = L.h_up_s;
+    b.gate_s    = L.h_gate_s;
+    b.down_s    = L.h_down_s;
+    return b;
+}
+
 uint64_t saem_moe_graph_sig(const saem_moe_cache * c) {
     return c ? c->topo_version : 0;
 }
@@ -106,7 +137,22 @@ bool saem_moe_graph_layer(saem_moe_cache * c, const llm_graph_context & g, int i
         inp->t_ids[il] = ids_flat;
     }
 
-    if (!c->initialised || L.n_slots == 0 || L.mode == SAEM_MODE_STOCK) {
+    const bool stock_layer = !c->initialised || L.n_slots == 0 || L.mode == SAEM_MODE_STOCK;
+    if (c->ram_route_prefetch && (stock_layer || n_tokens >= c->stock_min_batch)) {
+        // every expert on the host: one branch, the model's own tensors, ids through the prefetch
+        // op (the same ops on the same tensors as the stock graph, so the same results)
+        if (!ids_flat) {
+            ids_flat = ggml_cont(ctx0, selected_experts);
+            g.cb(ids_flat, "saem_ids", il);
+        }
+        ggml_tensor * ids = ggml_map_custom1_inplace(ctx0, ids_flat, saem_route_prefetch_op, 1, &L);
+        g.cb(ids, "saem_ram_prefetch", il);
+        plan.br[0]   = host_branch(L, ids, 0);
+        plan.down_b  = L.h_down_b;
+        plan.n_branches = 1;
+        return true;
+    }
+    if (stock_layer) {
         return false;
     }
     if (g.loras && !g.loras->empty()) {
@@ -155,22 +201,15 @@ bool saem_moe_graph_layer(saem_moe_cache * c, const llm_graph_context & g, int i
         ggml_set_input(map_host);
         g.cb(map_host, "saem_map_host", il);
         inp->t_map_host[il] = map_host;
-        ggml_tensor * ids_host = ggml_reshape_2d(ctx0, ggml_get_rows(ctx0, map_host, ids_1d), n_used, n_tokens);
+        ggml_tensor * host_ids = ggml_get_rows(ctx0, map_host, ids_1d);  // -1 where a slot serves
+        if (c->ram_route_prefetch) {  // read ahead only what the host branch will read
+            host_ids = ggml_map_custom1_inplace(ctx0, host_ids, saem_route_prefetch_op, 1, &L);
+            g.cb(host_ids, "saem_ram_prefetch", il);
+        }
+        ggml_tensor * ids_host = ggml_reshape_2d(ctx0, host_ids, n_used, n_tokens);
         g.cb(ids_host, "saem_ids_host", il);
 
-        saem_moe_branch & bh = plan.br[1];
-        bh.ids       = ids_host;
-        bh.mm_flags  = GGML_MUL_MAT_ID_FLAG_SKIP_NEG;
-        bh.up        = L.h_up;
-        bh.gate      = L.h_gate;
-        bh.gate_up   = L.h_gate_up;
-        bh.down      = L.h_down;
-        bh.up_b      = L.h_up_b;
-        bh.gate_b    = L.h_gate_b;
-        bh.gate_up_b = L.h_gate_up_b;
-        bh.up_s      = L.h_up_s;
-        bh.gate_s    = L.h_gate_s;
-        bh.down_s    = L.h_down_s;
+        plan.br[1] = host_branch(L, ids_host, GGML_MUL_MAT_ID_FLAG_SKIP_NEG);
         plan.n_branches = 2;
     }
     return true;

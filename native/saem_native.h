@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define SAEM_NATIVE_ABI_VERSION 3
+#define SAEM_NATIVE_ABI_VERSION 4
 
 #if defined(_WIN32)
 #    define SAEM_API __declspec(dllexport)
@@ -50,6 +50,7 @@ struct llama_model_params;
 #define SAEM_E_ALLOC           -10  // device memory allocation failed
 #define SAEM_E_BACKEND         -11  // backend failure (copy, event)
 #define SAEM_E_INTERNAL        -12  // unexpected C++ exception
+#define SAEM_E_OS              -13  // an OS call refused (mlock, madvise, mincore); the message has errno's text
 
 // Version string of the saem_gguf native layer, e.g. "saem-native 0.2.0 (llama.cpp 0c1e570)".
 // Its presence proves the patched library (not a stock libllama) is the one loaded.
@@ -167,6 +168,69 @@ SAEM_API int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int
 // the used experts itself, op offload). Default 32 (GGML_OP_OFFLOAD_MIN_BATCH). n >= 1.
 SAEM_API int32_t saem_moe_set_stock_min_batch(struct llama_context * ctx, int32_t n);
 SAEM_API int32_t saem_moe_get_stock_min_batch(const struct llama_context * ctx);
+
+// ---- RAM tier (native/ram_tier.cpp, docs/RAM_TIER.md) ----------------------------------------
+// With the model memory-mapped (llama.cpp's default on the CPU), each expert tensor is a view of the
+// GGUF file's read-only shared mapping, so the kernel's page cache decides which experts are in RAM.
+// These calls let the caller decide: where each (layer, expert) lies in the mapping, read it ahead
+// of use, release it, ask how much of it is resident, and lock the non-expert weights in RAM. None
+// changes a byte the model computes with (advice on read-only file pages). Linux; layer/expert
+// arguments as above. Callable with or without an expert cache.
+
+// 1 if every expert tensor lies in llama.cpp's file mapping (buffer "CPU_Mapped"), 0 if not
+// (loaded without mmap, repacked, or on a device; saem_last_error() then says which tensor and why).
+SAEM_API int32_t saem_ram_experts_mapped(const struct llama_context * ctx);
+
+// The bytes of expert `expert` of layer il: one range per expert matrix, in saem_moe_layer_info's
+// order (gate_up|up, gate, down): addr[k] its first byte in this process, nbytes[k] its length
+// (= mat_nbytes[k]). Writes min(cap, n_mats) ranges and returns n_mats (cap 0 sizes).
+SAEM_API int32_t saem_ram_expert_ranges(const struct llama_context * ctx, int32_t il, int32_t expert,
+                                        uint64_t * addr, uint64_t * nbytes, int32_t cap);
+
+// Read n experts of layer il ahead of use (every page holding a byte of theirs):
+//   SAEM_RAM_PREFETCH_MADVISE  madvise(MADV_WILLNEED): the kernel queues readahead and returns
+//   SAEM_RAM_PREFETCH_THREAD   queued for the context's readahead thread, which faults the pages in
+//                              (MADV_POPULATE_READ, Linux >= 5.14; else one read per page)
+// Experts not in the mapping: SAEM_E_NOT_HOST.
+#define SAEM_RAM_PREFETCH_MADVISE 0
+#define SAEM_RAM_PREFETCH_THREAD  1
+SAEM_API int32_t saem_ram_prefetch(struct llama_context * ctx, int32_t il, const int32_t * experts, int32_t n, int32_t method);
+
+// Read-ahead of the routed experts inside the graph (on != 0): after each MoE layer's router, an
+// op issues madvise(MADV_WILLNEED) for the experts the ubatch routes to, before the expert
+// matmuls that read them (layers computed on the host; results unchanged). Off by default.
+SAEM_API int32_t saem_ram_set_route_prefetch(struct llama_context * ctx, int32_t on);
+
+// Routed experts the graph's read-ahead has advised since the context was made (each expert once
+// per layer and ubatch), or < 0.
+SAEM_API int64_t saem_ram_route_prefetched(const struct llama_context * ctx);
+
+// Block until the readahead thread has finished what was queued (at once if it has nothing).
+SAEM_API int32_t saem_ram_prefetch_wait(struct llama_context * ctx);
+
+// Release n experts of layer il: advise the pages wholly inside their ranges (a page shared with
+// another tensor stays). Returns the advice applied:
+//   SAEM_RAM_RELEASE_AUTO      the first of PAGEOUT, COLD, DONTNEED this kernel accepts
+//   SAEM_RAM_RELEASE_PAGEOUT   madvise(MADV_PAGEOUT): reclaim now (Linux >= 5.4)
+//   SAEM_RAM_RELEASE_COLD      madvise(MADV_COLD): move to the inactive list, reclaimed first (>= 5.4)
+//   SAEM_RAM_RELEASE_DONTNEED  madvise(MADV_DONTNEED): unmap from this process; the clean pages stay
+//                              cached, unmapped, where reclaim finds them before mapped ones
+#define SAEM_RAM_RELEASE_AUTO     0
+#define SAEM_RAM_RELEASE_PAGEOUT  1
+#define SAEM_RAM_RELEASE_COLD     2
+#define SAEM_RAM_RELEASE_DONTNEED 3
+SAEM_API int32_t saem_ram_release(struct llama_context * ctx, int32_t il, const int32_t * experts, int32_t n, int32_t advice);
+
+// Pages of the expert's ranges resident in RAM (mincore) and how many pages they span.
+SAEM_API int32_t saem_ram_expert_residency(const struct llama_context * ctx, int32_t il, int32_t expert,
+                                           uint64_t * resident_pages, uint64_t * total_pages);
+
+// mlock the pages of every non-expert weight tensor in host memory (a page shared with an expert
+// tensor included), replacing any earlier lock of this context; *locked_bytes (may be NULL) = bytes
+// locked. Refused (RLIMIT_MEMLOCK, EPERM, ENOMEM): SAEM_E_OS with the limit in the message, and
+// nothing stays locked. The lock ends with the context or saem_ram_unlock_non_expert().
+SAEM_API int32_t saem_ram_lock_non_expert(struct llama_context * ctx, uint64_t * locked_bytes);
+SAEM_API int32_t saem_ram_unlock_non_expert(struct llama_context * ctx);
 
 #ifdef __cplusplus
 }

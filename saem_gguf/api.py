@@ -9,8 +9,8 @@ offers works unchanged (``create_completion``, ``create_chat_completion``, strea
 * ``seed=0`` is a fixed seed (llama-cpp-python 0.3.36 turns 0 into its random default);
 * ``create_chat_completion`` tokenizes message contents as plain text: a message containing
   ``<|im_end|>`` or ``<|im_start|>system`` cannot close its turn or open another one;
-* extra arguments: ``expert_policy``, ``ecr`` / ``vram_budget``, ``profile``, ``hw``, and the
-  ``expert_stats()`` method.
+* extra arguments: ``expert_policy``, ``ecr`` / ``vram_budget``, ``profile``, ``hw``,
+  ``ram_budget`` / ``ram_policy`` (the RAM tier, docs/RAM_TIER.md), and the ``expert_stats()`` method.
 
 Importing this module loads the patched llama.cpp (``saem_gguf.llama_lib``).
 """
@@ -31,7 +31,8 @@ _SaemLlama = _make_llama_class(llama_cpp)
 class Llama(_SaemLlama):
     def __init__(self, model_path: str, *, expert_policy: str = "saem", ecr: float | str | None = None,
                  vram_budget: int | str | None = None, profile: str | Path | None = None,
-                 hw: str | None = None, n_ctx: int = 512, n_threads: int | None = None,
+                 hw: str | None = None, ram_budget: int | str | None = None, ram_policy: str | None = None,
+                 n_ctx: int = 512, n_threads: int | None = None,
                  n_gpu_layers: int = 0, seed: int = llama_cpp.LLAMA_DEFAULT_SEED, verbose: bool = True,
                  **kwargs: Any) -> None:
         """llama-cpp-python's arguments (same names and defaults), plus:
@@ -40,12 +41,18 @@ class Llama(_SaemLlama):
         ecr: expert cache ratio, 0.25 or "25%" (default 25%); or vram_budget: bytes or "8G".
         profile: a calibration profile from ``python -m saem_gguf calibrate``.
         hw: the cost-model hardware preset the policy prices copies with.
+        ram_budget: expert bytes kept in RAM of a memory-mapped model, bytes, "8G" or "auto" (the
+            RAM tier; default off); ram_policy: its policy (default: expert_policy's).
         """
+        from saem_gguf.ram_tier import parse_ram_budget
+
         cfg = EngineConfig(
             model=Path(model_path), n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
             policy=expert_policy, ecr=parse_ecr(ecr) if isinstance(ecr, str) else ecr,
             vram_budget=parse_vram_budget(vram_budget) if isinstance(vram_budget, str) else vram_budget,
             profile=Path(profile) if profile is not None else None, verbose=verbose, progress=False,
+            ram_budget=parse_ram_budget(ram_budget) if isinstance(ram_budget, str) else ram_budget,
+            ram_policy=ram_policy,
             **({"hw": hw} if hw is not None else {}))
 
         def construct(**engine_kwargs: Any) -> Llama:

@@ -133,6 +133,8 @@ def find_model_shape(n_layer: int, n_expert: int, n_expert_used: int) -> ModelSh
 # --------------------------------------------------------------------------------------------
 # Hardware profile
 
+GB = 1e9
+
 
 @dataclass
 class HardwareProfile:
@@ -157,6 +159,10 @@ class HardwareProfile:
     # Host-to-device DMA reads host DRAM: while the link is busy, CPU experts (bandwidth-bound)
     # only get cpu_mem_bw - h2d_bw.
     dma_slows_cpu: bool = True
+    # The disk a memory-mapped model pages from (the RAM tier's link, see ram_tier_cost): sustained
+    # read bandwidth of expert-sized (MB) reads and the latency of one read request
+    ssd_read_bw: float = 2 * GB
+    ssd_latency_s: float = 100e-6
     notes: str = ""
 
     @property
@@ -167,26 +173,28 @@ class HardwareProfile:
         return dataclasses.replace(self, **kw)
 
 
-GB = 1e9
 HW_PRESETS: dict[str, HardwareProfile] = {
     # Consumer desktop: PCIe 4.0 x16 (~25 GB/s pinned), dual-channel DDR5-6000.
     "rtx4090-ddr5": HardwareProfile(
         name="rtx4090-ddr5", gpu_mem_bw=800 * GB, gpu_flops=150e12, gpu_launch_s=4e-6,
         gpu_layer_overhead_s=60e-6, h2d_bw=25 * GB, h2d_latency_s=10e-6, cpu_mem_bw=65 * GB,
         cpu_cores=16, cpu_flops_per_core=60e9, cpu_expert_overhead_s=5e-6, sync_s=30e-6,
-        notes="RTX 4090 24 GB, PCIe 4.0 x16, 16-core desktop CPU, 2ch DDR5-6000"),
+        ssd_read_bw=6 * GB, ssd_latency_s=60e-6,
+        notes="RTX 4090 24 GB, PCIe 4.0 x16, 16-core desktop CPU, 2ch DDR5-6000, PCIe 4.0 NVMe SSD"),
     # Budget desktop: PCIe 3.0/4.0 mixed reality (~12 GB/s), dual-channel DDR4-3200.
     "rtx3060-ddr4": HardwareProfile(
         name="rtx3060-ddr4", gpu_mem_bw=300 * GB, gpu_flops=40e12, gpu_launch_s=5e-6,
         gpu_layer_overhead_s=80e-6, h2d_bw=12 * GB, h2d_latency_s=12e-6, cpu_mem_bw=38 * GB,
         cpu_cores=8, cpu_flops_per_core=40e9, cpu_expert_overhead_s=6e-6, sync_s=35e-6,
-        notes="RTX 3060 12 GB, 8-core CPU, 2ch DDR4-3200"),
+        ssd_read_bw=2.5 * GB, ssd_latency_s=90e-6,
+        notes="RTX 3060 12 GB, 8-core CPU, 2ch DDR4-3200, PCIe 3.0 NVMe SSD"),
     # Server: H200 on PCIe 5.0 x16 (~50 GB/s), one socket of 12ch DDR5 (NUMA-local, as SAEM pins).
     "h200-server": HardwareProfile(
         name="h200-server", gpu_mem_bw=4000 * GB, gpu_flops=800e12, gpu_launch_s=3e-6,
         gpu_layer_overhead_s=40e-6, h2d_bw=50 * GB, h2d_latency_s=8e-6, cpu_mem_bw=300 * GB,
         cpu_cores=48, cpu_flops_per_core=80e9, cpu_expert_overhead_s=4e-6, sync_s=20e-6,
-        notes="H200 141 GB, PCIe 5.0 x16, one socket of a 2S server, 12ch DDR5-4800"),
+        ssd_read_bw=7 * GB, ssd_latency_s=80e-6,
+        notes="H200 141 GB, PCIe 5.0 x16, one socket of a 2S server, 12ch DDR5-4800, datacenter NVMe SSD"),
 }
 DEFAULT_HW = "rtx4090-ddr5"
 
@@ -245,7 +253,7 @@ class CostModel:
         if self.expert_bytes <= 0:
             raise SaemError("expert_bytes must be > 0")
         hw = self.hw
-        for k in ("gpu_mem_bw", "gpu_flops", "h2d_bw", "cpu_mem_bw", "cpu_flops_per_core"):
+        for k in ("gpu_mem_bw", "gpu_flops", "h2d_bw", "cpu_mem_bw", "cpu_flops_per_core", "ssd_read_bw"):
             if getattr(hw, k) <= 0:
                 raise SaemError(f"hardware {hw.name}: {k} must be > 0")
         a = np.zeros(N_COST, np.float64)
@@ -280,6 +288,27 @@ class CostModel:
         params = n_bytes * 8.0 / bits_per_weight
         return cls(hw=hw, expert_bytes=int(n_bytes), expert_flops=2.0 * params,
                    dense_bytes_per_layer=2.0 * n_bytes, step_bytes=0.0, model=f"{n_bytes} B/expert")
+
+    def ram_tier(self) -> "CostModel":
+        """This model as the RAM tier's policy must price it: the tier's resident experts run from
+        RAM and its link is the disk. Mapped onto the two-tier kernels: the "GPU" is the CPU reading
+        RAM (a hit), a "copy" is a read of the expert from disk (``ssd_read_bw``, one
+        ``ssd_latency_s``), and a miss is computed while its bytes come from disk (the in-graph
+        read-ahead reads exactly the expert, so a miss costs one disk read plus the RAM-speed run's
+        overheads). A read-ahead and a miss's read share the disk, so ``dma_slows_cpu`` holds with
+        both bandwidths the disk's (C_DMA_SLOW = 10: a miss during a read-ahead waits for it). No
+        GPU round trip (``sync_s`` 0); the CPU's per-layer overheads are not in the profile."""
+        hw = self.hw
+        disk = hw.replace(
+            name=f"{hw.name}:ram-tier", gpu_mem_bw=hw.cpu_mem_bw, gpu_flops=hw.cpu_flops,
+            gpu_launch_s=hw.cpu_expert_overhead_s, gpu_layer_overhead_s=0.0, h2d_bw=hw.ssd_read_bw,
+            h2d_latency_s=hw.ssd_latency_s, cpu_mem_bw=hw.ssd_read_bw,
+            cpu_expert_overhead_s=hw.cpu_expert_overhead_s + hw.ssd_latency_s, sync_s=0.0,
+            cpu_gpu_overlap=False, copy_barrier=False, dma_slows_cpu=True,
+            notes=f"RAM tier of {hw.name}: RAM as the fast tier, the disk as the link")
+        return CostModel(hw=disk, expert_bytes=self.expert_bytes, expert_flops=self.expert_flops,
+                         dense_bytes_per_layer=self.dense_bytes_per_layer, step_bytes=self.step_bytes,
+                         model=self.model)
 
     # Python mirrors of the kernels, for reports and tests.
     def gpu_time(self, n_tokens: int) -> float:

@@ -76,6 +76,12 @@ class EngineConfig:
     vram_budget: int | str | None = None  # bytes, or budget.AUTO (free VRAM; the default with a GPU)
     profile: Path | None = None
     hw: str = "measure"  # the cost model's hardware: a preset, measure, or a profile JSON
+    # the RAM tier (ram_tier.py): expert bytes kept resident of a memory-mapped model (bytes, or
+    # budget.AUTO); None: off, the kernel's page cache decides
+    ram_budget: int | str | None = None
+    ram_policy: str | None = None  # None: --policy's (saem when that one is fixed)
+    ram_prefetch: str = "madvise"  # ram_tier.PREFETCH_METHODS
+    ram_route_prefetch: bool = True  # the routed experts read ahead inside the graph
     # sampling seed, llama.cpp's meaning: any value is a fixed seed (0 too); None or -1: a random
     # one, drawn at load (Engine.seed says which, to repeat the run)
     seed: int | None = None
@@ -380,6 +386,12 @@ class Engine:
         self.policy_name = "off"
         self._auto_gpu = None
         slots = self._slots_per_layer()
+        # the RAM budget is checked before the model loads (a bad one costs no load)
+        ram_plan = None
+        if cfg.ram_budget is not None and self.info.is_moe:
+            from saem_gguf.ram_tier import plan_ram_budget
+
+            ram_plan = plan_ram_budget(self.info, cfg.ram_budget, cfg.n_ctx)
         n_threads = cfg.n_threads or max(1, len(self.numa_plan.cpus))
         Cls = construct or _make_llama_class(llama_cpp)
         llama_kw = self._llama_load_params(llama_cpp, managed=slots is not None)
@@ -408,9 +420,16 @@ class Engine:
         self._seq_prompt_tokens = 0
         self._pieces: list[bytes] = []
         self._trace_tokens: list[int] = []
+        self.ram_tier = None
         try:
             if slots is not None:
                 self._attach_placement(self._auto_slots_after_load(slots))
+            if cfg.ram_budget is not None:
+                from saem_gguf.ram_tier import RamTierSettings, attach_ram_tier
+
+                self.ram_tier = attach_ram_tier(
+                    self.llm, self.placement, self.info, ram_plan,
+                    RamTierSettings(cfg.ram_budget, cfg.ram_policy, cfg.ram_prefetch, cfg.ram_route_prefetch), self.note)
             self.llm._saem_hook = self._on_ubatch
             self._setup_generation()
         except BaseException:
@@ -562,6 +581,9 @@ class Engine:
                                    calib_counts=calib, cue_counts=cue_counts, record=self.cfg.record,
                                    policy_args=policy_args)
         self.policy_name = policy
+        if self.ram_tier is not None:  # the RAM tier outlives a policy switch (bench); its counts restart
+            self.ram_tier.reset_stats()
+            self.placement.tiers.append(self.ram_tier)
         self.note(f"policy {policy}: {self.placement.policy.summary}")
         if policy == "saem-cue" and not cue_counts:
             self.note("saem-cue has no cue profiles (make them with `calibrate` and pass --profile): "
@@ -859,6 +881,8 @@ class Engine:
             d["slots_per_layer"] = int(round(mean))
             d["slot_layout"] = layout.tolist()
             d["ecr"] = mean / self.info.n_expert
+        if self.ram_tier is not None:
+            d.update(self.ram_tier.stats.to_dict())
         return d
 
     def sequence_trace(self) -> SequenceTrace:

@@ -2,12 +2,14 @@
 
 The cost model prices an expert run on the CPU (bandwidth-bound at a few tokens: weight bytes over
 DRAM read bandwidth, plus a FLOP term) against copying it over the host-to-device link. The CPU
-side is measured here with two short real runs (well under a second together):
+side and the disk are measured here with short real runs (under a second together):
 
 - DRAM read bandwidth: all usable CPUs sum disjoint chunks of a 64 MiB array, far larger than the
   last-level cache, which is the read-only stream a quantized expert GEMV makes;
 - matmul throughput per core (all cores over their number), halved for what quantized ggml dot
-  products reach.
+  products reach;
+- the read bandwidth and latency of the disk under the cache directory (a 64 MiB scratch file,
+  written, dropped from the page cache, read back; ``measure_disk_read``), the RAM tier's link.
 
 The GPU and link side (VRAM bandwidth, copy bandwidth and latency, launch overheads) is not
 measured: it comes from a preset (``rtx4090-ddr5`` unless ``measure:PRESET`` names another), with
@@ -113,14 +115,49 @@ def measure_cpu(base: HardwareProfile, quick: bool = False) -> HardwareProfile:
     return base.replace(
         name=f"measured+{base.name}", cpu_mem_bw=bw, cpu_cores=int(cores), cpu_flops_per_core=fl,
         notes=f"CPU measured here: {cores} cores, {bw / GB:.1f} GB/s read, {fl / 1e9:.1f} GFLOP/s/core, "
-              f"{mem / 2**30:.0f} GiB RAM; GPU and host-to-device link not measured: from the "
+              f"{mem / 2**30:.0f} GiB RAM; GPU, host-to-device link and SSD not measured: from the "
               f"{base.name} preset")
+
+
+def measure_disk_read(directory: Path, n_bytes: int = 64 << 20, read_size: int = 2 << 20,
+                      n_latency: int = 32) -> tuple[float, float]:
+    """(read bandwidth in bytes/s, latency of one 4 KiB read in s) of the disk under ``directory``:
+    a scratch file is written there and synced, its pages dropped from the page cache
+    (``posix_fadvise(DONTNEED)``), then read back in expert-sized ``read_size`` requests, then (after
+    another drop) ``n_latency`` single pages at spread offsets; the file is removed. What the RAM
+    tier's reads meet: a cold expert is one read of a few MB. A tmpfs directory measures RAM."""
+    path = directory / f".disk-probe.{os.getpid()}"
+    block = np.random.default_rng(0).integers(0, 256, read_size, dtype=np.uint8).tobytes()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for off in range(0, n_bytes, read_size):
+                os.pwrite(fd, block, off)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            for off in range(0, n_bytes, read_size):
+                os.pread(fd, read_size, off)
+            bw = n_bytes / (time.perf_counter() - t0)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # one page per read, no readahead
+            stride = n_bytes // n_latency
+            t0 = time.perf_counter()
+            for i in range(n_latency):
+                os.pread(fd, 4096, i * stride)
+            latency = (time.perf_counter() - t0) / n_latency
+        finally:
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    return bw, latency
 
 
 def cache_path(base_name: str, identity: dict | None = None) -> Path:
     from saem_gguf.build.paths import cache_root
 
-    ident = dict(identity or machine_identity(), preset=base_name)
+    # format 2: the disk is measured too (a profile cached before has only the preset's disk)
+    ident = dict(identity or machine_identity(), preset=base_name, format=2)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "hw" / f"{key}.json"
 
@@ -139,6 +176,14 @@ def measured_profile(base_name: str) -> tuple[HardwareProfile, Path, bool]:
     hw = measure_cpu(HW_PRESETS[base_name])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        bw, latency = measure_disk_read(path.parent)
+        hw = hw.replace(ssd_read_bw=bw, ssd_latency_s=latency,
+                        notes=hw.notes.replace("link and SSD not measured", "link not measured") +
+                        f"; disk under the cache measured: {bw / GB:.2f} GB/s in 2 MiB reads, "
+                        f"{latency * 1e6:.0f} us per 4 KiB read")
+    except OSError:
+        pass  # no writable cache: the preset's disk
+    try:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(hw), indent=1))
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
@@ -179,7 +224,7 @@ def load_profile(path: str | os.PathLike) -> HardwareProfile:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
                 raise SaemError(f"{where}: {name} must be a number, got {value!r}")
             if value < 0 or (value == 0 and name in ("gpu_mem_bw", "gpu_flops", "h2d_bw", "cpu_mem_bw",
-                                                     "cpu_cores", "cpu_flops_per_core")):
+                                                     "cpu_cores", "cpu_flops_per_core", "ssd_read_bw")):
                 raise SaemError(f"{where}: {name} must be > 0, got {value!r}")
             if kind == "int" and value != int(value):
                 raise SaemError(f"{where}: {name} must be a whole number, got {value!r}")

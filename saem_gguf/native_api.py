@@ -23,7 +23,7 @@ import numpy as np
 from saem_gguf.errors import BuildError, SaemError
 from saem_gguf.llama_lib import load_llama_cpp
 
-ABI_VERSION = 3  # SAEM_NATIVE_ABI_VERSION
+ABI_VERSION = 4  # SAEM_NATIVE_ABI_VERSION
 
 # status codes (saem_native.h)
 SAEM_OK = 0
@@ -39,11 +39,22 @@ SAEM_E_MAP = -9
 SAEM_E_ALLOC = -10
 SAEM_E_BACKEND = -11
 SAEM_E_INTERNAL = -12
+SAEM_E_OS = -13
 
 # counting modes
 SAEM_COUNT_OFF = 0
 SAEM_COUNT_ON = 1
 SAEM_COUNT_IDS = 2
+
+# saem_ram_prefetch(method)
+SAEM_RAM_PREFETCH_MADVISE = 0
+SAEM_RAM_PREFETCH_THREAD = 1
+
+# saem_ram_release(advice) and its result
+SAEM_RAM_RELEASE_AUTO = 0
+SAEM_RAM_RELEASE_PAGEOUT = 1
+SAEM_RAM_RELEASE_COLD = 2
+SAEM_RAM_RELEASE_DONTNEED = 3
 
 # saem_moe_get_counts(which)
 COUNTS_LAST = 0
@@ -87,6 +98,10 @@ class BackendError(NativeError):
     """Backend failure (SAEM_E_BACKEND) or an unexpected internal error (SAEM_E_INTERNAL)."""
 
 
+class OsCallError(NativeError, OSError):
+    """An OS call refused (mlock, madvise, mincore): SAEM_E_OS, errno's text in the message."""
+
+
 _ERRORS: dict[int, type[NativeError]] = {
     SAEM_E_INVALID_ARG: NativeArgumentError,
     SAEM_E_LAYER: NativeArgumentError,
@@ -100,6 +115,7 @@ _ERRORS: dict[int, type[NativeError]] = {
     SAEM_E_ALLOC: DeviceMemoryError,
     SAEM_E_BACKEND: BackendError,
     SAEM_E_INTERNAL: BackendError,
+    SAEM_E_OS: OsCallError,
 }
 
 
@@ -155,6 +171,7 @@ class llama_model_tensor_buft_override(ctypes.Structure):
 _P_I16 = ctypes.POINTER(ctypes.c_int16)
 _P_I32 = ctypes.POINTER(ctypes.c_int32)
 _P_I64 = ctypes.POINTER(ctypes.c_int64)
+_P_U64 = ctypes.POINTER(ctypes.c_uint64)
 _CTX = ctypes.c_void_p
 
 # name -> (argtypes, restype)
@@ -185,6 +202,17 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "saem_moe_get_last_routing": ([_CTX, _P_I16, ctypes.c_int32, _P_I32, _P_I32, _P_I32], ctypes.c_int32),
     "saem_moe_set_stock_min_batch": ([_CTX, ctypes.c_int32], ctypes.c_int32),
     "saem_moe_get_stock_min_batch": ([_CTX], ctypes.c_int32),
+    "saem_ram_experts_mapped": ([_CTX], ctypes.c_int32),
+    "saem_ram_expert_ranges": ([_CTX, ctypes.c_int32, ctypes.c_int32, _P_U64, _P_U64, ctypes.c_int32],
+                               ctypes.c_int32),
+    "saem_ram_prefetch": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    "saem_ram_set_route_prefetch": ([_CTX, ctypes.c_int32], ctypes.c_int32),
+    "saem_ram_route_prefetched": ([_CTX], ctypes.c_int64),
+    "saem_ram_prefetch_wait": ([_CTX], ctypes.c_int32),
+    "saem_ram_release": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
+    "saem_ram_expert_residency": ([_CTX, ctypes.c_int32, ctypes.c_int32, _P_U64, _P_U64], ctypes.c_int32),
+    "saem_ram_lock_non_expert": ([_CTX, _P_U64], ctypes.c_int32),
+    "saem_ram_unlock_non_expert": ([_CTX], ctypes.c_int32),
 }
 
 _bound: dict[str, Callable[..., Any]] = {}
@@ -489,3 +517,75 @@ def saem_moe_set_stock_min_batch(ctx: Any, n: int) -> None:
 def saem_moe_get_stock_min_batch(ctx: Any) -> int:
     """int32_t saem_moe_get_stock_min_batch(const struct llama_context * ctx);"""
     return _call("saem_moe_get_stock_min_batch", _ctx(ctx))
+
+
+# ---------------------------------------------------------------------------------------------
+# RAM tier (experts in the model file's mapping)
+
+
+def saem_ram_experts_mapped(ctx: Any) -> tuple[bool, str]:
+    """int32_t saem_ram_experts_mapped(const struct llama_context * ctx);
+
+    Returns (mapped, why not: saem_last_error's message when not mapped, else "")."""
+    mapped = bool(_call("saem_ram_experts_mapped", _ctx(ctx)))
+    return mapped, "" if mapped else saem_last_error()
+
+
+def saem_ram_expert_ranges(ctx: Any, il: int, expert: int) -> list[tuple[int, int]]:
+    """int32_t saem_ram_expert_ranges(const struct llama_context * ctx, int32_t il, int32_t expert,
+    uint64_t * addr, uint64_t * nbytes, int32_t cap);
+
+    Returns [(address, nbytes)], one per expert matrix (gate_up|up, gate, down)."""
+    addr, nbytes = (ctypes.c_uint64 * 3)(), (ctypes.c_uint64 * 3)()
+    n = _call("saem_ram_expert_ranges", _ctx(ctx), int(il), int(expert), addr, nbytes, 3)
+    return [(int(addr[k]), int(nbytes[k])) for k in range(min(n, 3))]
+
+
+def saem_ram_prefetch(ctx: Any, il: int, experts: Sequence[int], method: int = SAEM_RAM_PREFETCH_MADVISE) -> None:
+    """int32_t saem_ram_prefetch(struct llama_context * ctx, int32_t il, const int32_t * experts,
+    int32_t n, int32_t method);   -- SAEM_RAM_PREFETCH_MADVISE / SAEM_RAM_PREFETCH_THREAD"""
+    arr = _i32_array(experts, "experts")
+    _call("saem_ram_prefetch", _ctx(ctx), int(il), arr, len(arr), int(method))
+
+
+def saem_ram_set_route_prefetch(ctx: Any, on: bool) -> None:
+    """int32_t saem_ram_set_route_prefetch(struct llama_context * ctx, int32_t on);"""
+    _call("saem_ram_set_route_prefetch", _ctx(ctx), 1 if on else 0)
+
+
+def saem_ram_route_prefetched(ctx: Any) -> int:
+    """int64_t saem_ram_route_prefetched(const struct llama_context * ctx);"""
+    return _call("saem_ram_route_prefetched", _ctx(ctx))
+
+
+def saem_ram_prefetch_wait(ctx: Any) -> None:
+    """int32_t saem_ram_prefetch_wait(struct llama_context * ctx);"""
+    _call("saem_ram_prefetch_wait", _ctx(ctx))
+
+
+def saem_ram_release(ctx: Any, il: int, experts: Sequence[int], advice: int = SAEM_RAM_RELEASE_AUTO) -> int:
+    """int32_t saem_ram_release(struct llama_context * ctx, int32_t il, const int32_t * experts,
+    int32_t n, int32_t advice);   -- returns the SAEM_RAM_RELEASE_* advice applied"""
+    arr = _i32_array(experts, "experts")
+    return _call("saem_ram_release", _ctx(ctx), int(il), arr, len(arr), int(advice))
+
+
+def saem_ram_expert_residency(ctx: Any, il: int, expert: int) -> tuple[int, int]:
+    """int32_t saem_ram_expert_residency(const struct llama_context * ctx, int32_t il, int32_t expert,
+    uint64_t * resident_pages, uint64_t * total_pages);   -- returns (resident, total) pages"""
+    res, tot = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    _call("saem_ram_expert_residency", _ctx(ctx), int(il), int(expert), ctypes.byref(res), ctypes.byref(tot))
+    return int(res.value), int(tot.value)
+
+
+def saem_ram_lock_non_expert(ctx: Any) -> int:
+    """int32_t saem_ram_lock_non_expert(struct llama_context * ctx, uint64_t * locked_bytes);
+    -- returns the bytes locked"""
+    n = ctypes.c_uint64(0)
+    _call("saem_ram_lock_non_expert", _ctx(ctx), ctypes.byref(n))
+    return int(n.value)
+
+
+def saem_ram_unlock_non_expert(ctx: Any) -> None:
+    """int32_t saem_ram_unlock_non_expert(struct llama_context * ctx);"""
+    _call("saem_ram_unlock_non_expert", _ctx(ctx))

@@ -105,6 +105,8 @@ class Placement:
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
         # one native call reads a step of up to every detector slot's token (a prefill ubatch may take two)
         self._routing_reader = na.LastRoutingReader(ctx, len(self.moe_layers) * self.top_k * detector.n_seq)
+        # lower tiers (ram_tier.RamTier), driven with the same prefill counts, rows and events after this policy
+        self.tiers: list = []
 
     # --- routing in ------------------------------------------------------------------------
     def last_routing(self) -> np.ndarray:
@@ -130,6 +132,8 @@ class Placement:
                              event_steps=np.zeros(0, np.int32), prefill_counts=counts,
                              prefill_tokens=n_tokens, step0=self._step)
         self._put_in_force("group", self.policy.begin_group(block))
+        for tier in self.tiers:
+            tier.begin_group(block)
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
         """After decoding one token (sequence 0) whose text is ``piece``: ``on_step`` of one row."""
@@ -174,6 +178,8 @@ class Placement:
         self._put_in_force("step", self.policy.observe(routing, seen))
         self._step += 1
         self.stats.tokens += B
+        for tier in self.tiers:
+            tier.on_step(routing, seen)
         return events
 
     # --- residency out ---------------------------------------------------------------------

@@ -142,11 +142,22 @@ for _flags, _code, _needle in ((["--ecr", "2"], 2, "--ecr"), (["--ecr", "abc"], 
                                (["--policy", "bogus"], 2, "--policy"),
                                (["--ecr", "0.5", "--vram-budget", "1G"], 2, "not allowed"),
                                (["-m", "DIR"], 1, "directory"),
-                               (["--policy", "oracle"], 1, "oracle")):
+                               (["--policy", "oracle"], 1, "oracle"),
+                               (["--ram-budget", "x"], 2, "--ram-budget"),
+                               (["--ram-budget", "0"], 2, "above zero"),
+                               (["--ram-budget=-1G"], 2, "invalid size"),
+                               (["--ram-budget", "1K"], 1, "holds no expert"),
+                               (["--ram-policy", "bogus"], 2, "--ram-policy"),
+                               (["--ram-policy", "gpu-all"], 2, "--ram-policy"),
+                               (["--ram-prefetch", "io_uring"], 2, "--ram-prefetch")):
     add(Case(f"generate-flag{'_'.join(_flags)}",
              lambda b, d, f=_flags: ["generate", "-m", _m(b), "-p", "hi", "-n", "2",
                                      *[str(d) if x == "DIR" else x for x in f]],
              _code, _needle))
+for _flags, _code, _needle in ((["--ram-budget", "lots"], 2, "--ram-budget"),
+                               (["--ram-budget", "1K"], 1, "holds no expert")):
+    add(Case(f"bench-flag{'_'.join(_flags)}",
+             lambda b, d, f=_flags: ["bench", "-m", _m(b), "-n", "2", "--reps", "1", *f], _code, _needle))
 # profiles (files the engine reads with --profile)
 for _name, _needle in (("counts_string", "expert_counts"), ("counts_ragged", "expert_counts"),
                        ("counts_negative", "expert_counts"), ("counts_wrong_shape", "expert_counts"),

@@ -302,6 +302,7 @@ def test_hw_measure_is_fast_cached_and_reused(tmp_path, monkeypatch):
     assert first < 2.0, f"the first measurement took {first:.2f} s"
     assert hw.cpu_mem_bw > 1e8 and hw.cpu_flops_per_core > 1e6 and hw.cpu_cores >= 1
     assert "not measured" in hw.notes  # the GPU/link fallback is said in the profile
+    assert "disk under the cache measured" in hw.notes and hw.ssd_read_bw > 1e6 and hw.ssd_latency_s > 0
     again, path2, measured2 = hw_measure.measured_profile("rtx4090-ddr5")
     assert not measured2 and path2 == path and again == hw
     assert get_hw("measure") == hw

@@ -102,3 +102,45 @@ def test_measure_fills_cpu_side():
     assert hw.gpu_mem_bw == base.gpu_mem_bw and hw.h2d_bw == base.h2d_bw  # GPU side untouched
     assert hw.name.startswith("measured+")
     assert np.isfinite(CostModel.from_shape(MODEL_PRESETS["qwen3-30b-a3b"], hw).cpu_time(1))
+
+
+def test_ram_tier_cost_prices_a_copy_as_a_disk_read(tmp_path):
+    """The RAM tier's cost model: a hit runs from RAM, a copy and a miss read the expert from the
+    preset's disk; a profile written before the SSD fields existed still loads (their defaults),
+    and a zero disk bandwidth is refused like the other bandwidths."""
+    import dataclasses
+
+    from saem_gguf.policies.adaptive import copy_cost_in_hits
+
+    hw = HW_PRESETS["rtx3060-ddr4"]
+    vram = CostModel.from_expert_bytes(2_654_208, hw)
+    ram = vram.ram_tier()
+    assert ram.expert_bytes == vram.expert_bytes
+    assert ram.transfer_time() == pytest.approx(hw.ssd_latency_s + 2_654_208 / hw.ssd_read_bw)
+    assert ram.gpu_time(1) == pytest.approx(hw.cpu_expert_overhead_s + 2_654_208 / hw.cpu_mem_bw)
+    assert ram.cpu_time(1) == pytest.approx(hw.cpu_expert_overhead_s + hw.ssd_latency_s + 2_654_208 / hw.ssd_read_bw)
+    assert ram.transfer_time() > 4 * vram.transfer_time()  # the disk, not PCIe
+    # a read-ahead costs about the miss it would save (they share the disk), never nothing
+    assert 0.5 < copy_cost_in_hits(ram.array) < 1.5
+    for name, preset in HW_PRESETS.items():
+        assert preset.ssd_read_bw < preset.h2d_bw and preset.ssd_latency_s > preset.h2d_latency_s, name
+    old = {k: v for k, v in dataclasses.asdict(hw).items() if not k.startswith("ssd_")}
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(old))
+    assert get_hw(str(p)).ssd_read_bw > 0
+    p.write_text(json.dumps({**old, "ssd_read_bw": 0}))
+    with pytest.raises(SaemError, match="ssd_read_bw must be > 0"):
+        get_hw(str(p))
+    with pytest.raises(SaemError, match="ssd_read_bw"):
+        CostModel.from_expert_bytes(1000, hw.replace(ssd_read_bw=0))
+
+
+def test_measure_disk_read_reads_a_dropped_scratch_file(tmp_path):
+    """The disk probe reads its scratch file back after dropping it from the page cache (a real
+    read, so slower than RAM and with a positive per-read latency) and leaves nothing behind."""
+    from saem_gguf.hw_measure import measure_disk_read, measure_memory_bandwidth
+
+    bw, latency = measure_disk_read(tmp_path, n_bytes=8 << 20, read_size=1 << 20, n_latency=8)
+    assert 1e6 < bw < measure_memory_bandwidth(32 << 20) * 4
+    assert 0 < latency < 1.0
+    assert list(tmp_path.iterdir()) == []

@@ -14,7 +14,7 @@ import sys
 import time
 
 from saem_gguf.budget import ECR_HELP
-from saem_gguf.cli.common import add_model_args, ecr_list_arg
+from saem_gguf.cli.common import add_model_args, add_ram_tier_args, ecr_list_arg
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.errors import SaemError
 from saem_gguf.fileio import check_output_path, write_text_atomic
@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "instead of free generation: routing follows a real stage structure even on "
                         "a random-weight model; -n is ignored")
     p.add_argument("--reps", type=int, default=2, help="repetitions (2)")
+    add_ram_tier_args(p)
     p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write JSON here")
     p.set_defaults(func=run)
 
@@ -154,5 +155,6 @@ def _report(rows, configs, policies, args, eng):
         out["results"].append({"policy": pol, "ecr": ecr, "pp_tps": r["pp"], "tg_tps": r["tg"],
                                "tg_ratio": tg / tg_base if tg_base else None, "same_output": same,
                                **{k: s.get(k) for k in ("hit_rate", "mb_moved_per_token", "boundaries",
-                                                        "copies", "bytes_moved", "slots_per_layer")}})
+                                                        "copies", "bytes_moved", "slots_per_layer")},
+                               **{k: v for k, v in s.items() if k.startswith("ram_")}})  # the RAM tier's
     return "\n".join(lines), out

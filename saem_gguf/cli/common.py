@@ -164,6 +164,38 @@ def add_placement_args(p: argparse.ArgumentParser, multi: bool = False) -> None:
                             "minus a margin; the default when a GPU is present): sizes the expert cache")
     g.add_argument("--profile", type=Path, default=None, metavar="PROFILE.json",
                    help="calibration profile (cue set, thresholds) from `calibrate`")
+    add_ram_tier_args(p)
+
+
+def ram_budget_arg(text: str) -> int | str:
+    """--ram-budget's value: a size or auto (a usage error otherwise)."""
+    from saem_gguf.ram_tier import parse_ram_budget
+
+    return _usage(parse_ram_budget)(text)
+
+
+def add_ram_tier_args(p: argparse.ArgumentParser) -> None:
+    """The RAM tier's flags (saem_gguf/ram_tier.py), for every command that places experts."""
+    from saem_gguf.policies import POLICIES
+    from saem_gguf.ram_tier import FIXED_POLICIES, PREFETCH_METHODS
+
+    choosable = sorted(n for n in POLICIES if n not in FIXED_POLICIES and n != "oracle")
+    g = p.add_argument_group("RAM tier (a memory-mapped model larger than RAM)")
+    g.add_argument("--ram-budget", type=ram_budget_arg, default=None, metavar="SIZE|auto",
+                   help="expert bytes kept resident in RAM, e.g. 8G, or auto (available memory, within "
+                        "the memory cgroup's limit, minus the non-expert weights, KV cache and a "
+                        "margin); the non-expert weights are locked in RAM, the experts the RAM policy "
+                        "picks are read ahead and the others released (default: off, the kernel's page "
+                        "cache decides). Needs the model memory-mapped (not --no-mmap)")
+    g.add_argument("--ram-policy", choices=choosable, default=None, metavar="POLICY",
+                   help="policy choosing the RAM-resident experts (default: --policy's, or saem when "
+                        f"that one places all or nothing): {', '.join(choosable)}")
+    g.add_argument("--ram-prefetch", choices=tuple(PREFETCH_METHODS), default="madvise",
+                   help="how experts are read ahead: madvise (MADV_WILLNEED, the kernel reads "
+                        "asynchronously) or thread (a readahead thread faults them in) (madvise)")
+    g.add_argument("--no-ram-route-prefetch", dest="ram_route_prefetch", action="store_false",
+                   help="do not read the experts a token routes to ahead inside the graph (their pages "
+                        "then fault in with the kernel's readahead around each fault)")
 
 
 def _finite_float(text: str) -> float:

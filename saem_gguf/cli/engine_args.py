@@ -23,6 +23,9 @@ def engine_config(args: argparse.Namespace, **over) -> EngineConfig:
               ecr=getattr(args, "ecr", None), vram_budget=getattr(args, "vram_budget", None),
               profile=getattr(args, "profile", None), seed=getattr(args, "seed", None),
               chat_template=getattr(args, "chat_template", None), verbose=args.verbose,
+              ram_budget=getattr(args, "ram_budget", None), ram_policy=getattr(args, "ram_policy", None),
+              ram_prefetch=getattr(args, "ram_prefetch", "madvise"),
+              ram_route_prefetch=getattr(args, "ram_route_prefetch", True),
               progress=not getattr(args, "quiet", False))
     kw.update(over)
     return EngineConfig(**kw)

@@ -1,4 +1,4 @@
-"""`inspect MODEL`: the MoE shape of a GGUF, its expert bytes, and what a VRAM budget buys."""
+"""`inspect MODEL`: the MoE shape of a GGUF, its expert bytes, and what a VRAM or RAM budget buys."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 from saem_gguf.budget import ECR_HELP, format_size, parse_size, plan_from_budget, plan_from_ecr
 from saem_gguf.cli.arg_types import bounded_int
-from saem_gguf.cli.common import ecr_arg
+from saem_gguf.cli.common import ecr_arg, ram_budget_arg
 from saem_gguf.gguf_info import ModelInfo, read_model_info
 from saem_gguf.model_check import MAX_CONTEXT
 
@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="context for the KV cache (4096)")
     p.add_argument("--overhead", metavar="SIZE", default=None,
                    help="device compute-buffer reserve (default: estimated from the model)")
+    p.add_argument("--ram-budget", metavar="SIZE|auto", type=ram_budget_arg, default=None,
+                   help="RAM tier: the experts per layer SIZE keeps resident (auto: this machine's "
+                        "available memory), the RAM the model then needs and the expert bytes left on disk")
     p.add_argument("--layers", action="store_true", help="list every MoE layer's expert tensors")
     p.set_defaults(func=run)
 
@@ -38,11 +41,14 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_from_budget(info, parse_size(args.vram_budget), args.ctx_size, overhead)
     elif args.ecr is not None:
         plan = plan_from_ecr(info, args.ecr, args.ctx_size, overhead)
+    ram = ram_rows(info, args.ram_budget, args.ctx_size) if args.ram_budget is not None else None
     if args.json:
         out = info.to_dict()
         out["bytes_per_expert_all_layers"] = info.bytes_per_expert_all_layers
         if plan is not None:
             out["cache_plan"] = plan.to_dict()
+        if ram is not None:
+            out["ram_plan"] = ram[1]
         print(json.dumps(out, indent=2))
         return 0
     print(render(info, args.layers))
@@ -59,7 +65,34 @@ def run(args: argparse.Namespace) -> int:
         if plan.note:
             rows.append(("note", plan.note))
         print(_table(rows, "expert cache plan"))
+    if ram is not None:
+        print()
+        print(_table(ram[0], "RAM tier plan (memory-mapped model)"))
     return 0
+
+
+def ram_rows(info: ModelInfo, budget, n_ctx: int) -> tuple[list[tuple[str, str]], dict]:
+    """What ``--ram-budget`` keeps resident: rows for the table and the same as JSON."""
+    from saem_gguf.gguf_info import compute_buffer_bytes, kv_cache_bytes
+    from saem_gguf.ram_tier import plan_ram_budget
+
+    rb = plan_ram_budget(info, budget, n_ctx)
+    kv, comp = kv_cache_bytes(info, n_ctx), compute_buffer_bytes(info)
+    need = info.non_expert_bytes + kv + comp + rb.resident_bytes
+    on_disk = info.expert_bytes - rb.resident_bytes
+    rows = [("non-expert weights", f"{format_size(info.non_expert_bytes)} (locked in RAM)"),
+            ("KV cache (f16)", format_size(kv)), ("compute buffers", format_size(comp)),
+            ("resident experts", f"{format_size(rb.resident_bytes)} = {rb.slots}/{info.n_expert} per layer "
+                                 f"({rb.fraction:.1%})"),
+            ("experts left on disk", f"{format_size(on_disk)} (read when routed to)"),
+            ("RAM needed", format_size(need))]
+    if rb.note:
+        rows.append(("note", rb.note))
+    data = {"budget_bytes": rb.budget_bytes, "slots_per_layer": rb.slots, "fraction": rb.fraction,
+            "resident_expert_bytes": rb.resident_bytes, "expert_bytes_on_disk": on_disk,
+            "non_expert_bytes": info.non_expert_bytes, "kv_bytes": kv, "compute_bytes": comp,
+            "ram_needed_bytes": need, "note": rb.note}
+    return rows, data
 
 
 def _table(rows: list[tuple[str, str]], title: str) -> str:
