@@ -1,0 +1,72 @@
+"""`GET /metrics`: Prometheus text from the scheduler's and the engine's figures, read at scrape time,
+plus the server's own count of HTTP answers. One registry per server (no process-global state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "saem_"
+
+
+@dataclass(frozen=True)
+class StatMetric:
+    name: str  # without PREFIX (and without _total for counters: prometheus-client adds it)
+    kind: type[Metric]
+    key: str  # in Scheduler.stats()
+    help: str
+    scale: float = 1.0
+
+
+STAT_METRICS = (
+    StatMetric("requests", CounterMetricFamily, "requests", "Requests the scheduler finished (any finish reason)"),
+    StatMetric("tokens_predicted", CounterMetricFamily, "tokens", "Generated tokens"),
+    StatMetric("tokens_per_second", GaugeMetricFamily, "tokens_per_s", "Aggregate generation throughput, tokens/s"),
+    StatMetric("queue_length", GaugeMetricFamily, "queue_len", "Requests waiting for a slot"),
+    StatMetric("busy_slots", GaugeMetricFamily, "busy_slots", "Slots decoding a sequence"),
+    StatMetric("slots", GaugeMetricFamily, "n_parallel", "Slots (-np): sequences decoded together"),
+    StatMetric("expert_hit_rate", GaugeMetricFamily, "hit_rate",
+               "Share of routed expert uses served from a GPU-resident slot"),
+    StatMetric("expert_bytes_moved", CounterMetricFamily, "bytes_moved", "Bytes of experts copied to the GPU"),
+    StatMetric("expert_copies", CounterMetricFamily, "copies", "Experts copied to the GPU"),
+    StatMetric("stage_boundaries", CounterMetricFamily, "boundaries", "Stage boundaries the detector reported"),
+    StatMetric("placement_updates", CounterMetricFamily, "plans", "Placement updates that changed residency"),
+)
+
+
+class SchedulerCollector(Collector):
+    """Each scrape reads ``stats()`` once; a figure the stats lack (a dense model has no
+    placement) is left out rather than reported as 0."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for m in STAT_METRICS:
+            value = stats.get(m.key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                family = m.kind(PREFIX + m.name, m.help)
+                family.add_metric([], float(value) * m.scale)
+                yield family
+
+
+class ServerMetrics:
+    """The registry /metrics renders: the scheduler's figures and the HTTP answers by route and status."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SchedulerCollector(stats))
+        self.http_responses = Counter(PREFIX + "http_responses", "HTTP answers by route and status",
+                                      ("route", "status"), registry=self.registry)
+
+    def count(self, route: str, status: int) -> None:
+        self.http_responses.labels(route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
