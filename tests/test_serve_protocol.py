@@ -224,13 +224,15 @@ def test_metrics_text_has_every_figure_the_stats_have():
     stats = {"requests": 5, "tokens": 120, "tokens_per_s": 42.5, "queue_len": 2, "busy_slots": 4, "n_parallel": 4,
              "hit_rate": 0.75, "bytes_moved": 1_000_000, "copies": 10, "boundaries": 3, "plans": 2,
              "policy": "saem"}
-    metrics = ServerMetrics(lambda: stats)
+    now = [100.0]
+    metrics = ServerMetrics(lambda: stats, clock=lambda: now[0])
+    now[0] = 104.0  # 120 tokens in 4 s since the collector began
     metrics.count("/v1/completions", 200)
     metrics.count("/v1/completions", 200)
     metrics.count("/v1/completions", 503)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
-    expect = {"saem_requests_total": 5, "saem_tokens_predicted_total": 120, "saem_tokens_per_second": 42.5,
+    expect = {"saem_requests_total": 5, "saem_tokens_predicted_total": 120, "saem_tokens_per_second": 30.0,
               "saem_queue_length": 2, "saem_busy_slots": 4, "saem_slots": 4, "saem_expert_hit_rate": 0.75,
               "saem_expert_bytes_moved_total": 1e6, "saem_expert_copies_total": 10,
               "saem_stage_boundaries_total": 3, "saem_placement_updates_total": 2}
@@ -238,6 +240,9 @@ def test_metrics_text_has_every_figure_the_stats_have():
         assert samples[(name, ())] == value, name
     assert samples[("saem_http_responses_total", (("route", "/v1/completions"), ("status", "200")))] == 2
     assert samples[("saem_http_responses_total", (("route", "/v1/completions"), ("status", "503")))] == 1
+    stats["tokens"] = 150
+    now[0] = 106.0  # the next scrape: 30 more tokens in 2 s
+    assert "saem_tokens_per_second 15.0" in metrics.render().decode()
     stats.clear()  # a dense model: no placement figures, none invented
     names = {f.name for f in text_string_to_metric_families(metrics.render().decode())}
     assert names - {"saem_http_responses_created"} == {"saem_http_responses"}

@@ -3,6 +3,7 @@ plus the server's own count of HTTP answers. One registry per server (no process
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -24,9 +25,8 @@ class StatMetric:
 
 
 STAT_METRICS = (
-    StatMetric("requests", CounterMetricFamily, "requests", "Requests the scheduler finished (any finish reason)"),
+    StatMetric("requests", CounterMetricFamily, "requests", "Requests the scheduler accepted"),
     StatMetric("tokens_predicted", CounterMetricFamily, "tokens", "Generated tokens"),
-    StatMetric("tokens_per_second", GaugeMetricFamily, "tokens_per_s", "Aggregate generation throughput, tokens/s"),
     StatMetric("queue_length", GaugeMetricFamily, "queue_len", "Requests waiting for a slot"),
     StatMetric("busy_slots", GaugeMetricFamily, "busy_slots", "Slots decoding a sequence"),
     StatMetric("slots", GaugeMetricFamily, "n_parallel", "Slots (-np): sequences decoded together"),
@@ -41,13 +41,23 @@ STAT_METRICS = (
 
 class SchedulerCollector(Collector):
     """Each scrape reads ``stats()`` once; a figure the stats lack (a dense model has no
-    placement) is left out rather than reported as 0."""
+    placement) is left out rather than reported as 0. Tokens/s is averaged over the time since the
+    previous scrape, as llama-server's gauges are (the first scrape: since the collector began)."""
 
-    def __init__(self, stats: Callable[[], dict]) -> None:
+    def __init__(self, stats: Callable[[], dict], clock: Callable[[], float] = time.monotonic) -> None:
         self._stats = stats
+        self._clock = clock
+        self._last = (clock(), 0)  # (time, tokens) at the previous scrape
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
+        tokens, now = stats.get("tokens"), self._clock()
+        if isinstance(tokens, int):
+            (then, before), self._last = self._last, (now, tokens)
+            rate = GaugeMetricFamily(PREFIX + "tokens_per_second",
+                                     "Generated tokens per second since the previous scrape")
+            rate.add_metric([], (tokens - before) / (now - then) if now > then else 0.0)
+            yield rate
         for m in STAT_METRICS:
             value = stats.get(m.key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -59,9 +69,9 @@ class SchedulerCollector(Collector):
 class ServerMetrics:
     """The registry /metrics renders: the scheduler's figures and the HTTP answers by route and status."""
 
-    def __init__(self, stats: Callable[[], dict]) -> None:
+    def __init__(self, stats: Callable[[], dict], clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(SchedulerCollector(stats))
+        self.registry.register(SchedulerCollector(stats, clock))
         self.http_responses = Counter(PREFIX + "http_responses", "HTTP answers by route and status",
                                       ("route", "status"), registry=self.registry)
 
