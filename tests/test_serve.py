@@ -220,6 +220,34 @@ def test_prompt_longer_than_the_context_is_400(client):
     assert e.value.code == "context_length_exceeded"
 
 
+def test_oversized_body_is_413_unread(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as raw:  # declares 64 MiB, sends none
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (64 << 20))
+        answer = raw.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 413 ") and '"code":"request_too_large"' in answer, answer
+
+    def chunks():  # no Content-Length: counted while read
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    try:
+        r = httpx.post(server.url + "/v1/completions", content=chunks(),
+                       headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 413
+    except httpx.WriteError:
+        pass  # the server answered and closed while the client was still sending: refused all the same
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_prompt_with_nul_and_non_ascii_text(client):
+    r = client.completions.create(model="any", prompt="caf\u00e9 \u0000 \u4e16\u754c \U0001f600", max_tokens=2)
+    assert r.usage.prompt_tokens > 5 and r.choices[0].finish_reason in ("stop", "length")
+
+
 def test_unknown_route_and_wrong_method_are_json_errors(server):
     r = httpx.get(server.url + "/v1/nothing", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
@@ -262,7 +290,7 @@ def test_non_streamed_client_disconnect_cancels_its_sequence(server):
 # --- key, queue, stop signals ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_server():
-    s = ServerProcess(["-np", "1", "--queue", "1", "--api-key", "sekrit", "-c", "2048"]).start()
+    s = ServerProcess(["-np", "1", "--queue", "1", "--api-key", "sekrit", "-c", "2048", "-sys", "Be brief."]).start()
     yield s
     assert s.stop(signal.SIGINT) == 0, s.stderr()
 
@@ -295,6 +323,17 @@ def test_full_queue_is_503_and_every_accepted_request_is_answered(small_server):
         assert e.value.status_code == 503 and e.value.code == "queue_full"
         for f in (running, queued):
             assert f.result().usage.completion_tokens == 200
+
+
+def test_default_system_prompt_for_chats_without_one(small_server):
+    c = OpenAI(base_url=small_server.base_url, api_key="sekrit", max_retries=0, timeout=60)
+
+    def prompt_tokens(messages: list[dict]) -> int:
+        return c.chat.completions.create(model="any", messages=messages, max_tokens=1).usage.prompt_tokens
+
+    user = {"role": "user", "content": "hi"}
+    assert prompt_tokens([user]) == prompt_tokens([{"role": "system", "content": "Be brief."}, user])
+    assert prompt_tokens([{"role": "system", "content": "x"}, user]) < prompt_tokens([user])
 
 
 def _stats_keyed(s) -> dict:

@@ -39,6 +39,8 @@ BAD_BODIES = [
     ("empty", b"", CompletionRequest, "empty"),
     ("not-json", b"{prompt: hi}", CompletionRequest, "malformed JSON"),
     ("truncated-json", b'{"prompt": "hi"', CompletionRequest, "malformed JSON"),
+    ("not-utf8", b'{"prompt": "caf\xe9"}', CompletionRequest, "malformed JSON"),
+    ("lone-surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', ChatRequest, "malformed JSON"),
     ("array", b"[1, 2]", CompletionRequest, "JSON object"),
     ("string", b'"hi"', ChatRequest, "JSON object"),
     ("no-prompt", b"{}", CompletionRequest, "prompt: Field required"),

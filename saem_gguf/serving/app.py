@@ -36,6 +36,7 @@ from saem_gguf.serving.protocol import (
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
 QUEUE_FULL_CODE = "queue_full"
+MAX_BODY_BYTES = 32 << 20  # far above any prompt a context holds; a larger body is refused unread
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def create_app(state: ServerState) -> Starlette:
 async def _complete(state: ServerState, request: Request, chat: bool) -> Response:
     if state.stopping:
         raise SHUTTING_DOWN
-    req = parse_request(await request.body(), ChatRequest if chat else CompletionRequest)
+    req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     gen = generation(req, state.cfg.sampling, state.cfg.max_tokens)
     sched = state.scheduler
     try:
@@ -145,6 +146,21 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         return StreamingResponse(_stream(handle, reply, include_usage, state.piece), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await _collect(handle, reply, request.receive, state.piece)
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused (413) past MAX_BODY_BYTES whether or not it declares its length."""
+    too_large = ApiError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB", "invalid_request_error",
+                         "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    return bytes(body)
 
 
 def _with_system(messages: list[dict], system: str | None) -> list[dict]:
