@@ -32,7 +32,7 @@ N = 24  # tokens per answer in the comparisons
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess(["-np", "4", "-c", "4096"]).start()
+    s = ServerProcess(["-np", "4", "-c", "32768"]).start()  # 8192 tokens per sequence
     yield s
     rc = s.stop(signal.SIGTERM)
     assert rc == 0, s.stderr()
@@ -256,7 +256,10 @@ def test_unknown_route_and_wrong_method_are_json_errors(server):
 
 
 # --- disconnects --------------------------------------------------------------------------------
-LONG = {"messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 900,
+# seconds of decoding even on this tiny model (thousands of tokens per second): a cancel shows as far
+# fewer tokens generated than asked
+LONG_TOKENS = 8000
+LONG = {"messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": LONG_TOKENS,
         "ignore_eos": True}
 
 
@@ -267,7 +270,7 @@ def _idle(server) -> bool:
 
 def test_streamed_client_disconnect_cancels_its_sequence(server):
     assert wait_until(lambda: _idle(server), 60)
-    done_before = _stats(server)["requests"]
+    tokens_before = _stats(server)["tokens"]
     with httpx.stream("POST", server.url + "/v1/chat/completions", json={**LONG, "stream": True}, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]  # some tokens came: it is decoding
@@ -276,21 +279,25 @@ def test_streamed_client_disconnect_cancels_its_sequence(server):
     t0 = time.monotonic()
     assert wait_until(lambda: _idle(server), 5), _stats(server)
     freed_after = time.monotonic() - t0
-    assert freed_after < 2.0, freed_after
-    assert _stats(server)["requests"] == done_before + 1
+    assert freed_after < 1.0, freed_after
+    assert _stats(server)["tokens"] - tokens_before < LONG_TOKENS / 2
 
 
 def test_non_streamed_client_disconnect_cancels_its_sequence(server):
     assert wait_until(lambda: _idle(server), 60)
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and closes the connection
-        httpx.post(server.url + "/v1/chat/completions", json=LONG, timeout=httpx.Timeout(60, read=1.0))
+    tokens_before = _stats(server)["tokens"]
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/chat/completions", json=LONG, timeout=httpx.Timeout(60, read=0.3))
+    t0 = time.monotonic()
     assert wait_until(lambda: _idle(server), 5), _stats(server)
+    assert time.monotonic() - t0 < 1.0
+    assert _stats(server)["tokens"] - tokens_before < LONG_TOKENS / 2
 
 
 # --- key, queue, stop signals ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_server():
-    s = ServerProcess(["-np", "1", "--queue", "1", "--api-key", "sekrit", "-c", "2048", "-sys", "Be brief."]).start()
+    s = ServerProcess(["-np", "1", "--queue", "1", "--api-key", "sekrit", "-c", "8192", "-sys", "Be brief."]).start()
     yield s
     assert s.stop(signal.SIGINT) == 0, s.stderr()
 
@@ -311,8 +318,8 @@ def test_api_key(small_server):
 
 def test_full_queue_is_503_and_every_accepted_request_is_answered(small_server):
     c = OpenAI(base_url=small_server.base_url, api_key="sekrit", max_retries=0, timeout=120)
-    body = dict(model="any", messages=[{"role": "user", "content": "go"}], max_tokens=200,
-                extra_body={"ignore_eos": True})
+    body = dict(model="any", messages=[{"role": "user", "content": "go"}], max_tokens=6000,
+                extra_body={"ignore_eos": True})  # a second or more each: the queue stays full meanwhile
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = pool.submit(c.chat.completions.create, **body)
         assert wait_until(lambda: _stats_keyed(small_server)["busy_slots"] == 1, 30)
@@ -322,7 +329,7 @@ def test_full_queue_is_503_and_every_accepted_request_is_answered(small_server):
             c.chat.completions.create(**body)
         assert e.value.status_code == 503 and e.value.code == "queue_full"
         for f in (running, queued):
-            assert f.result().usage.completion_tokens == 200
+            assert f.result().usage.completion_tokens == 6000
 
 
 def test_default_system_prompt_for_chats_without_one(small_server):
@@ -342,14 +349,17 @@ def _stats_keyed(s) -> dict:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_finishes_in_flight_requests_and_exits_0(sig):
-    s = ServerProcess(["-np", "2", "-c", "2048"]).start()
+    s = ServerProcess(["-np", "2", "-c", "8192"]).start()
     try:
         result: dict = {}
 
         def stream() -> None:
-            with httpx.stream("POST", s.url + "/v1/completions", timeout=120, json={
-                    "prompt": PROMPT, "max_tokens": 64, "ignore_eos": True, "stream": True}) as r:
-                result["body"] = r.read().decode()
+            try:
+                with httpx.stream("POST", s.url + "/v1/completions", timeout=120, json={
+                        "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+                    result["body"] = r.read().decode()
+            except httpx.HTTPError as e:
+                result["body"] = f"{type(e).__name__}: {e}"
 
         t = threading.Thread(target=stream)
         t.start()
@@ -357,7 +367,8 @@ def test_stop_signal_finishes_in_flight_requests_and_exits_0(sig):
         rc = s.stop(sig)
         t.join(60)
         assert rc == 0, s.stderr()
-        assert result["body"].endswith("data: [DONE]\n\n")  # drained: the answer is whole
+        body = result.get("body", "(no answer)")
+        assert body.endswith("data: [DONE]\n\n"), (body[-300:], s.stderr())  # drained: the answer is whole
         assert '"finish_reason":"length"' in result["body"]
         with pytest.raises(httpx.ConnectError):
             httpx.get(s.url + "/health", timeout=5)
@@ -367,7 +378,7 @@ def test_stop_signal_finishes_in_flight_requests_and_exits_0(sig):
 
 
 def test_shutdown_timeout_cancels_in_flight_requests_with_an_error_and_exits_0():
-    s = ServerProcess(["-np", "2", "-c", "4096", "--shutdown-timeout", "0.5"]).start()
+    s = ServerProcess(["-np", "2", "-c", "32768", "--shutdown-timeout", "0.5"]).start()
     try:
         c = OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=120)
         outcome: dict = {}
@@ -375,7 +386,7 @@ def test_shutdown_timeout_cancels_in_flight_requests_with_an_error_and_exits_0()
         def streamed() -> None:
             try:
                 for _ in c.chat.completions.create(model="any", messages=[{"role": "user", "content": "go"}],
-                                                   max_tokens=3000, stream=True, extra_body={"ignore_eos": True}):
+                                                   max_tokens=15000, stream=True, extra_body={"ignore_eos": True}):
                     pass
                 outcome["stream"] = "completed"
             except openai.APIError as e:
@@ -384,7 +395,7 @@ def test_shutdown_timeout_cancels_in_flight_requests_with_an_error_and_exits_0()
         def whole() -> None:
             try:
                 c.chat.completions.create(model="any", messages=[{"role": "user", "content": "go"}],
-                                          max_tokens=3000, extra_body={"ignore_eos": True})
+                                          max_tokens=15000, extra_body={"ignore_eos": True})
                 outcome["whole"] = "completed"
             except openai.APIStatusError as e:
                 outcome["whole"] = (e.status_code, e.code)

@@ -13,9 +13,9 @@ from saem_gguf.cli.arg_types import bounded_int, non_negative_float
 from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
                                   sampling_config)
 from saem_gguf.cli.engine_args import open_engine
+from saem_gguf.engine import MAX_PARALLEL
 
 DEFAULT_PORT = 8080  # llama-server's
-MAX_PARALLEL = 256  # llama.cpp's sequence ids per context (LLAMA_MAX_SEQ)
 MAX_QUEUE = 100_000
 
 
