@@ -299,6 +299,19 @@ for _argv, _needle in ((["bogus"], "invalid choice"), (["inspect"], "required"),
                        (["generate", "-p", "x", "--bogus-flag"], "unrecognized"), (["gen-model", "-o"], "-o")):
     add(Case(f"usage-{'_'.join(_argv) or 'none'}", lambda b, d, a=_argv: list(a), 2, _needle))
 
+# serve's own flags (checked before anything binds or loads) and what fails before it listens
+for _flags, _code, _needle in ((["--port", "70000"], 2, "--port"), (["--port", "-1"], 2, "--port"),
+                               (["--port", "http"], 2, "--port"), (["-np", "0"], 2, "-np"),
+                               (["-np", "257"], 2, "-np"), (["-np", "x"], 2, "-np"),
+                               (["--queue", "0"], 2, "--queue"), (["--api-key", ""], 2, "API key"),
+                               (["--api-key", " , "], 2, "API key"), (["--shutdown-timeout", "-1"], 2, "--shutdown"),
+                               (["--shutdown-timeout", "inf"], 2, "--shutdown"), (["--temp", "nan"], 2, "--temp"),
+                               (["-c", "0"], 2, "-c"), (["--policy", "bogus"], 2, "--policy"),
+                               (["--host", "no.such.host.invalid"], 1, "--host"),
+                               (["--host", "192.0.2.1"], 1, "not one of this machine's"),
+                               (["-m", "/nonexistent/m.gguf"], 1, "no such file")):
+    add(Case(f"serve-flag{'_'.join(_flags)}", lambda b, d, f=_flags: ["serve", "--port", "0", *f], _code, _needle))
+
 # generation semantics (-n, --temp, prompt text)
 add(Case("generate-n-negative", lambda b, d: ["generate", "-m", _m(b), "-p", "hi", "-n", "-5"], 2, "-n"))
 add(Case("generate-temp-nan", lambda b, d: ["generate", "-m", _m(b), "-p", "hi", "-n", "2", "--temp", "nan"],

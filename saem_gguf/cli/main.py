@@ -29,6 +29,7 @@ from saem_gguf.errors import SaemError, Terminated, UsageError
 COMMANDS = (
     "chat",
     "generate",
+    "serve",
     "bench",
     "inspect",
     "gen_model",

@@ -1,0 +1,91 @@
+"""`serve [-m MODEL]`: an OpenAI-compatible HTTP server with continuous batching (the embedded model
+without -m). Flags follow llama-server's names (--host, --port, -np, --api-key, -a/--alias); the
+model, placement and sampling flags are chat's, the sampling ones being the defaults a request's
+own fields override."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+from saem_gguf.cli.arg_types import bounded_int, non_negative_float
+from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
+                                  sampling_config)
+from saem_gguf.cli.engine_args import open_engine
+from saem_gguf.engine import MAX_PARALLEL
+
+DEFAULT_PORT = 8080  # llama-server's
+MAX_QUEUE = 100_000
+
+
+def _api_keys(text: str) -> tuple[str, ...]:
+    """llama-server's --api-key: one key, or several separated by commas."""
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not keys:
+        raise argparse.ArgumentTypeError("an API key must not be empty")
+    return keys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded model)",
+                       description="Serve a MoE GGUF over an OpenAI-compatible HTTP API with continuous "
+                                   "batching and stage-aware expert placement: POST /v1/chat/completions "
+                                   "and /v1/completions (streamed as server-sent events with \"stream\": "
+                                   "true), GET /v1/models, /health, /metrics (Prometheus), "
+                                   "/v1/saem/stats. SIGINT/SIGTERM stop it cleanly (exit 0).")
+    add_model_args(p)
+    add_chat_args(p)
+    g = p.add_argument_group("server (llama-server's names)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every "
+                        "interface)")
+    g.add_argument("--port", type=bounded_int(0, 65535), default=DEFAULT_PORT,
+                   help=f"port to listen on ({DEFAULT_PORT}; 0: a free port, printed at start)")
+    g.add_argument("-np", "--parallel", dest="n_parallel", type=bounded_int(1, MAX_PARALLEL), default=4, metavar="N",
+                   help="sequences decoded together (4, llama-server's auto); each gets -c / N of the context")
+    g.add_argument("--queue", dest="queue_max", type=bounded_int(1, MAX_QUEUE), default=64, metavar="N",
+                   help="requests that may wait for a slot (64); one more is answered 503")
+    g.add_argument("--api-key", dest="api_keys", type=_api_keys, default=None, metavar="KEY[,KEY...]",
+                   help="require this key (Authorization: Bearer KEY, or X-Api-Key) on every route but "
+                        "/health; a wrong or missing key is a 401")
+    g.add_argument("-a", "--alias", default=None, metavar="NAME",
+                   help="the model's name in /v1/models and answers (default: the GGUF's file name)")
+    g.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0, metavar="SECONDS",
+                   help="after SIGINT/SIGTERM, requests in flight may finish for this long (10), then they "
+                        "are cancelled and answered with a 503; a second Ctrl-C stops at once")
+    add_sampling_args(p, n_predict=-1)
+    add_placement_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from saem_gguf.serving.app import ServeConfig, ServerState, create_app
+    from saem_gguf.serving.batch import Scheduler
+    from saem_gguf.serving.metrics import ServerMetrics
+    from saem_gguf.serving.server import ListenConfig, bind, serve, url_of
+
+    # -s is the seed of a request without one (None: a random one per request)
+    sampling = replace(sampling_config(args), seed=args.seed)
+    listen = ListenConfig(host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+                          verbose=args.verbose)
+    sock = bind(listen.host, listen.port)  # before the model loads: a taken port fails at once
+    try:
+        eng = open_engine(args, n_parallel=args.n_parallel)
+        try:
+            scheduler = Scheduler(eng, n_parallel=args.n_parallel, queue_max=args.queue_max)
+            cfg = ServeConfig(model_id=args.alias or eng.path.name, sampling=sampling,
+                              max_tokens=args.n_predict, n_ctx_per_sequence=eng.n_ctx_seq,
+                              api_keys=args.api_keys or (), system=args.system)
+            state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,
+                                metrics=ServerMetrics(scheduler.stats))
+            scheduler.start()
+            if not args.quiet:
+                print(f"[saem] serving {cfg.model_id} at {url_of(sock)} (-np {args.n_parallel}, "
+                      f"policy {eng.stats()['policy']}); Ctrl-C stops", file=sys.stderr, flush=True)
+            serve(create_app(state), state, sock, listen)
+        finally:
+            eng.close()
+    finally:
+        sock.close()
+    return 0

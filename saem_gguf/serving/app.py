@@ -1,0 +1,267 @@
+"""The ASGI app of `serve`: OpenAI's completion endpoints over the continuous-batching scheduler, and
+the server's health, model list, Prometheus metrics and placement statistics.
+
+Every accepted request ends in an answer: a body, a stream that ends with ``[DONE]``, or an error
+object (an error event inside a stream that has begun). A request whose client goes away is
+cancelled at once, freeing its slot: a streamed one when Starlette sees the disconnect (it cancels
+the stream), a non-streamed one by a watcher on the connection.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive
+
+from saem_gguf.engine import SamplingConfig
+from saem_gguf.errors import SaemError
+from saem_gguf.serving.auth import ApiKeyMiddleware
+from saem_gguf.serving.batch import (
+    BatchRequest, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
+)
+from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
+from saem_gguf.serving.protocol import (
+    SSE_DONE, ApiError, ChatRequest, CompletionRequest, Reply, TokenLogprob, generation, parse_request, sse,
+)
+
+SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
+QUEUE_FULL_CODE = "queue_full"
+MAX_BODY_BYTES = 32 << 20  # far above any prompt a context holds; a larger body is refused unread
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_id: str  # what /v1/models lists and every answer names
+    sampling: SamplingConfig  # the CLI's sampling flags: a request's fields override them
+    max_tokens: int  # -n: for a request without max_tokens (-1: until end of generation or a full context)
+    n_ctx_per_sequence: int  # shown in /v1/models
+    api_keys: tuple[str, ...] = ()  # --api-key: any of them opens every route but /health
+    system: str | None = None  # -sys: the system prompt of a chat that brings none
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the scheduler, the token texts (for log-probs), the metrics, and
+    whether the server is stopping (new requests then get a 503)."""
+
+    scheduler: Scheduler
+    piece: Callable[[int], bytes]
+    cfg: ServeConfig
+    metrics: ServerMetrics
+    started: int = field(default_factory=lambda: int(time.time()))
+    stopping: bool = False
+
+
+def create_app(state: ServerState) -> Starlette:
+    def counted(route: str, handler: Callable[[Request], Awaitable[Response]]):
+        async def endpoint(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except ApiError as e:
+                response = JSONResponse(e.body(), status_code=e.status)
+            state.metrics.count(route, response.status_code)
+            return response
+
+        return endpoint
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": state.cfg.model_id, "object": "model", "created": state.started, "owned_by": "saem_gguf",
+             "meta": {"n_ctx": state.cfg.n_ctx_per_sequence}}]})
+
+    async def metrics(_: Request) -> Response:
+        return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE)
+
+    async def stats(_: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(state.scheduler.stats))
+
+    async def chat(request: Request) -> Response:
+        return await _complete(state, request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await _complete(state, request, chat=False)
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                       "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    routes = [
+        Route("/health", counted("/health", health)),
+        Route("/v1/health", counted("/health", health)),
+        Route("/v1/models", counted("/v1/models", models)),
+        Route("/models", counted("/v1/models", models)),
+        Route("/metrics", counted("/metrics", metrics)),
+        Route("/v1/saem/stats", counted("/v1/saem/stats", stats)),
+        Route("/v1/chat/completions", counted("/v1/chat/completions", chat), methods=["POST"]),
+        Route("/chat/completions", counted("/v1/chat/completions", chat), methods=["POST"]),
+        Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
+        Route("/completions", counted("/v1/completions", completions), methods=["POST"]),
+    ]
+    middleware = [Middleware(ApiKeyMiddleware, api_keys=state.cfg.api_keys)] if state.cfg.api_keys else []
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
+
+
+async def _complete(state: ServerState, request: Request, chat: bool) -> Response:
+    if state.stopping:
+        raise SHUTTING_DOWN
+    req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
+    gen = generation(req, state.cfg.sampling, state.cfg.max_tokens)
+    sched = state.scheduler
+    try:
+        if chat:
+            prompt = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system))
+            tokens, extra_stops = prompt.tokens, tuple(prompt.stop)
+        else:
+            tokens, extra_stops = await run_in_threadpool(sched.tokenize_prompt, req.prompt_text()), ()
+        if state.stopping:
+            raise SHUTTING_DOWN
+        handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
+                                           extra_stops=extra_stops, n_probs=_n_probs(gen.top_n)))
+    except SchedulerStopped:
+        raise SHUTTING_DOWN from None
+    except QueueFull as e:
+        raise ApiError(503, str(e), "unavailable_error", QUEUE_FULL_CODE) from None
+    except PromptTooLong as e:
+        raise ApiError(400, str(e), "invalid_request_error", "context_length_exceeded",
+                       "messages" if chat else "prompt") from None
+    except SaemError as e:  # the chat template failed on these messages, an empty prompt, ...
+        raise ApiError(400, str(e)) from None
+    reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(handle, reply, include_usage, state.piece), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _collect(handle, reply, request.receive, state.piece)
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, refused (413) past MAX_BODY_BYTES whether or not it declares its length."""
+    too_large = ApiError(413, f"the request body exceeds {MAX_BODY_BYTES >> 20} MiB", "invalid_request_error",
+                         "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    return bytes(body)
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+    if system is None or any(m["role"] == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _n_probs(top_n: int | None) -> int:
+    # the scheduler reports log-probs only with alternatives; the chosen token's alone needs one
+    return 0 if top_n is None else max(top_n, 1)
+
+
+def _token_logprobs(ev: TokenEvent, top_n: int | None, piece: Callable[[int], bytes]) -> list[TokenLogprob] | None:
+    if top_n is None or ev.logprobs is None:
+        return None
+    return [TokenLogprob(piece(tok), chosen, tuple((piece(t), lp) for t, lp in top[:top_n]))
+            for tok, (chosen, top) in zip(ev.token_ids, ev.logprobs)]
+
+
+def _error_of(ev: TokenEvent) -> ApiError | None:
+    """The error a final event means for the client, if any."""
+    if ev.finish_reason == "error":
+        return ApiError(500, ev.error or "generation failed", "server_error")
+    if ev.finish_reason == "cancelled":  # not by this client (it is gone then): the server is stopping
+        return SHUTTING_DOWN
+    return None
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: never sent, only counted
+
+
+async def _collect(handle: SequenceHandle, reply: Reply, receive: Receive,
+                   piece: Callable[[int], bytes]) -> Response:
+    text = bytearray()
+    error: ApiError | None = None
+    disconnected = False
+
+    async def cancel_on_disconnect() -> None:
+        nonlocal disconnected
+        # after the body, the next message the server sends the app is the client's disconnect
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        disconnected = True
+        handle.cancel()
+
+    finished = False
+    try:
+        async with anyio.create_task_group() as watch:
+            watch.start_soon(cancel_on_disconnect)
+            async for ev in handle.aevents():
+                text += ev.text
+                tokens = _token_logprobs(ev, reply.top_n, piece)
+                if tokens and reply.logprobs is not None:
+                    reply.logprobs.extend(tokens)
+                if ev.finish_reason is not None:
+                    finished = True
+                    error = _error_of(ev)
+                    reply.finish_reason = ev.finish_reason
+                    reply.usage = ev.usage or (0, 0)
+                    break
+            watch.cancel_scope.cancel()
+    finally:
+        if not finished:
+            handle.cancel()
+    if disconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if error is not None:
+        raise error
+    reply.text = text.decode("utf-8", errors="ignore")
+    return JSONResponse(reply.response())
+
+
+async def _stream(handle: SequenceHandle, reply: Reply, include_usage: bool,
+                  piece: Callable[[int], bytes]) -> AsyncIterator[bytes]:
+    """The chunks of a streamed answer. Starlette cancels this generator when the client
+    disconnects; ``finally`` then cancels the sequence."""
+    finished = False
+    try:
+        if reply.chat:  # OpenAI's first chunk names the role
+            yield sse(reply.chunk(text="", role=True))
+        offset = 0
+        async for ev in handle.aevents():
+            text = ev.text.decode("utf-8", errors="ignore")
+            tokens = _token_logprobs(ev, reply.top_n, piece)
+            if text or tokens:
+                yield sse(reply.chunk(text, tokens, text_offset=offset))
+                offset += len(text)
+            if ev.finish_reason is None:
+                continue
+            finished = True
+            error = _error_of(ev)
+            if error is not None:
+                yield sse(error.body())  # the `openai` client raises APIError on it
+                return
+            reply.usage = ev.usage or (0, 0)
+            yield sse(reply.chunk(finish_reason=ev.finish_reason))
+            if include_usage:
+                yield sse(reply.usage_chunk())
+            yield SSE_DONE
+            return
+    finally:
+        if not finished:
+            handle.cancel()

@@ -1,0 +1,371 @@
+"""The OpenAI wire protocol of `serve`: request bodies validated into what the scheduler takes, and
+the response, chunk and error shapes the official `openai` client reads.
+
+Where OpenAI leaves something open the choice follows llama.cpp's `llama-server` and
+llama-cpp-python's server (tools/server/server-*.cpp, llama_cpp/server/*.py of the vendored
+sources): error bodies are ``{"error": {"message", "type", "param", "code"}}`` with llama-server's
+error types, chat content parts are joined with a newline, ``echo``, ``best_of`` and ``suffix`` are
+refused, and llama.cpp's own sampling fields (``top_k``, ``min_p``, ``typical_p``,
+``repeat_penalty``, ``ignore_eos``, ``n_probs``) are accepted beside OpenAI's. Unknown fields are
+ignored, as both servers do. Values are checked strictly: a string where a number belongs is a
+400, not a silent conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from saem_gguf.engine import SEED_RANDOM, SamplingConfig
+from saem_gguf.errors import SaemError
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat); completions' logprobs use the same
+
+
+@dataclass(frozen=True)
+class ApiError(Exception):
+    """An error answered as an OpenAI-style error object with an HTTP status."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", code, param)
+
+
+# --- requests ------------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    # strict: "0.5" is not a temperature; unknown fields are ignored (clients send user, metadata, ...)
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+def _is_text_part(part: object) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    # a string, a list of text parts, or null (an assistant turn); checked below, so that the error
+    # names what is allowed rather than each alternative of a union
+    content: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, v):
+        if v is None or isinstance(v, str) or (isinstance(v, list) and all(map(_is_text_part, v))):
+            return v
+        raise ValueError('must be a string or a list of text parts ({"type": "text", "text": "..."}); '
+                         "other parts (images, audio) are not supported")
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError("every message but an assistant's must have content")
+        return self
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined by a newline, as llama-server does for a
+        template that takes plain strings."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p["text"] for p in self.content)
+
+
+class _Common(_Strict):
+    """Fields /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=-1)  # -1: until end of generation or a full context
+    temperature: float | None = None
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    typical_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = Field(default=None, ge=-1, le=SEED_RANDOM - 1)
+    stop: Any = None  # a string or a list of strings
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    ignore_eos: bool = False
+    n_probs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, v):
+        stops = [v] if isinstance(v, str) else v if v is not None else []
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("must be a string or a list of strings")
+        if any(not s for s in stops):
+            raise ValueError("a stop string must not be empty")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only n=1 is supported (one choice per request)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # a string or a list of one string; checked below
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, str) or (isinstance(v, list) and len(v) == 1 and isinstance(v[0], str)):
+            return v
+        raise ValueError("must be a string or a list of one string (one prompt per request; "
+                         "token-id prompts are not supported)")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("only no echo is supported")
+        return v
+
+    @field_validator("best_of", "suffix")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v is not None:
+            raise ValueError(f"unsupported parameter: {info.field_name}")
+        return v
+
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def top_n(self) -> int | None:
+        """Alternatives per token to return, None for no log-probs at all."""
+        return self.logprobs if self.logprobs is not None else self.n_probs
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]  # json_object / json_schema would need a grammar: refused
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=-1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} (function calling) is not supported")
+        return v
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def top_n(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be set to true", "top_logprobs")
+        if self.logprobs:
+            return self.top_logprobs or 0
+        return self.n_probs
+
+
+def parse_request(body: bytes, kind: type[_Common]) -> _Common:
+    """The body as ``kind``, or a 400 naming the first field that is wrong."""
+    if not body.strip():
+        raise bad_request("the request body is empty (expected a JSON object)")
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise bad_request(f"malformed JSON: {err['ctx'].get('error', err['msg'])}") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise bad_request("the request body must be a JSON object") from None
+        field = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise bad_request(f"{field}: {msg}" if field else msg, field or None) from None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a request asks the scheduler for, besides the prompt."""
+
+    max_tokens: int
+    sampling: SamplingConfig
+    top_n: int | None  # log-prob alternatives per token; None: no log-probs
+
+
+def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) -> Generation:
+    """The request's sampling on top of the server's defaults (the CLI's sampling flags)."""
+    over = {name: value for name, value in (
+        ("temp", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k), ("min_p", req.min_p),
+        ("typical_p", req.typical_p), ("repeat_penalty", req.repeat_penalty),
+        ("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty))
+        if value is not None}
+    if req.seed is not None:
+        over["seed"] = None if req.seed == -1 else req.seed
+    if req.ignore_eos:
+        over["ignore_eos"] = True
+    over["stop"] = defaults.stop + req.stops()
+    try:
+        sampling = replace(defaults, **over)
+    except SaemError as e:
+        raise bad_request(str(e)) from None
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    return Generation(default_max_tokens if max_tokens is None else max_tokens, sampling, req.top_n())
+
+
+# --- responses -----------------------------------------------------------------------------------
+def new_id(kind: Literal["chatcmpl", "cmpl"]) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-prob and its most likely alternatives (text as bytes)."""
+
+    token: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...]
+
+
+def _finite(lp: float) -> float:
+    # JSON has no -inf; llama-server writes the lowest float for a zero probability
+    return lp if math.isfinite(lp) else -3.4028234663852886e38
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
+    return {"content": [{"token": _text(t.token), "logprob": _finite(t.logprob), "bytes": list(t.token),
+                         "top_logprobs": [{"token": _text(b), "logprob": _finite(lp), "bytes": list(b)}
+                                          for b, lp in t.top]}
+                        for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob], text_offset: int = 0) -> dict:
+    """OpenAI's legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset), as
+    llama-cpp-python's create_completion writes it."""
+    offsets = []
+    for t in tokens:
+        offsets.append(text_offset)
+        text_offset += len(_text(t.token))
+    return {"tokens": [_text(t.token) for t in tokens], "token_logprobs": [_finite(t.logprob) for t in tokens],
+            "top_logprobs": [{_text(b): _finite(lp) for b, lp in t.top} for t in tokens],
+            "text_offset": offsets}
+
+
+@dataclass
+class Reply:
+    """One request's answer, accumulated from the scheduler's events."""
+
+    id: str
+    model: str
+    created: int
+    chat: bool
+    top_n: int | None
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    usage: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def start(cls, chat: bool, model: str, top_n: int | None) -> Reply:
+        return cls(new_id("chatcmpl" if chat else "cmpl"), model, int(time.time()), chat, top_n,
+                   logprobs=[] if top_n is not None else None)
+
+    def _logprobs_json(self, tokens: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
+        if tokens is None:
+            return None
+        return chat_logprobs(tokens) if self.chat else completion_logprobs(tokens, text_offset)
+
+    def response(self) -> dict:
+        """The non-streamed body."""
+        choice: dict = {"index": 0, "logprobs": self._logprobs_json(self.logprobs),
+                        "finish_reason": self.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": self.text}
+        else:
+            choice["text"] = self.text
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": usage(*self.usage)}
+
+    def chunk(self, text: str | None = None, tokens: list[TokenLogprob] | None = None,
+              finish_reason: str | None = None, role: bool = False, text_offset: int = 0) -> dict:
+        """A streamed chunk: ``chat.completion.chunk`` (a delta) or ``text_completion`` (a text)."""
+        choice: dict = {"index": 0, "logprobs": self._logprobs_json(tokens, text_offset),
+                        "finish_reason": finish_reason}
+        if self.chat:
+            delta: dict = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self) -> dict:
+        """The last chunk when stream_options.include_usage: no choices, the usage (OpenAI's shape)."""
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": usage(*self.usage)}
+
+
+# --- server-sent events ----------------------------------------------------------------------------
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON (one line: JSON escapes every line break)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"

@@ -1,0 +1,118 @@
+"""Listening and stopping: the socket is bound before the model loads (a taken port is one error line
+at once), uvicorn serves the app, and SIGINT/SIGTERM stop the server cleanly with exit status 0.
+
+On the first signal the listener closes, idle connections close, new requests on open connections
+get a 503, and requests in flight have ``shutdown_timeout`` seconds to finish; then the scheduler
+cancels the rest, and each of them is answered with a 503 error (an error event in a stream). A
+second Ctrl-C stops at once. uvicorn re-raises the signal after a graceful stop so that the process
+dies by it; `serve` returns instead, so the exit status says the server stopped as asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import uvicorn
+
+from saem_gguf.errors import SaemError
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+    from saem_gguf.serving.app import ServerState
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+BACKLOG = 2048  # uvicorn's default
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    host: str
+    port: int  # 0: a free port, chosen by the system
+    shutdown_timeout: float  # seconds in-flight requests may take to finish after a stop signal
+    verbose: bool = False  # uvicorn's info log and access log
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, or a SaemError saying why not."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise SaemError(f"--host {host}: not an address this machine can listen on ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        why = {errno.EADDRINUSE: "the address is already in use",
+               errno.EACCES: "permission denied (ports below 1024 need privileges)",
+               errno.EADDRNOTAVAIL: "the address is not one of this machine's"}.get(e.errno, e.strerror)
+        raise SaemError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with the stop described in the module docstring."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.stopping = True
+        cancel_later = asyncio.create_task(self._cancel_in_flight_after(self.shutdown_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cancel_later.cancel()
+
+    async def _cancel_in_flight_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        busy = self.state.scheduler.stats().get("busy_slots", 0)
+        print(f"[saem] shutdown: cancelling the requests still running after {seconds:g} s ({busy} decoding)",
+              file=sys.stderr)
+        await asyncio.to_thread(self.state.scheduler.stop, False)
+
+
+def serve(app: ASGIApp, state: ServerState, sock: socket.socket, cfg: ListenConfig) -> None:
+    """Serve ``app`` until a stop signal; the scheduler is stopped (in-flight requests cancelled) on
+    the way out."""
+    config = uvicorn.Config(app, http="h11", loop="asyncio", lifespan="off",
+                            log_level="info" if cfg.verbose else "warning", access_log=cfg.verbose,
+                            server_header=False,
+                            # a backstop only: the scheduler's cancel above answers every request first
+                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5)
+    server = GracefulServer(config, state, cfg.shutdown_timeout)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        state.scheduler.stop(False)

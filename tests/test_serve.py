@@ -1,0 +1,428 @@
+"""`serve` end to end: a live server process on a free localhost port with the embedded model, driven
+by the official `openai` client (and by raw HTTP where a client would refuse to send the mistake).
+
+One server per module for the endpoints (-np 4); a small one (-np 1 --queue 1 --api-key) for the
+key and the full queue; short-lived ones for the stop signals. Greedy answers are compared with
+`generate --json` on the same model: the server must say what the CLI says."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import REPO
+from serve_helpers import ServerProcess, wait_until
+
+QUESTION = "What is 12 + 7?"
+PROMPT = "The capital of France is"
+N = 24  # tokens per answer in the comparisons
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess(["-np", "4", "-c", "32768"]).start()  # 8192 tokens per sequence
+    yield s
+    rc = s.stop(signal.SIGTERM)
+    assert rc == 0, s.stderr()
+    assert "Traceback" not in s.stderr(), s.stderr()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _generate(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", "saem_gguf", "generate", "--json", "--quiet", "-c", "1024", *args],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def cli_chat() -> dict:
+    return _generate("--chat", "-p", QUESTION, "-n", str(N))
+
+
+@pytest.fixture(scope="module")
+def cli_raw() -> dict:
+    return _generate("-p", PROMPT, "-n", str(N))
+
+
+def _stats(server) -> dict:
+    return httpx.get(server.url + "/v1/saem/stats", timeout=30).json()
+
+
+# --- the endpoints ------------------------------------------------------------------------------
+def test_models_health_stats_metrics(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["default-model.gguf"]  # the GGUF's file name (no -a)
+    assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
+    stats = _stats(server)
+    assert stats["n_parallel"] == 4 and "policy" in stats and "hit_rate" in stats
+    r = httpx.get(server.url + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    names = {f.name for f in text_string_to_metric_families(r.text)}
+    assert {"saem_requests", "saem_tokens_predicted", "saem_tokens_per_second", "saem_queue_length",
+            "saem_busy_slots", "saem_expert_hit_rate", "saem_expert_bytes_moved", "saem_stage_boundaries",
+            "saem_placement_updates"} <= names, names
+
+
+def test_chat_greedy_equals_generate(client, cli_chat):
+    r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}],
+                                       max_tokens=N, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == cli_chat["text"]
+    assert choice.finish_reason == cli_chat["finish_reason"]
+    assert r.usage.prompt_tokens == cli_chat["n_prompt"]
+    assert r.usage.completion_tokens == cli_chat["n_generated"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+
+def test_chat_streamed_equals_not_streamed(client, cli_chat):
+    chunks = list(client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": QUESTION}], max_tokens=N, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == cli_chat["text"]
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [cli_chat["finish_reason"]]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == cli_chat["n_generated"]
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_greedy_streamed_and_not(client, cli_raw):
+    r = client.completions.create(model="any", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert r.choices[0].text == cli_raw["text"] and r.choices[0].finish_reason == cli_raw["finish_reason"]
+    assert r.usage.prompt_tokens == cli_raw["n_prompt"] and r.usage.completion_tokens == cli_raw["n_generated"]
+    chunks = list(client.completions.create(model="any", prompt=PROMPT, max_tokens=N, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cli_raw["text"]
+    assert chunks[-1].choices[0].finish_reason == cli_raw["finish_reason"]
+
+
+def test_raw_sse_framing_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    events = body.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: ") and "\n" not in e
+        json.loads(e[6:])
+
+
+def test_max_tokens_and_stop(client, cli_raw):
+    r = client.completions.create(model="any", prompt=PROMPT, max_tokens=1, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 1
+    text = cli_raw["text"]
+    stop = text.strip()[len(text.strip()) // 2:][:3]  # a string inside the greedy answer
+    assert stop and stop in text
+    r = client.completions.create(model="any", prompt=PROMPT, max_tokens=N, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[:text.index(stop)]
+
+
+def test_seeded_sampling_repeats_and_differs_by_seed(client):
+    def ask(seed: int) -> str:
+        return client.completions.create(model="any", prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=1.0,
+                                         seed=seed).choices[0].text
+
+    assert ask(7) == ask(7)
+    assert len({ask(s) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}],
+                                       max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy: the chosen is the top one
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    c = client.completions.create(model="any", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(d) <= 2 for d in lp.top_logprobs)
+
+
+def test_user_text_is_not_parsed_into_control_tokens(client):
+    """A message holding the template's markup stays literal text: more prompt tokens than the markup's
+    control tokens would make (the drop-in's fidelity rule)."""
+    plain = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    marked = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "hi<|im_end|>"}], max_tokens=1)
+    assert marked.usage.prompt_tokens - plain.usage.prompt_tokens > 1
+
+
+def test_concurrent_greedy_replies_equal_the_lone_ones(client):
+    prompts = [f"Question {i}: what is {i} + {i}?" for i in range(8)]
+
+    def ask(p: str) -> str:
+        return client.chat.completions.create(model="any", messages=[{"role": "user", "content": p}],
+                                              max_tokens=N, temperature=0).choices[0].message.content
+
+    alone = [ask(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
+
+
+# --- bad requests -------------------------------------------------------------------------------
+def _post(server, path: str, body: bytes | dict, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"},
+                      timeout=60, **kw)
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/v1/chat/completions", b"{not json", "malformed JSON"),
+    ("/v1/chat/completions", b"", "empty"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -7}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 3}, "n=1"),
+])
+def test_malformed_requests_are_400_error_objects(server, path, body, words):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and words in err["message"]
+
+
+def test_bad_field_through_the_client_is_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}], top_p=3)
+
+
+def test_prompt_longer_than_the_context_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="any", prompt="one two three " * 3000, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "word " * 9000}])
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_oversized_body_is_413_unread(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as raw:  # declares 64 MiB, sends none
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (64 << 20))
+        answer = ""
+        while "request_too_large" not in answer:  # the headers and the body may come in two reads
+            part = raw.recv(65536).decode()
+            if not part:
+                break
+            answer += part
+    assert answer.startswith("HTTP/1.1 413 ") and '"code":"request_too_large"' in answer, answer
+
+    def chunks():  # no Content-Length: counted while read
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    try:
+        r = httpx.post(server.url + "/v1/completions", content=chunks(),
+                       headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 413
+    except httpx.WriteError:
+        pass  # the server answered and closed while the client was still sending: refused all the same
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_prompt_with_nul_and_non_ascii_text(client):
+    r = client.completions.create(model="any", prompt="caf\u00e9 \u0000 \u4e16\u754c \U0001f600", max_tokens=2)
+    assert r.usage.prompt_tokens > 5 and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_unknown_route_and_wrong_method_are_json_errors(server):
+    r = httpx.get(server.url + "/v1/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(server.url + "/v1/chat/completions", timeout=30)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+# --- disconnects --------------------------------------------------------------------------------
+# seconds of decoding even on this tiny model (thousands of tokens per second): a cancel shows as far
+# fewer tokens generated than asked
+LONG_TOKENS = 8000
+LONG = {"messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": LONG_TOKENS,
+        "ignore_eos": True}
+
+
+def _idle(server) -> bool:
+    s = _stats(server)
+    return s["busy_slots"] == 0 and s["queue_len"] == 0
+
+
+def test_streamed_client_disconnect_cancels_its_sequence(server):
+    assert wait_until(lambda: _idle(server), 60)
+    tokens_before = _stats(server)["tokens"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**LONG, "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # some tokens came: it is decoding
+        assert all(g.startswith("data: ") or g == "" for g in got)
+        assert _stats(server)["busy_slots"] == 1
+    t0 = time.monotonic()
+    assert wait_until(lambda: _idle(server), 5), _stats(server)
+    freed_after = time.monotonic() - t0
+    assert freed_after < 1.0, freed_after
+    assert _stats(server)["tokens"] - tokens_before < LONG_TOKENS / 2
+
+
+def test_non_streamed_client_disconnect_cancels_its_sequence(server):
+    assert wait_until(lambda: _idle(server), 60)
+    tokens_before = _stats(server)["tokens"]
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/chat/completions", json=LONG, timeout=httpx.Timeout(60, read=0.3))
+    t0 = time.monotonic()
+    assert wait_until(lambda: _idle(server), 5), _stats(server)
+    assert time.monotonic() - t0 < 1.0
+    assert _stats(server)["tokens"] - tokens_before < LONG_TOKENS / 2
+
+
+# --- key, queue, stop signals ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_server():
+    s = ServerProcess(["-np", "1", "--queue", "1", "--api-key", "sekrit", "-c", "8192", "-sys", "Be brief."]).start()
+    yield s
+    assert s.stop(signal.SIGINT) == 0, s.stderr()
+
+
+def test_api_key(small_server):
+    for key, ok in (("sekrit", True), ("wrong", False)):
+        c = OpenAI(base_url=small_server.base_url, api_key=key, max_retries=0, timeout=60)
+        if ok:
+            assert c.models.list().data
+        else:
+            with pytest.raises(openai.AuthenticationError):
+                c.models.list()
+    r = httpx.post(small_server.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(small_server.url + "/metrics", timeout=30).status_code == 401
+    assert httpx.get(small_server.url + "/health", timeout=30).status_code == 200
+
+
+def test_full_queue_is_503_and_every_accepted_request_is_answered(small_server):
+    c = OpenAI(base_url=small_server.base_url, api_key="sekrit", max_retries=0, timeout=120)
+    body = dict(model="any", messages=[{"role": "user", "content": "go"}], max_tokens=6000,
+                extra_body={"ignore_eos": True})  # a second or more each: the queue stays full meanwhile
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(c.chat.completions.create, **body)
+        assert wait_until(lambda: _stats_keyed(small_server)["busy_slots"] == 1, 30)
+        queued = pool.submit(c.chat.completions.create, **body)
+        assert wait_until(lambda: _stats_keyed(small_server)["queue_len"] == 1, 30)
+        with pytest.raises(openai.InternalServerError) as e:  # the client's class for any 5xx
+            c.chat.completions.create(**body)
+        assert e.value.status_code == 503 and e.value.code == "queue_full"
+        for f in (running, queued):
+            assert f.result().usage.completion_tokens == 6000
+
+
+def test_default_system_prompt_for_chats_without_one(small_server):
+    c = OpenAI(base_url=small_server.base_url, api_key="sekrit", max_retries=0, timeout=60)
+
+    def prompt_tokens(messages: list[dict]) -> int:
+        return c.chat.completions.create(model="any", messages=messages, max_tokens=1).usage.prompt_tokens
+
+    user = {"role": "user", "content": "hi"}
+    assert prompt_tokens([user]) == prompt_tokens([{"role": "system", "content": "Be brief."}, user])
+    assert prompt_tokens([{"role": "system", "content": "x"}, user]) < prompt_tokens([user])
+
+
+def _stats_keyed(s) -> dict:
+    return httpx.get(s.url + "/v1/saem/stats", headers={"Authorization": "Bearer sekrit"}, timeout=30).json()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_finishes_in_flight_requests_and_exits_0(sig):
+    s = ServerProcess(["-np", "2", "-c", "8192"]).start()
+    try:
+        result: dict = {}
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", s.url + "/v1/completions", timeout=120, json={
+                        "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+                    result["body"] = r.read().decode()
+            except httpx.HTTPError as e:
+                result["body"] = f"{type(e).__name__}: {e}"
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert wait_until(lambda: httpx.get(s.url + "/v1/saem/stats", timeout=30).json()["busy_slots"] == 1, 30)
+        rc = s.stop(sig)
+        t.join(60)
+        assert rc == 0, s.stderr()
+        body = result.get("body", "(no answer)")
+        assert body.endswith("data: [DONE]\n\n"), (body[-300:], s.stderr())  # drained: the answer is whole
+        assert '"finish_reason":"length"' in result["body"]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(s.url + "/health", timeout=5)
+        assert "Traceback" not in s.stderr()
+    finally:
+        s.kill()
+
+
+def test_shutdown_timeout_cancels_in_flight_requests_with_an_error_and_exits_0():
+    s = ServerProcess(["-np", "2", "-c", "32768", "--shutdown-timeout", "0.5"]).start()
+    try:
+        c = OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=120)
+        outcome: dict = {}
+
+        def streamed() -> None:
+            try:
+                for _ in c.chat.completions.create(model="any", messages=[{"role": "user", "content": "go"}],
+                                                   max_tokens=15000, stream=True, extra_body={"ignore_eos": True}):
+                    pass
+                outcome["stream"] = "completed"
+            except openai.APIError as e:
+                outcome["stream"] = e.message
+
+        def whole() -> None:
+            try:
+                c.chat.completions.create(model="any", messages=[{"role": "user", "content": "go"}],
+                                          max_tokens=15000, extra_body={"ignore_eos": True})
+                outcome["whole"] = "completed"
+            except openai.APIStatusError as e:
+                outcome["whole"] = (e.status_code, e.code)
+
+        threads = [threading.Thread(target=f) for f in (streamed, whole)]
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: httpx.get(s.url + "/v1/saem/stats", timeout=30).json()["busy_slots"] == 2, 30)
+        t0 = time.monotonic()
+        assert s.stop(signal.SIGTERM) == 0, s.stderr()
+        assert time.monotonic() - t0 < 15
+        for t in threads:
+            t.join(30)
+        assert outcome == {"stream": "the server is shutting down", "whole": (503, "shutting_down")}, outcome
+    finally:
+        s.kill()
+
+
+def test_taken_port_is_one_error_line():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "saem_gguf", "serve", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: the address is already in use"]

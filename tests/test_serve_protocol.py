@@ -1,0 +1,269 @@
+"""`serve`'s wire protocol without a model: request validation (400s naming the field), the
+request's sampling over the server's defaults, the response and chunk shapes as the official
+`openai` client parses them, server-sent event framing, the API-key check, the metrics text and
+the listening socket's errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from saem_gguf.engine import SamplingConfig
+from saem_gguf.errors import SaemError
+from saem_gguf.serving.protocol import (
+    SSE_DONE, ApiError, ChatRequest, CompletionRequest, Reply, TokenLogprob, generation, parse_request, sse,
+)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"prompt": "hi"}
+
+
+def _body(base: dict, **fields) -> bytes:
+    return json.dumps({**base, **fields}).encode()
+
+
+def _error(body: bytes, kind) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse_request(body, kind)
+    assert e.value.status == 400 and e.value.type == "invalid_request_error"
+    return e.value
+
+
+BAD_BODIES = [
+    # (id, body, request kind, words the message must hold)
+    ("empty", b"", CompletionRequest, "empty"),
+    ("not-json", b"{prompt: hi}", CompletionRequest, "malformed JSON"),
+    ("truncated-json", b'{"prompt": "hi"', CompletionRequest, "malformed JSON"),
+    ("not-utf8", b'{"prompt": "caf\xe9"}', CompletionRequest, "malformed JSON"),
+    ("lone-surrogate", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', ChatRequest, "malformed JSON"),
+    ("array", b"[1, 2]", CompletionRequest, "JSON object"),
+    ("string", b'"hi"', ChatRequest, "JSON object"),
+    ("no-prompt", b"{}", CompletionRequest, "prompt: Field required"),
+    ("prompt-number", _body({}, prompt=5), CompletionRequest, "prompt: must be a string"),
+    ("two-prompts", _body({}, prompt=["a", "b"]), CompletionRequest, "one prompt"),
+    ("token-prompt", _body({}, prompt=[1, 2, 3]), CompletionRequest, "token-id prompts"),
+    ("temperature-string", _body(COMPLETION, temperature="0.5"), CompletionRequest, "temperature"),
+    ("temperature-nan", b'{"prompt": "hi", "temperature": NaN}', CompletionRequest, "temperature"),
+    ("max-tokens-float", _body(COMPLETION, max_tokens=1.5), CompletionRequest, "max_tokens"),
+    ("max-tokens-bool", _body(COMPLETION, max_tokens=True), CompletionRequest, "max_tokens"),
+    ("max-tokens-negative", _body(COMPLETION, max_tokens=-2), CompletionRequest, "max_tokens"),
+    ("top-p-above-1", _body(COMPLETION, top_p=1.5), CompletionRequest, "top_p"),
+    ("min-p-negative", _body(COMPLETION, min_p=-0.1), CompletionRequest, "min_p"),
+    ("seed-huge", _body(COMPLETION, seed=2**40), CompletionRequest, "seed"),
+    ("seed-string", _body(COMPLETION, seed="7"), CompletionRequest, "seed"),
+    ("stop-empty", _body(COMPLETION, stop=""), CompletionRequest, "stop"),
+    ("stop-numbers", _body(COMPLETION, stop=[1]), CompletionRequest, "stop"),
+    ("n-2", _body(COMPLETION, n=2), CompletionRequest, "n=1"),
+    ("echo", _body(COMPLETION, echo=True), CompletionRequest, "echo"),
+    ("best-of", _body(COMPLETION, best_of=2), CompletionRequest, "best_of"),
+    ("suffix", _body(COMPLETION, suffix="x"), CompletionRequest, "suffix"),
+    ("logprobs-too-many", _body(COMPLETION, logprobs=21), CompletionRequest, "logprobs"),
+    ("logit-bias", _body(COMPLETION, logit_bias={"15": 2.0}), CompletionRequest, "logit_bias"),
+    ("stream-string", _body(COMPLETION, stream="yes"), CompletionRequest, "stream"),
+    ("no-messages", b"{}", ChatRequest, "messages: Field required"),
+    ("messages-empty", _body({}, messages=[]), ChatRequest, "messages"),
+    ("messages-object", _body({}, messages={"role": "user"}), ChatRequest, "messages"),
+    ("role-unknown", _body({}, messages=[{"role": "bot", "content": "x"}]), ChatRequest, "messages.0.role"),
+    ("user-without-content", _body({}, messages=[{"role": "user"}]), ChatRequest, "content"),
+    ("content-number", _body({}, messages=[{"role": "user", "content": 3}]), ChatRequest, "messages.0.content"),
+    ("content-image", _body({}, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), ChatRequest, "not supported"),
+    ("tools", _body(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), ChatRequest, "tools"),
+    ("json-mode", _body(CHAT, response_format={"type": "json_object"}), ChatRequest, "response_format"),
+    ("top-logprobs-21", _body(CHAT, logprobs=True, top_logprobs=21), ChatRequest, "top_logprobs"),
+    ("logprobs-int-in-chat", _body(CHAT, logprobs=3), ChatRequest, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("body,kind,words", [c[1:] for c in BAD_BODIES], ids=[c[0] for c in BAD_BODIES])
+def test_bad_request_bodies_are_400_naming_the_problem(body, kind, words):
+    e = _error(body, kind)
+    assert words in e.message, e.message
+    assert "\n" not in e.message
+    body = e.body()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_fields_are_ignored_and_known_ones_kept():
+    req = parse_request(_body(CHAT, user="u1", metadata={"a": 1}, temperature=0.7, top_p=0.9, seed=3,
+                              max_completion_tokens=12, stop="END", stream=True,
+                              stream_options={"include_usage": True}), ChatRequest)
+    assert (req.temperature, req.top_p, req.seed, req.stream) == (0.7, 0.9, 3, True)
+    assert req.stream_options.include_usage and req.stops() == ("END",)
+
+
+def test_text_parts_are_joined_and_an_assistant_may_have_no_content():
+    req = parse_request(_body({}, messages=[
+        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}, {"role": "user", "content": "<|im_end|>"}]), ChatRequest)
+    assert req.message_dicts() == [{"role": "system", "content": "a\nb"}, {"role": "assistant", "content": ""},
+                                   {"role": "user", "content": "<|im_end|>"}]
+
+
+def test_generation_overrides_the_server_defaults_field_by_field():
+    defaults = SamplingConfig(temp=0.0, top_k=40, top_p=0.95, seed=11, stop=("###",))
+    req = parse_request(_body(COMPLETION, temperature=0.8, top_k=5, stop=["a", "b"], seed=-1), CompletionRequest)
+    gen = generation(req, defaults, default_max_tokens=-1)
+    s = gen.sampling
+    assert (s.temp, s.top_k, s.top_p, s.seed, s.stop) == (0.8, 5, 0.95, None, ("###", "a", "b"))
+    assert gen.max_tokens == -1 and gen.top_n is None
+    plain = generation(parse_request(_body(COMPLETION, max_tokens=7), CompletionRequest), defaults, 99)
+    assert plain.sampling == defaults and plain.max_tokens == 7
+
+
+def test_chat_max_completion_tokens_wins_and_logprobs_need_the_flag():
+    req = parse_request(_body(CHAT, max_tokens=5, max_completion_tokens=9, logprobs=True, top_logprobs=3),
+                        ChatRequest)
+    gen = generation(req, SamplingConfig(), 1)
+    assert gen.max_tokens == 9 and gen.top_n == 3
+    assert generation(parse_request(_body(CHAT, logprobs=True), ChatRequest), SamplingConfig(), 1).top_n == 0
+    with pytest.raises(ApiError, match="top_logprobs requires logprobs"):
+        generation(parse_request(_body(CHAT, top_logprobs=2), ChatRequest), SamplingConfig(), 1)
+
+
+def test_completion_logprobs_zero_asks_for_the_chosen_tokens_only():
+    gen = generation(parse_request(_body(COMPLETION, logprobs=0), CompletionRequest), SamplingConfig(), 1)
+    assert gen.top_n == 0
+
+
+TOKENS = [TokenLogprob(b" Paris", -0.25, ((b" Paris", -0.25), (b" Lyon", -2.0))),
+          TokenLogprob(b"\xc3\xa9", -math.inf, ((b"\xc3\xa9", -math.inf),))]
+
+
+def test_chat_shapes_parse_with_the_openai_client():
+    reply = Reply.start(chat=True, model="m.gguf", top_n=2)
+    reply.text, reply.finish_reason, reply.usage = "Paris", "stop", (7, 2)
+    reply.logprobs.extend(TOKENS)
+    full = ChatCompletion.model_validate(reply.response())
+    assert full.choices[0].message.content == "Paris" and full.choices[0].finish_reason == "stop"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (7, 2, 9)
+    lp = full.choices[0].logprobs.content
+    assert [t.token for t in lp] == [" Paris", "é"] and lp[0].top_logprobs[1].token == " Lyon"
+    assert lp[1].bytes == [0xC3, 0xA9] and math.isfinite(lp[1].logprob)  # JSON has no -inf
+    json.dumps(reply.response(), allow_nan=False)
+    first = ChatCompletionChunk.model_validate(reply.chunk(text="", role=True))
+    assert first.choices[0].delta.role == "assistant" and first.choices[0].delta.content == ""
+    mid = ChatCompletionChunk.model_validate(reply.chunk("Par", TOKENS[:1]))
+    assert mid.choices[0].delta.content == "Par" and mid.choices[0].finish_reason is None
+    last = ChatCompletionChunk.model_validate(reply.chunk(finish_reason="length"))
+    assert last.choices[0].finish_reason == "length" and last.choices[0].delta.content is None
+    usage = ChatCompletionChunk.model_validate(reply.usage_chunk())
+    assert usage.choices == [] and usage.usage.total_tokens == 9
+    assert full.id.startswith("chatcmpl-") and full.id == usage.id
+
+
+def test_completion_shapes_parse_with_the_openai_client():
+    reply = Reply.start(chat=False, model="m.gguf", top_n=1)
+    reply.text, reply.finish_reason, reply.usage = " Paris", "length", (3, 1)
+    reply.logprobs.extend(TOKENS[:1])
+    full = Completion.model_validate(reply.response())
+    assert full.object == "text_completion" and full.choices[0].text == " Paris"
+    lp = full.choices[0].logprobs
+    assert lp.tokens == [" Paris"] and lp.token_logprobs == [-0.25] and lp.text_offset == [0]
+    assert lp.top_logprobs == [{" Paris": -0.25, " Lyon": -2.0}]
+    # a streamed completion chunk has finish_reason null, as OpenAI's have (the client reads chunks
+    # without validating them; its Completion model only knows final choices)
+    chunk = reply.chunk("x", TOKENS[:1], text_offset=5)
+    assert chunk["choices"][0]["finish_reason"] is None and chunk["object"] == "text_completion"
+    assert chunk["choices"][0]["text"] == "x" and chunk["choices"][0]["logprobs"]["text_offset"] == [5]
+    assert Completion.model_validate(reply.chunk("", finish_reason="stop")).choices[0].finish_reason == "stop"
+    no_lp = Reply.start(chat=False, model="m", top_n=None)
+    assert no_lp.response()["choices"][0]["logprobs"] is None
+
+
+def test_sse_events_are_one_data_line_each():
+    event = sse({"text": "line one\nline two", "emoji": "é"})
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n") == 2
+    assert json.loads(event[6:]) == {"text": "line one\nline two", "emoji": "é"}
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+# --- the API key --------------------------------------------------------------------------------
+def _keyed_app(keys: tuple[str, ...]):
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from saem_gguf.serving.auth import ApiKeyMiddleware
+
+    async def ok(_):
+        return PlainTextResponse("ok")
+
+    return Starlette(routes=[Route("/health", ok), Route("/v1/models", ok), Route("/metrics", ok)],
+                     middleware=[Middleware(ApiKeyMiddleware, api_keys=keys)])
+
+
+@pytest.mark.parametrize("headers,status", [
+    ({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"Authorization": "sekrit"}, 200),
+    ({"Authorization": "Bearer sekrit"}, 200), ({"X-Api-Key": "sekrit"}, 200), ({"X-Api-Key": "other"}, 200),
+    ({"Authorization": "Bearer sekrit2"}, 401), ({"Authorization": "Bearer "}, 401),
+])
+def test_api_key(headers, status):
+    from starlette.testclient import TestClient
+
+    with TestClient(_keyed_app(("sekrit", "other"))) as client:
+        for path in ("/v1/models", "/metrics"):
+            r = client.get(path, headers=headers)
+            assert r.status_code == status, (path, headers, r.text)
+            if status == 401:
+                assert r.json() == {"error": {"message": "Invalid API Key", "type": "authentication_error",
+                                              "param": None, "code": "invalid_api_key"}}
+        assert client.get("/health").status_code == 200  # public, as in llama-server
+
+
+# --- metrics ------------------------------------------------------------------------------------
+def test_metrics_text_has_every_figure_the_stats_have():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from saem_gguf.serving.metrics import ServerMetrics
+
+    stats = {"requests": 5, "tokens": 120, "tokens_per_s": 42.5, "queue_len": 2, "busy_slots": 4, "n_parallel": 4,
+             "hit_rate": 0.75, "bytes_moved": 1_000_000, "copies": 10, "boundaries": 3, "plans": 2,
+             "decode_steps": 40, "mean_batch": 3.0, "policy": "saem"}
+    now = [100.0]
+    metrics = ServerMetrics(lambda: stats, clock=lambda: now[0])
+    now[0] = 104.0  # 120 tokens in 4 s since the collector began
+    metrics.count("/v1/completions", 200)
+    metrics.count("/v1/completions", 200)
+    metrics.count("/v1/completions", 503)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    expect = {"saem_requests_total": 5, "saem_tokens_predicted_total": 120, "saem_tokens_per_second": 30.0,
+              "saem_queue_length": 2, "saem_busy_slots": 4, "saem_slots": 4, "saem_expert_hit_rate": 0.75,
+              "saem_expert_bytes_moved_total": 1e6, "saem_expert_copies_total": 10,
+              "saem_stage_boundaries_total": 3, "saem_placement_updates_total": 2, "saem_decode_steps_total": 40,
+              "saem_mean_batch": 3.0}
+    for name, value in expect.items():
+        assert samples[(name, ())] == value, name
+    assert samples[("saem_http_responses_total", (("route", "/v1/completions"), ("status", "200")))] == 2
+    assert samples[("saem_http_responses_total", (("route", "/v1/completions"), ("status", "503")))] == 1
+    stats["tokens"] = 150
+    now[0] = 106.0  # the next scrape: 30 more tokens in 2 s
+    assert "saem_tokens_per_second 15.0" in metrics.render().decode()
+    stats.clear()  # a dense model: no placement figures, none invented
+    names = {f.name for f in text_string_to_metric_families(metrics.render().decode())}
+    assert names - {"saem_http_responses_created"} == {"saem_http_responses"}
+
+
+# --- the socket ---------------------------------------------------------------------------------
+def test_bind_reports_a_taken_port_and_a_bad_host_in_one_line():
+    from saem_gguf.serving.server import bind, url_of
+
+    first = bind("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        assert url_of(first) == f"http://127.0.0.1:{port}"
+        with pytest.raises(SaemError, match="already in use"):
+            bind("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # already listening: a client may connect before the server's loop runs
+    finally:
+        first.close()
+    with pytest.raises(SaemError, match="--host no.such.host.invalid"):
+        bind("no.such.host.invalid", 0)
