@@ -22,12 +22,13 @@ from saem_gguf.accounting import (
     A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_CPU_TOKENS, A_DEMAND, A_EVICT, A_GPU_RUNS, A_HIT, A_HIT_CPU,
     A_LAYER_STEPS, A_PLANS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, Accounting,
 )
+from saem_gguf.budget import format_size
 from saem_gguf.costmodel import CostModel, HardwareProfile, ModelShape, find_model_shape, get_hw
 from saem_gguf.errors import SaemError
 from saem_gguf.policies import DEFAULT_POLICIES, make_policy
 from saem_gguf.policies.base import Policy, PolicyContext, budget_slots
 from saem_gguf.policies.cue_profiles import cue_stage_counts, detected_cues, detected_events
-from saem_gguf.policies.state import Decision, RoutingBlock, record_decision
+from saem_gguf.policies.state import Decision, RoutingBlock, record_decision, resident_uses
 from saem_gguf.pricing import price_placement, price_steps
 from saem_gguf.stage.coherence import stage_histogram
 from saem_gguf.trace import TraceSet, validate_traces
@@ -257,12 +258,14 @@ def metrics(acc: np.ndarray, clock: np.ndarray, cost: CostModel) -> dict:
     }
 
 
-def replay(pol: Policy, blocks: list[RoutingBlock], acct: Accounting, decisions: list[Decision] | None = None) -> None:
+def replay(pol: Policy, blocks: list[RoutingBlock], acct: Accounting, decisions: list[Decision] | None = None,
+           ram: "RamTierReplay | None" = None) -> None:
     """Drive a started policy over ``blocks`` through its entry points (``begin_group`` per block,
     ``observe`` per step with the events reported after it, as the engine does) and price what
     it decides into ``acct``: the simulator keeps its own copy of the residency in force and
     of when each slot's copy lands. Steps between decisions are priced in one kernel call.
-    ``decisions`` collects every change (for comparing with the engine's)."""
+    ``decisions`` collects every change (for comparing with the engine's). ``ram``: a RAM tier
+    below this policy, driven with the same groups, rows and events (as Placement.tiers)."""
     cache = pol.state.copy()
     ready_at = np.zeros(cache.owner.shape, np.float64)
     cost = pol.ctx.cost.array
@@ -275,8 +278,12 @@ def replay(pol: Policy, blocks: list[RoutingBlock], acct: Accounting, decisions:
             c[A_PLANS] += change.placements
             price_placement(change.ops, change.n_in_step, blk.step0, cache.slot_of, cache.owner, ready_at, cost,
                             acct.clock, c, acct.log, acct.log_n)
+        if ram is not None:
+            ram.begin_group(blk)
         priced = 0  # steps before this one are priced
         for s in range(blk.n_steps):
+            if ram is not None:  # the VRAM map in force for step s: the policy's books before it observes
+                ram.on_step(blk.routing[s], blk.events_after(s), pol.state.slot_of)
             change = pol.observe(blk.routing[s], blk.events_after(s))
             if change is None:
                 continue
@@ -292,17 +299,117 @@ def replay(pol: Policy, blocks: list[RoutingBlock], acct: Accounting, decisions:
             raise AssertionError(f"{pol.name}: its changes do not lead to the residency it holds")
 
 
-def run_policy(name: str, blocks: list[RoutingBlock], ctx: PolicyContext, policy_kwargs: dict | None = None) -> dict:
-    """Replay every block under one policy; returns metrics plus wall time."""
+@dataclass(frozen=True)
+class RamProjection:
+    """``simulate --ram-budget``: a RAM tier of ``budget_bytes`` of experts under the VRAM cache,
+    its policy ``policy`` (None: ram_tier.ram_policy_for's default for each VRAM policy)."""
+
+    budget_bytes: int
+    policy: str | None = None
+
+
+def ram_slots(budget_bytes: int, n_layer: int, n_expert: int, expert_bytes: int) -> int:
+    """Experts per layer that ``budget_bytes`` holds, as ram_tier.plan_ram_budget sizes them (one
+    expert of every MoE layer per slot)."""
+    per = n_layer * expert_bytes
+    if budget_bytes < per:
+        raise SaemError(f"--ram-budget {format_size(budget_bytes)} holds no expert: one expert of every "
+                        f"MoE layer takes {format_size(per)}")
+    return int(min(n_expert, budget_bytes // per))
+
+
+class RamTierReplay:
+    """The RAM tier's policy instance in a replay, driven as ram_tier.RamTier.on_step drives it:
+    ``begin_group`` per block, then per step its hits counted against its map before it observes
+    the step's rows and the VRAM policy's events.
+
+    Disk model (priced with the hardware profile's ``ssd_read_bw`` and ``ssd_latency_s``):
+    * a step reads from disk each distinct (layer, expert) its rows use that is neither in the VRAM
+      map in force nor in the RAM tier's (one read for the whole batch, as the engine's in-graph
+      read-ahead issues one per routed expert); such an expert is read again at its next use (the
+      engine marks it cold; whether the page cache still holds it depends on the memory limit's
+      slack, which the projection does not model, so this is its pessimistic side);
+    * each expert the tier's policy makes resident (a read-ahead) is one disk read too, unless the
+      step it was admitted after has just read it on demand (its pages are cached); the initial
+      placement is not counted (loading the model, as the engine's stats leave it out);
+    * every read costs ``ssd_latency_s + expert_bytes / ssd_read_bw`` and reads are serialised on
+      the decode's critical path, not overlapped with compute or with each other: the projected
+      time is the two-tier replay's time plus the disk time (an upper bound on what overlap saves).
+    """
+
+    def __init__(self, name: str, ctx: PolicyContext, slots: int, cost: CostModel) -> None:
+        import dataclasses
+
+        from saem_gguf.placement import ENGINE_VARIANT
+
+        self.policy = make_policy(ENGINE_VARIANT.get(name, name))
+        # the tier's copies are disk reads: copy-cost-aware policies price them so (as attach_ram_tier)
+        self.state = self.policy.start(dataclasses.replace(
+            ctx, n_slots=np.full(ctx.n_layer, slots, np.int32), cost=cost.ram_tier()))
+        self.read_s = cost.hw.ssd_latency_s + cost.expert_bytes / cost.hw.ssd_read_bw
+        self.expert_bytes = cost.expert_bytes
+        self.accesses = self.hits = self.demand_reads = self.prefetch_reads = 0
+        self._layer = np.arange(ctx.n_layer)[None, :, None]
+
+    def begin_group(self, block: RoutingBlock) -> None:
+        self._count_loads(lambda: self.policy.begin_group(block))
+
+    def on_step(self, rows: np.ndarray, events, vram_slot_of: np.ndarray) -> None:
+        ram_slot_of = self.state.slot_of
+        self.hits += resident_uses(rows, ram_slot_of)
+        live = rows[rows[:, 0, 0] >= 0]
+        self.accesses += live.size
+        used = np.zeros(ram_slot_of.shape, bool)
+        used[np.broadcast_to(self._layer, live.shape), live] = True
+        read = used & (vram_slot_of < 0) & (ram_slot_of < 0)
+        self.demand_reads += int(np.count_nonzero(read))
+        self._count_loads(lambda: self.policy.observe(rows, events), already_read=read)
+
+    def _count_loads(self, decide, already_read: np.ndarray | None = None) -> None:
+        """Disk reads of the experts ``decide`` makes resident, but for those the step has just
+        read (``already_read``: their pages are in the page cache; the engine's read-ahead of them
+        reads nothing)."""
+        before = self.state.slot_of >= 0
+        decide()
+        loaded = (self.state.slot_of >= 0) & ~before
+        if already_read is not None:
+            loaded &= ~already_read
+        self.prefetch_reads += int(np.count_nonzero(loaded))
+
+    def metrics(self, tokens: int, time_s: float) -> dict:
+        reads = self.demand_reads + self.prefetch_reads
+        disk_s = reads * self.read_s
+        tok = max(tokens, 1)
+        return {
+            "ram_slots": int(self.state.n_slots[0]), "ram_policy": self.policy.name,
+            "ram_hit_rate": self.hits / max(self.accesses, 1), "disk_demand_reads": self.demand_reads,
+            "disk_prefetch_reads": self.prefetch_reads, "disk_bytes": float(reads * self.expert_bytes),
+            "disk_mb_per_token": reads * self.expert_bytes / 1e6 / tok, "disk_s": disk_s,
+            "tok_s_with_ram": tokens / (time_s + disk_s) if time_s + disk_s > 0 else 0.0,
+        }
+
+
+def run_policy(name: str, blocks: list[RoutingBlock], ctx: PolicyContext, policy_kwargs: dict | None = None,
+               ram: RamProjection | None = None) -> dict:
+    """Replay every block under one policy (and a RAM tier below it, with ``ram``); returns
+    metrics plus wall time."""
     pol = make_policy(name, **(policy_kwargs or {}))
     state = pol.start(ctx)
+    tier = None
+    if ram is not None:
+        from saem_gguf.ram_tier import ram_policy_for
+
+        slots = ram_slots(ram.budget_bytes, ctx.n_layer, ctx.n_expert, ctx.cost.expert_bytes)
+        tier = RamTierReplay(ram_policy_for(name, ram.policy), ctx, slots, ctx.cost)
     acct = Accounting()
     t0 = time.perf_counter()
-    replay(pol, blocks, acct)
+    replay(pol, blocks, acct, ram=tier)
     wall = time.perf_counter() - t0
     m = metrics(acct.counters, acct.clock, ctx.cost)
     m["wall_s"] = wall
     m["slots_per_layer_used"] = float(state.n_slots.mean())
+    if tier is not None:
+        m.update(tier.metrics(m["tokens"], m["time_s"]))
     return m
 
 
@@ -322,7 +429,8 @@ class SimResult:
         """Readable table: one block per batch size, one row per policy, ECRs across."""
         out = []
         heads = {"hit_rate": "hit %", "adj_hit_rate": "adj hit %", "load_mb_per_token": "MB/tok",
-                 "cpu_share": "CPU %", "tok_s": "tok/s"}
+                 "cpu_share": "CPU %", "tok_s": "tok/s", "ram_hit_rate": "RAM hit %",
+                 "disk_mb_per_token": "disk MB/tok", "tok_s_with_ram": "tok/s +disk"}
         batches = sorted({r["batch"] for r in self.rows})
         ecrs = sorted({r["ecr"] for r in self.rows})
         pols = list(dict.fromkeys(r["policy"] for r in self.rows))
@@ -339,7 +447,7 @@ class SimResult:
                             cells.append(f"{'-':>11}")
                             continue
                         v = rr[0][col]
-                        if col in ("hit_rate", "adj_hit_rate", "cpu_share"):
+                        if col in ("hit_rate", "adj_hit_rate", "cpu_share", "ram_hit_rate"):
                             cells.append(f"{100 * v:>11.2f}")
                         elif col == "tok_s":
                             cells.append(f"{v:>11.1f}")
@@ -394,10 +502,10 @@ def default_cost(ts: TraceSet, hw: HardwareProfile | str = "rtx4090-ddr5", model
 
 
 def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | None = None,
-             progress=None, policy_kwargs: dict | None = None) -> SimResult:
+             progress=None, policy_kwargs: dict | None = None, ram: RamProjection | None = None) -> SimResult:
     """Replay ``ts`` under every policy x ECR x batch of ``cfg``. ``calib`` gives the
     calibration counts (static-hot, initial placements, priors). ``progress(n)`` is called
-    after each run."""
+    after each run. ``ram``: project a RAM tier below each VRAM cache (RamTierReplay)."""
     validate_traces(ts)
     sig = ts.signature
     L, E, K = sig.n_layer, sig.n_expert, sig.n_expert_used
@@ -423,7 +531,7 @@ def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | No
             for name in cfg.policies:
                 ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, S, np.int32), cost=cost,
                                     calib_counts=calib_counts, batch=B, cue_counts=cue_counts)
-                m = run_policy(name, blocks, ctx, (policy_kwargs or {}).get(name))
+                m = run_policy(name, blocks, ctx, (policy_kwargs or {}).get(name), ram)
                 res.rows.append({"policy": name, "ecr": float(ecr), "batch": int(B), "slots": S,
                                  "events": n_events, **m})
                 if progress is not None:

@@ -227,6 +227,17 @@ for _name, _needle in (("empty", "no sequences"), ("not_npz", "not a saem trace"
         "calibrate", "--traces", str(b.trace[n]), "-o", str(d / "p.json")], 1,
         "no traced tokens" if _name == "empty" else _needle, outputs=("p.json",)))
 add(Case("simulate-trace-missing", lambda b, d: ["simulate", "--trace", str(d / "x.npz")], 1, "no such"))
+# simulate's RAM tier projection (--ram-budget, --ram-policy)
+for _id, _extra, _exit, _needle in (
+        ("zero", ["--ram-budget", "0"], 2, "above zero"),
+        ("garbage", ["--ram-budget", "lots"], 2, "--ram-budget"),
+        ("auto", ["--ram-budget", "auto"], 1, "needs a size"),
+        ("too-small", ["--ram-budget", "1M"], 1, "holds no expert"),
+        ("policy-fixed", ["--ram-budget", "8G", "--ram-policy", "cpu-moe"], 2, "--ram-policy"),
+        ("policy-unknown", ["--ram-budget", "8G", "--ram-policy", "nope"], 2, "--ram-policy"),
+        ("policy-alone", ["--ram-policy", "saem"], 1, "needs --ram-budget")):
+    add(Case(f"simulate-ram-{_id}", lambda b, d, x=_extra: [
+        "simulate", "--synthetic", "--seqs", "1", "--quiet", *x], _exit, _needle))
 add(Case("calibrate-trace-missing", lambda b, d: ["calibrate", "--traces", str(d / "x.npz"),
                                                   "-o", str(d / "p.json")], 1, "no such", outputs=("p.json",)))
 for _name, _needle in (("empty", "no prompts"), ("not_utf8", "not UTF-8")):

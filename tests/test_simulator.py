@@ -248,3 +248,69 @@ def test_simulate_calibrates_cue_profiles(synth):
     assert set(rows) == {"saem", "saem-cue"}
     assert 0.0 <= rows["saem-cue"]["hit_rate"] <= 1.0
 
+
+
+def test_ram_tier_projection_budget_sweep():
+    """simulate --ram-budget: a budget holding every expert reads nothing from disk and leaves
+    tok/s as without the tier; the other figures are untouched by the tier; smaller budgets read
+    more (monotone on this stage-structured trace, for every policy the engine's tier runs)."""
+    import dataclasses
+
+    from saem_gguf import synthetic
+    from saem_gguf.simulator import RamProjection
+
+    cfg = synthetic.SyntheticConfig(n_layer=4, n_expert=16, top_k=2, n_sequences=4, stage_len_scale=0.25, seed=5)
+    ts = synthetic.make_stage_traces(cfg)
+    cal = synthetic.make_stage_traces(dataclasses.replace(cfg, n_sequences=2, seed=99))
+    cost = _cost()
+    sim = SimConfig(policies=("lru-cpu", "lfu-cpu", "static-hot", "saem"), ecrs=(12.5,), events="cued")
+    base = simulate(ts, sim, cost, calib=cal)
+    per_slot = cfg.n_layer * EB  # one expert of every layer
+    disk: dict[str, list[float]] = {}
+    for slots in (1, 2, 4, 8, 16):
+        res = simulate(ts, sim, cost, calib=cal, ram=RamProjection(per_slot * slots + per_slot // 2))
+        for row, ref in zip(res.rows, base.rows):
+            assert row["ram_slots"] == slots and row["ram_policy"] == row["policy"]
+            assert {k: v for k, v in row.items() if k in ref and k != "wall_s"} == \
+                {k: v for k, v in ref.items() if k != "wall_s"}
+            reads = row["disk_demand_reads"] + row["disk_prefetch_reads"]
+            assert row["disk_bytes"] == reads * EB
+            assert row["disk_mb_per_token"] == pytest.approx(reads * EB / 1e6 / row["tokens"])
+            read_s = cost.hw.ssd_latency_s + EB / cost.hw.ssd_read_bw
+            assert row["tok_s_with_ram"] == pytest.approx(row["tokens"] / (row["time_s"] + reads * read_s))
+            disk.setdefault(row["policy"], []).append(row["disk_bytes"])
+            if slots == 16:  # every expert in RAM
+                assert reads == 0 and row["ram_hit_rate"] == 1.0
+                assert row["tok_s_with_ram"] == row["tok_s"]
+            else:
+                assert row["disk_demand_reads"] > 0 and row["tok_s_with_ram"] < row["tok_s"]
+    for name, seq in disk.items():
+        assert all(a >= b for a, b in zip(seq, seq[1:])), (name, seq)
+        assert seq[0] > seq[-2] > 0, (name, seq)
+
+
+def test_ram_tier_projection_vram_hits_read_nothing():
+    """An expert resident in VRAM is not read from disk: with every expert in VRAM (gpu-all) the
+    RAM tier's misses cost nothing, whatever its budget."""
+    import dataclasses
+
+    from saem_gguf import synthetic
+    from saem_gguf.simulator import RamProjection
+
+    cfg = synthetic.SyntheticConfig(n_layer=2, n_expert=8, top_k=2, n_sequences=2, stage_len_scale=0.25, seed=3)
+    ts = synthetic.make_stage_traces(cfg)
+    cal = synthetic.make_stage_traces(dataclasses.replace(cfg, n_sequences=1, seed=98))
+    res = simulate(ts, SimConfig(policies=("gpu-all",), ecrs=(12.5,), events="cued"), _cost(), calib=cal,
+                   ram=RamProjection(cfg.n_layer * EB))
+    (row,) = res.rows
+    assert row["ram_policy"] == "saem" and row["ram_slots"] == 1  # gpu-all places all: the tier runs saem
+    assert row["disk_demand_reads"] == 0 and row["ram_hit_rate"] < 1.0
+
+
+def test_simulate_cli_ram_budget(capsys):
+    rc = main(["simulate", "--synthetic", "--seqs", "2", "--calib-seqs", "1", "--policies", "lru-cpu,saem",
+               "--ecr", "12.5%", "--quiet", "--ram-budget", "1G", "--ram-policy", "lfu-cpu", "--json", "-"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["ram_policy"] for r in rows] == ["lfu-cpu", "lfu-cpu"]
+    assert all(0 < r["tok_s_with_ram"] < r["tok_s"] and r["disk_mb_per_token"] > 0 for r in rows)

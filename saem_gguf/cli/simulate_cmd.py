@@ -56,6 +56,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the recorded boundaries that carry a text cue, all recorded boundaries, or none")
     p.add_argument("--cues", default="general",
                    help="cue set of the stage detector: a built-in name or a cue JSON file (default: %(default)s)")
+    from saem_gguf.cli.common import ram_budget_arg
+    from saem_gguf.ram_tier import FIXED_POLICIES
+
+    ram_choosable = sorted(n for n in POLICIES if n not in FIXED_POLICIES and n != "oracle")
+    r = p.add_argument_group("RAM tier projection (docs/RAM_TIER.md)")
+    r.add_argument("--ram-budget", type=ram_budget_arg, default=None, metavar="SIZE",
+                   help="project a RAM tier of SIZE expert bytes (e.g. 8G) below each VRAM cache: its "
+                        "hit rate, disk MB/token and tokens/s with its disk reads (--hw's ssd_read_bw, "
+                        "ssd_latency_s), serialised on the critical path (default: off)")
+    r.add_argument("--ram-policy", choices=ram_choosable, default=None, metavar="POLICY",
+                   help="policy choosing the RAM-resident experts (default: each VRAM policy's, or saem "
+                        f"when that one places all or nothing): {', '.join(ram_choosable)}")
     p.add_argument("--plot", metavar="FILE.png", help="write hit rate / tokens/s vs ECR plots")
     p.add_argument("--json", metavar="OUT", help="write all results as JSON ('-' for stdout)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no table")
@@ -102,7 +114,7 @@ def _synthetic(args):
 
 def run(args: argparse.Namespace) -> int:
     from saem_gguf.policies import POLICIES
-    from saem_gguf.simulator import SimConfig, default_cost, simulate, split_calibration
+    from saem_gguf.simulator import RamProjection, SimConfig, default_cost, ram_slots, simulate, split_calibration
     from saem_gguf.trace import load_traces
 
     pols = tuple(POLICIES) if args.policies.strip() == "all" else tuple(
@@ -116,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
         raise SaemError("--ecr values must be above 0% (simulate compares caches; 0% is cpu-moe)")
     if not args.batch or any(b < 1 for b in args.batch):
         raise SaemError("--batch values must be >= 1")
+    if args.ram_policy is not None and args.ram_budget is None:
+        raise SaemError("--ram-policy needs --ram-budget (the RAM tier is off without one)")
+    if args.ram_budget == "auto":
+        raise SaemError("simulate projects a machine from --hw, not this one: --ram-budget needs a size, "
+                        "not auto")
     if args.json and args.json != "-":
         check_output_path(args.json, "--json")
     if args.plot:
@@ -149,11 +166,16 @@ def run(args: argparse.Namespace) -> int:
     cfg = SimConfig(policies=pols, ecrs=tuple(round(100 * e, 9) for e in args.ecr), batches=tuple(args.batch), events=args.events,
                     cues=args.cues)
     n_runs = len(pols) * len(cfg.ecrs) * len(cfg.batches)
+    ram = None
+    if args.ram_budget is not None:
+        sig = ts.signature
+        ram_slots(args.ram_budget, sig.n_layer, sig.n_expert, cost.expert_bytes)  # a budget too small: say so now
+        ram = RamProjection(budget_bytes=args.ram_budget, policy=args.ram_policy)
 
     from tqdm import tqdm
 
     with tqdm(total=n_runs, file=sys.stderr, disable=args.quiet, unit="run", desc="simulate") as bar:
-        res = simulate(ts, cfg, cost, calib=calib, progress=bar.update)
+        res = simulate(ts, cfg, cost, calib=calib, progress=bar.update, ram=ram)
     res.info["source_name"] = source
 
     if not args.quiet:
@@ -166,8 +188,17 @@ def run(args: argparse.Namespace) -> int:
               f"{d['cpu_expert_us_1tok']:.1f} us/expert at 1 token; CPU beats transfer below "
               f"{d['crossover_tokens'] or '>4096'} tokens; CPU/GPU overlap {'on' if hw.cpu_gpu_overlap else 'off'}; "
               f"copies {'block the next step' if hw.copy_barrier else 'ready per slot'}")
+        columns = ("hit_rate", "adj_hit_rate", "load_mb_per_token", "cpu_share", "tok_s")
+        if ram is not None:
+            from saem_gguf.budget import format_size
+
+            row = res.rows[0]
+            print(f"RAM tier: {format_size(ram.budget_bytes)} holds {row['ram_slots']}/{ts.signature.n_expert} "
+                  f"experts per layer; disk {hw.ssd_read_bw / 1e9:.1f} GB/s, {hw.ssd_latency_s * 1e6:.0f} us per "
+                  "read, reads serialised with compute (tok/s +disk)")
+            columns += ("ram_hit_rate", "disk_mb_per_token", "tok_s_with_ram")
         print()
-        print(res.table())
+        print(res.table(columns))
     if args.json:
         text = json.dumps(res.to_json(), indent=1)
         if args.json == "-":
