@@ -174,12 +174,19 @@ def ram_budget_arg(text: str) -> int | str:
     return _usage(parse_ram_budget)(text)
 
 
+def ram_policy_choices() -> list[str]:
+    """What --ram-policy accepts: the policies that choose experts without the future."""
+    from saem_gguf.policies import POLICIES
+    from saem_gguf.ram_tier import FIXED_POLICIES
+
+    return sorted(n for n in POLICIES if n not in FIXED_POLICIES and n != "oracle")
+
+
 def add_ram_tier_args(p: argparse.ArgumentParser) -> None:
     """The RAM tier's flags (saem_gguf/ram_tier.py), for every command that places experts."""
-    from saem_gguf.policies import POLICIES
-    from saem_gguf.ram_tier import FIXED_POLICIES, PREFETCH_METHODS
+    from saem_gguf.ram_tier import PREFETCH_METHODS
 
-    choosable = sorted(n for n in POLICIES if n not in FIXED_POLICIES and n != "oracle")
+    choosable = ram_policy_choices()
     g = p.add_argument_group("RAM tier (a memory-mapped model larger than RAM)")
     g.add_argument("--ram-budget", type=ram_budget_arg, default=None, metavar="SIZE|auto",
                    help="expert bytes kept resident in RAM, e.g. 8G, or auto (available memory, within "

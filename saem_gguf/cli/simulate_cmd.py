@@ -56,10 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the recorded boundaries that carry a text cue, all recorded boundaries, or none")
     p.add_argument("--cues", default="general",
                    help="cue set of the stage detector: a built-in name or a cue JSON file (default: %(default)s)")
-    from saem_gguf.cli.common import ram_budget_arg
-    from saem_gguf.ram_tier import FIXED_POLICIES
+    from saem_gguf.cli.common import ram_budget_arg, ram_policy_choices
 
-    ram_choosable = sorted(n for n in POLICIES if n not in FIXED_POLICIES and n != "oracle")
+    ram_choosable = ram_policy_choices()
     r = p.add_argument_group("RAM tier projection (docs/RAM_TIER.md)")
     r.add_argument("--ram-budget", type=ram_budget_arg, default=None, metavar="SIZE",
                    help="project a RAM tier of SIZE expert bytes (e.g. 8G) below each VRAM cache: its "
