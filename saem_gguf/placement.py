@@ -22,7 +22,8 @@ from saem_gguf.errors import SaemError
 from saem_gguf.policies import make_policy
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import (
-    OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, record_decision, resident_uses,
+    OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, active_rows, record_decision,
+    resident_uses,
 )
 from saem_gguf.stage.detector import StageDetector, StageEvent
 
@@ -96,7 +97,7 @@ class Placement:
             self.policy.uses_combined_events and detector.tracks_routing) else None
         self.stats = PlacementStats()
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
-        self._sync_to(self.state.slot_of, count=False)
+        self._put_initial(self.state.slot_of)
         self._step = 0
         self._quiet: dict[int, StepEvents] = {}  # per batch size, the events of a step that raised none
         # a test may set a list here to collect every decision (state.Decision records)
@@ -155,7 +156,7 @@ class Placement:
             self.trace_experts.append(routing)
         # hits against the maps in force for this decode (the policy's books before it observes)
         self.stats.hits += resident_uses(routing, self._native)
-        self.stats.accesses += int(np.count_nonzero(routing[:, 0, 0] >= 0)) * routing.shape[1] * routing.shape[2]
+        self.stats.accesses += active_rows(routing) * routing.shape[1] * routing.shape[2]
         slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
         events = self.detector.feed(slots, pieces, routing if self.detector.tracks_routing else None)
         combined = self.combined.feed(slots, pieces, routing) if self.combined is not None else None
@@ -202,23 +203,15 @@ class Placement:
             self._native[l] = target[l]
         self.stats.plans += 1
 
-    def _sync_to(self, target: np.ndarray, count: bool = True) -> None:
-        """Make the native cache hold ``target`` (int32 [L, E], expert -> slot or -1)."""
-        changed_layers = np.flatnonzero((target != self._native).any(axis=1))  # one pass, not L compares
-        changed = changed_layers.size > 0
-        for l in changed_layers.tolist():
+    def _put_initial(self, target: np.ndarray) -> None:
+        """Load the policy's starting map ``target`` (int32 [L, E], expert -> slot or -1) into the
+        empty native cache (not counted: no decode has run yet)."""
+        for l in np.flatnonzero((target >= 0).any(axis=1)).tolist():
             il = self.moe_layers[l]
-            want, have = target[l], self._native[l]
-            # experts that must be (re)loaded: newly resident, or moved to another slot
-            for e in np.nonzero((want >= 0) & (want != have))[0]:
-                na.saem_moe_copy_expert_async(self.ctx, il, int(e), int(want[e]), False)
-                if count:
-                    self.stats.copies += 1
-                    self.stats.bytes_moved += self.expert_nbytes[l]
-            na.saem_moe_set_slot_map(self.ctx, il, want.tolist())
-            self._native[l] = want
-        if changed and count:
-            self.stats.plans += 1
+            for e in np.nonzero(target[l] >= 0)[0]:
+                na.saem_moe_copy_expert_async(self.ctx, il, int(e), int(target[l, e]), False)
+            na.saem_moe_set_slot_map(self.ctx, il, target[l].tolist())
+            self._native[l] = target[l]
 
     def reset_sequence(self, seq: int = 0) -> None:
         """A new conversation in detector slot ``seq``: its stage state restarts, residency stays

@@ -37,7 +37,9 @@ from saem_gguf.gguf_info import ModelInfo, compute_buffer_bytes, kv_cache_bytes
 from saem_gguf.placement import ENGINE_VARIANT
 from saem_gguf.policies import make_policy
 from saem_gguf.policies.base import PolicyContext
-from saem_gguf.policies.state import CacheState, RoutingBlock, StepEvents, resident_uses
+from saem_gguf.policies.state import (
+    CacheState, RoutingBlock, StepEvents, active_rows, resident_uses, used_experts,
+)
 
 PREFETCH_METHODS = {"madvise": na.SAEM_RAM_PREFETCH_MADVISE, "thread": na.SAEM_RAM_PREFETCH_THREAD}
 RELEASE_NAMES = {na.SAEM_RAM_RELEASE_PAGEOUT: "MADV_PAGEOUT", na.SAEM_RAM_RELEASE_COLD: "MADV_COLD",
@@ -226,14 +228,9 @@ class RamTier:
         set it ran with, let the tier's policy observe it, then prefetch what became resident and
         release what left or was used only in passing."""
         self.stats.hits += resident_uses(routing, self.state.slot_of)
-        self.stats.accesses += int(np.count_nonzero(routing[:, 0, 0] >= 0)) * routing.shape[1] * routing.shape[2]
+        self.stats.accesses += active_rows(routing) * routing.shape[1] * routing.shape[2]
         self.policy.observe(routing, events)
-        used = np.zeros_like(self._resident)
-        ids = routing.reshape(-1, routing.shape[-2], routing.shape[-1])
-        for l in range(ids.shape[1]):
-            e = ids[:, l, :].ravel()
-            used[l, e[e >= 0]] = True
-        self._realise(self.state.slot_of >= 0, used=used)
+        self._realise(self.state.slot_of >= 0, used=used_experts(routing, self._resident.shape[1]))
         self.stats.route_prefetched = na.saem_ram_route_prefetched(self.ctx) - self._route_base
 
     def _realise(self, want: np.ndarray, used: np.ndarray | None, count: bool = True,

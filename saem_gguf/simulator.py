@@ -28,7 +28,9 @@ from saem_gguf.errors import SaemError
 from saem_gguf.policies import DEFAULT_POLICIES, make_policy
 from saem_gguf.policies.base import Policy, PolicyContext, budget_slots
 from saem_gguf.policies.cue_profiles import cue_stage_counts, detected_cues, detected_events
-from saem_gguf.policies.state import Decision, RoutingBlock, record_decision, resident_uses
+from saem_gguf.policies.state import (
+    Decision, RoutingBlock, active_rows, record_decision, resident_uses, used_experts,
+)
 from saem_gguf.pricing import price_placement, price_steps
 from saem_gguf.stage.coherence import stage_histogram
 from saem_gguf.trace import TraceSet, validate_traces
@@ -349,7 +351,6 @@ class RamTierReplay:
         self.read_s = cost.hw.ssd_latency_s + cost.expert_bytes / cost.hw.ssd_read_bw
         self.expert_bytes = cost.expert_bytes
         self.accesses = self.hits = self.demand_reads = self.prefetch_reads = 0
-        self._layer = np.arange(ctx.n_layer)[None, :, None]
 
     def begin_group(self, block: RoutingBlock) -> None:
         self._count_loads(lambda: self.policy.begin_group(block))
@@ -357,10 +358,8 @@ class RamTierReplay:
     def on_step(self, rows: np.ndarray, events, vram_slot_of: np.ndarray) -> None:
         ram_slot_of = self.state.slot_of
         self.hits += resident_uses(rows, ram_slot_of)
-        live = rows[rows[:, 0, 0] >= 0]
-        self.accesses += live.size
-        used = np.zeros(ram_slot_of.shape, bool)
-        used[np.broadcast_to(self._layer, live.shape), live] = True
+        self.accesses += active_rows(rows) * rows.shape[1] * rows.shape[2]
+        used = used_experts(rows, ram_slot_of.shape[1])
         read = used & (vram_slot_of < 0) & (ram_slot_of < 0)
         self.demand_reads += int(np.count_nonzero(read))
         self._count_loads(lambda: self.policy.observe(rows, events), already_read=read)

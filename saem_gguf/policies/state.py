@@ -320,6 +320,14 @@ def active_rows(rows):
     return n
 
 
+def used_experts(rows: np.ndarray, n_expert: int) -> np.ndarray:
+    """bool [L, E]: the experts one step's ``rows`` int16 [B, L, K] route to (-1 rows: no token)."""
+    live = rows[rows[:, 0, 0] >= 0]
+    used = np.zeros((rows.shape[1], n_expert), bool)
+    used[np.broadcast_to(np.arange(rows.shape[1])[None, :, None], live.shape), live] = True
+    return used
+
+
 @njit(cache=True)
 def resident_uses(rows, slot_of):
     """How many (row, layer, k) uses of one step's ``rows`` int16 [B, L, K] (-1 rows: no token)
