@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 POLICIES = ("lru-cpu", "lfu-cpu", "static-hot", "saem")
@@ -417,7 +419,7 @@ def _prepared(args, out_base: Path) -> dict:
         print(r.stderr, file=sys.stderr)
         raise SystemExit(1)
     prep = json.loads(r.stdout)
-    cache.write_text(json.dumps({"key": key, "prep": prep}))
+    write_text_atomic(cache, json.dumps({"key": key, "prep": prep}))
     return prep
 
 
@@ -522,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"head": head, "rows": rows, "prep": {k: v for k, v in prep.items() if k != "texts"},
+        write_text_atomic(args.json, json.dumps({"head": head, "rows": rows, "prep": {k: v for k, v in prep.items() if k != "texts"},
                                          "overhead": args.overhead, "margin": args.margin,
                                          "runs": {f"{k[0]}@{k[1]}": v for k, v in results.items()}}, indent=1))
     return 0
