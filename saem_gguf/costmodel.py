@@ -356,3 +356,9 @@ def t_cpu(n, cost):
 def t_xfer(cost):
     """Host-to-device copy of one expert (gate+up+down)."""
     return cost[C_H2D_LAT] + cost[C_EXPERT_BYTES] / cost[C_H2D_BW]
+
+
+def link_bytes_per_copy(cost: np.ndarray) -> float:
+    """What one expert copy takes of a link budget in bytes (Policy.observe's ``link_budget``):
+    the bytes the link could move in the copy's whole time, its latency included."""
+    return float(t_xfer(cost) * cost[C_H2D_BW])

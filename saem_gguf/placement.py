@@ -5,8 +5,10 @@ One ``Placement`` per loaded model. The engine calls ``on_prompt`` after each pr
 ``on_step`` after each decode step of several sequences, one row per sequence (``on_token`` is its
 one-row case). Routing comes from the native counters (no eval callback). The policy is driven
 through the entry points the simulator drives it through (``Policy.begin_group``,
-``Policy.observe`` with the stage events reported after the step) and only decides; nothing is
-priced here. Its decisions (``ResidencyChange``) become native copies, in decision order (async
+``Policy.observe`` with the stage events reported after the step and its link budget) and only
+decides. The link budget comes from the simulator's pricing of the same decisions on the cost
+model (pricing.LinkClock: estimated step times, the copies still in flight), not from measured
+times, so the decisions are reproducible and equal the simulator's on the same trace. Its decisions (``ResidencyChange``) become native copies, in decision order (async
 where the build has a device), and slot-map updates, in force for the next decode. Hits are
 counted against the slot maps in force for the step's decode.
 """
@@ -25,6 +27,7 @@ from saem_gguf.policies.state import (
     OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, active_rows, record_decision,
     resident_uses,
 )
+from saem_gguf.pricing import LinkClock
 from saem_gguf.stage.detector import StageDetector, StageEvent
 
 
@@ -86,6 +89,8 @@ class Placement:
                              n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
                              calib_counts=calib_counts, cue_counts=cue_counts)
         self.state: CacheState = self.policy.start(pctx)  # the policy's books (read only here)
+        # the residency in force and the link as the simulator prices them: the policy's link budget
+        self.link = LinkClock(self.state, self.policy.miss_mode, cost)
         # the policy may use fewer/more slots than the budget (n-cpu-moe, gpu-all)
         n_slots[self.moe_layers] = self.state.n_slots
         na.saem_moe_cache_init(ctx, n_slots.tolist())
@@ -100,8 +105,10 @@ class Placement:
         self._put_initial(self.state.slot_of)
         self._step = 0
         self._quiet: dict[int, StepEvents] = {}  # per batch size, the events of a step that raised none
-        # a test may set a list here to collect every decision (state.Decision records)
+        # a test may set lists here to collect every decision (state.Decision records) and every
+        # link budget told to the policy
         self.decisions: list | None = None
+        self.link_budgets: list[float] | None = None
         self.record = record
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
         # one native call reads a step of up to every detector slot's token (a prefill ubatch may take two)
@@ -132,7 +139,10 @@ class Placement:
         block = RoutingBlock(routing=np.zeros((0, 1, routing.shape[1], self.top_k), np.int16),
                              event_steps=np.zeros(0, np.int32), prefill_counts=counts,
                              prefill_tokens=n_tokens, step0=self._step)
-        self._put_in_force("group", self.policy.begin_group(block))
+        change = self.policy.begin_group(block)
+        if change is not None:
+            self.link.place(change, self._step)
+        self._put_in_force("group", change)
         for tier in self.tiers:
             tier.begin_group(block)
 
@@ -176,7 +186,12 @@ class Placement:
             seen = self._quiet.get(B)
             if seen is None:
                 seen = self._quiet[B] = StepEvents(n_rows=B, combined=None if self.combined is None else False)
-        self._put_in_force("step", self.policy.observe(routing, seen))
+        budget = self.link.budget
+        if self.link_budgets is not None:
+            self.link_budgets.append(budget)
+        change = self.policy.observe(routing, seen, budget)
+        self.link.steps(routing[None], 0, 1, self._step, change)
+        self._put_in_force("step", change)
         self._step += 1
         self.stats.tokens += B
         for tier in self.tiers:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from saem_gguf.costmodel import HW_PRESETS, CostModel
+from saem_gguf.costmodel import C_DENSE_LAYER_S, C_STEP_S, HW_PRESETS, CostModel, link_bytes_per_copy
 from saem_gguf.policies import make_policy
 from saem_gguf.accounting import A_HIT, Accounting
-from saem_gguf.policies.adaptive import AdaptiveSaemPolicy, candidate_kind, copy_cost_in_hits
+from saem_gguf.policies.adaptive import CTL_LEADER, AdaptiveSaemPolicy, candidate_kind, copy_cost_in_hits
 from saem_gguf.policies.base import PolicyContext
-from saem_gguf.policies.state import RoutingBlock
+from saem_gguf.policies.state import OP_EVICT, RoutingBlock, StepEvents
+from saem_gguf.pricing import LinkClock
 from saem_gguf.simulator import replay
 
 HW = HW_PRESETS["rtx4090-ddr5"]
@@ -94,3 +95,56 @@ def test_candidate_names_and_copy_cost():
     assert copy_cost_in_hits(CostModel.from_expert_bytes(2_654_208, HW.replace(cpu_gpu_overlap=True)).array) \
         == pytest.approx(1.16, abs=0.01)
     assert copy_cost_in_hits(CostModel.from_expert_bytes(2_654_208, HW.replace(dma_slows_cpu=False)).array) == 0
+
+
+def test_link_budget_defers_the_followers_copies_and_they_catch_up():
+    """Told a link budget of one copy per step, saem copies at most one expert a step, each
+    within the budget; the copies it defers come in later steps, so its cache reaches the
+    leader's set, as it does at once with no limit. With a zero budget it copies nothing."""
+    rng = np.random.default_rng(3)
+    L, E, K, S = 2, 32, 4, 8
+    calib = rng.random((L, E))
+    routing = _drifting_routing(rng, 600, L, E, K, 150)
+    ctx = _ctx(L, E, K, S, calib)
+    per_copy = link_bytes_per_copy(ctx.cost.array)
+    runs = {}
+    for budget in (np.inf, per_copy * 1.5, 0.0):
+        pol = AdaptiveSaemPolicy()
+        pol.start(ctx)
+        copies = []
+        for s in range(routing.shape[0]):
+            change = pol.observe(routing[s], StepEvents(), budget)
+            n = 0 if change is None else int(np.count_nonzero(change.ops[:, 3] != OP_EVICT))
+            copies.append(n)
+        pol.state.check()
+        runs[budget] = (np.array(copies), pol)
+    unbounded, one, none = runs[np.inf], runs[per_copy * 1.5], runs[0.0]
+    assert unbounded[0].max() > 1, "the run never needed more than one copy in a step: nothing to defer"
+    assert one[0].max() == 1 and one[0].sum() > 0
+    assert none[0].sum() == 0
+    assert np.array_equal(none[1].state.slot_of, AdaptiveSaemPolicy().start(ctx).slot_of)
+    # the drift settles for 150 steps before the end: the deferred copies have caught up by then
+    lead = int(one[1]._ctl[CTL_LEADER])
+    assert np.array_equal(one[1].state.slot_of >= 0, one[1]._c_slot[lead] >= 0)
+
+
+def test_link_clock_budget_hand_computed():
+    """The budget is the last priced step's duration less the link's backlog beyond the step's
+    start, in bytes at the link's bandwidth; unbounded before any step is priced."""
+    L, E, K, S = 1, 8, 2, 2
+    ctx = _ctx(L, E, K, S, np.arange(E, dtype=float)[None])
+    pol = make_policy("static-hot")
+    state = pol.start(ctx)
+    link = LinkClock(state, pol.miss_mode, ctx.cost)
+    assert np.isinf(link.budget)
+    routing = np.array([[[[7, 6]]], [[[0, 1]]]], np.int16)  # a step of two hits, then two CPU runs
+    link.steps(routing, 0, 1, 0, None)
+    cost = ctx.cost
+    step = (cost.array[C_DENSE_LAYER_S] + 2 * cost.gpu_time(1)) + cost.array[C_STEP_S]
+    assert link.step_s == pytest.approx(step, rel=1e-12)
+    assert link.budget == pytest.approx(step * HW.h2d_bw, rel=1e-12)
+    # a backlog on the link beyond the next step's start comes off the budget
+    link.acct.clock[1] = link.acct.clock[0] + step / 4
+    assert link.budget == pytest.approx(0.75 * step * HW.h2d_bw, rel=1e-12)
+    link.acct.clock[1] = link.acct.clock[0] + 2 * step
+    assert link.budget == 0.0

@@ -1,7 +1,8 @@
 """One policy, two drivers: the simulator replaying a trace the engine recorded makes exactly the
 residency decisions the engine made live (same policy class, same entry points ``begin_group``
-and ``observe``, same stage detectors, cue and combined), policy by policy; the engine prices
-nothing, the simulator prices those same decisions."""
+and ``observe``, same stage detectors, cue and combined, the same link budget at every step),
+policy by policy; the engine puts the decisions in force, the simulator prices them (and both
+run the same pricing clock, pricing.LinkClock, for the budget)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
     try:
         pl = eng.placement
         pl.decisions = live = []
+        pl.link_budgets = live_budgets = []
         native_hits = count_native_hits(pl)
         seqs = []
         for q in questions:
@@ -96,8 +98,8 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
     state = sim.start(ctx)
     assert np.array_equal(state.n_slots, live_layout), "the simulator chose another slot layout"
     acct = Accounting()
-    replayed = []
-    replay(sim, blocks, acct, replayed)
+    replayed, replayed_budgets = [], []
+    replay(sim, blocks, acct, replayed, link_budgets=replayed_budgets)
     # a layout of whole layers (every layer fully resident or empty) has nothing to change
     whole_layers = bool(np.all((live_layout == 0) | (live_layout == n_expert)))
     if policy == "saem" and ecr == 0.125:
@@ -108,6 +110,11 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
         assert any(ev[0].size for ev in events), "no cue event: the stage path would be untested"
         assert list(sim.boundaries) == live_boundaries
     same_decisions(live, replayed)
+    # both drivers told the policy the same link budget at every step (the same LinkClock over the
+    # same decisions), bounded once a step has been priced
+    assert len(live_budgets) == len(replayed_budgets) == sum(b.n_steps for b in blocks)
+    assert live_budgets == replayed_budgets
+    assert np.isinf(live_budgets[0]) and np.all(np.isfinite(live_budgets[1:]))
     if policy.startswith("saem"):
         assert acct.counters[A_PLANS] > 0
     # the engine's hit count is the replay's: each decode ran under the map the simulator assumes

@@ -33,12 +33,14 @@ the switching copies and the lag of the average: robust by construction, not by 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
 
-from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, t_cpu, t_gpu, t_xfer
+from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, link_bytes_per_copy, t_cpu, t_gpu, t_xfer
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.caching import KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda
 from saem_gguf.policies.layout import choose_layout
@@ -58,6 +60,8 @@ KIND_FIXED = 10
 # keys shrink) before the factor overflows.
 KIND_DECAY = 11
 RESCALE_AT = 1e150
+# copies one step may make when the link budget is unbounded (more than any cache holds)
+MAX_COPIES = 1 << 40
 
 # Per-candidate parameters (float64 array ``cand`` [C, N_CAND])
 CAND_KIND = 0  # KIND_*
@@ -131,7 +135,7 @@ def _set_diff(c_slot, slot_of, c):
 
 @njit(cache=True)
 def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, stamp, score, led, ctl, behind,
-                    cnt, uniq, miss, admitted, entrants, ops):
+                    budget, cnt, uniq, miss, admitted, entrants, ops):
     """One decode step: pick the leader, update every candidate's shadow cache with the step's
     routing layer by layer, and bring each real layer to the leader's set after the layer ran.
     Returns how many ``ops`` rows it wrote.
@@ -143,10 +147,12 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     priority keys (caching.py); stamp int64 [L, E]: last step each expert was used; score
     float64 [C]: averaged net hits per step; led float64 [C]: steps each candidate led; ctl:
     CTL_*; behind uint8 [L]: 1 where the real layer may differ from the leader's (a switch, the
-    leader's own loads, a stage re-rank: only those layers are compared); cnt int32 [E]
-    (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E, 3]: scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per
-    layer the evictions, then the entrants best first (OP_AFTER_USE for one the step used,
-    OP_PREFETCH otherwise)."""
+    leader's own loads, a stage re-rank, copies the budget deferred: only those layers are
+    compared); budget: copies the link budget allows this step (the real cache's; shadow caches
+    copy nothing); cnt int32 [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E,
+    3]: scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per
+    layer each entrant (best first) after the eviction that frees its slot (OP_AFTER_USE for one
+    the step used, OP_PREFETCH otherwise)."""
     L = slot_of.shape[0]
     C = cand.shape[0]
     if active_rows(rows) == 0:
@@ -211,16 +217,10 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             for i in range(n):
                 cnt[uniq[i]] = 0
             continue
-        behind[l] = 0
-        # the real layer takes the leader's set: evict who left, copy who entered
-        for sl in range(n_slots[l]):
-            o = owner[l, sl]
-            if o >= 0 and c_slot[lead, l, o] < 0:
-                slot_of[l, o] = -1
-                owner[l, sl] = -1
-                n_ops = put_op(ops, n_ops, l, o, sl, OP_EVICT)
-        # entrants best first by the leader's priority (a cache leader's own load order, so
-        # the copies most likely needed land first), in slot order for a fixed set
+        # the real layer moves to the leader's set as far as the link budget allows: the entrants
+        # best first by the leader's priority (a cache leader's own load order, the ranking's
+        # order for a fixed set), each into a free slot or the slot of the leaver the leader
+        # values least; the rest wait for a later step (the layer stays behind)
         n_new = 0
         for cs in range(n_slots[l]):
             e = c_owner[lead, l, cs]
@@ -232,11 +232,24 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 j -= 1
             entrants[j] = e
             n_new += 1
-        free = 0
-        for i in range(n_new):
+        take = min(n_new, budget)
+        budget -= take
+        behind[l] = 1 if take < n_new else 0
+        for i in range(take):
             e = entrants[i]
-            while owner[l, free] >= 0:
-                free += 1
+            free = -1
+            for sl in range(n_slots[l]):
+                o = owner[l, sl]
+                if o < 0:
+                    free = sl
+                    break
+                if c_slot[lead, l, o] < 0 and (free < 0 or c_key[lead, l, o] < c_key[lead, l, owner[l, free]]):
+                    free = sl
+            o = owner[l, free]
+            if o >= 0:
+                slot_of[l, o] = -1
+                owner[l, free] = -1
+                n_ops = put_op(ops, n_ops, l, o, free, OP_EVICT)
             owner[l, free] = e
             slot_of[l, e] = free
             # used at this step: a load after its CPU run; else a prefetch (stage boundary or switch)
@@ -304,6 +317,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             if kind != KIND_FIXED:  # KIND_DECAY starts from the prior as evidence at step 0, unscaled
                 self._c_key[c] = initial_keys(KIND_LFU if kind == KIND_DECAY else kind, ctx.calib, ctx.top_k,
                                               self.adaptive.prior_tokens, state.slot_of)
+            else:  # a fixed set's key is the score it was ranked by: the real cache copies its best first
+                self._c_key[c] = ctx.calib
         self._stamp = np.full(state.slot_of.shape, -1, np.int64)
         self._score = np.zeros(C)
         self._led = np.zeros(C)
@@ -321,6 +336,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._uniq, self._miss, self._entrants = (np.empty(E, np.int32) for _ in range(3))
         self._admitted = np.empty((E, 3), np.int32)
         self._ops = op_buffer(ctx.n_layer, E)
+        self._copy_bytes = link_bytes_per_copy(ctx.cost.array)
         # the stage candidate's shadow cache, ranked like SAEM's cache at a boundary
         self._stage_shadow = CacheState(slot_of=self._c_slot[0], owner=self._c_owner[0], n_slots=state.n_slots)
         return state
@@ -349,16 +365,20 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         shadow = self._stage_shadow
         plan = plan_from_scores(shadow, scores, reason=reason)
         shadow.place(plan)
+        self._c_key[0] = scores
         self._behind[plan.copies[:, 0]] = 1
         self._behind[plan.evictions[:, 0]] = 1
         self._placed(reason)
         return ResidencyChange(ops=self._ops[:0], n_in_step=0, target=self.state.slot_of, placements=1)
 
-    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+    def observe(self, routing_rows: np.ndarray, events: StepEvents,
+                link_budget: float = math.inf) -> ResidencyChange | None:
         st = self.state
+        # copies the link can carry before the next step (math.inf: as many as the leader needs)
+        copies = int(min(link_budget / self._copy_bytes, MAX_COPIES))
         n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
                             self._c_owner, self._c_key, self._stamp, self._score, self._led, self._ctl, self._behind,
-                            self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops)
+                            copies, self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops)
         self._count(routing_rows, events)
         reason = self._due(events)
         placements = 0

@@ -8,11 +8,18 @@ simulator (simulator.replay) and by the engine (placement.py) alike, with the sa
     the placement at model load (free: nothing is on the critical path yet).
 ``begin_group(block) -> ResidencyChange | None``
     a new batch of requests starts (their prompts' routing known: ``block.prefill_counts``).
-``observe(routing_rows, events) -> ResidencyChange | None``
+``observe(routing_rows, events, link_budget) -> ResidencyChange | None``
     one decode step ran with int16 [B, L, K] ``routing_rows`` (-1 rows: no token) under the
     residency in force; ``events`` (StepEvents) are what the stage detectors reported after
-    it. Returns the residency decisions made while the step ran (loads after a CPU run,
-    demand loads) and those due before the next step (stage placements), or None.
+    it; ``link_budget`` is how many bytes the host-to-device link can carry before the next
+    step (pricing.LinkClock; a copy takes ``costmodel.link_bytes_per_copy`` of them; inf: no
+    limit is known). Returns the residency decisions made while the step ran (loads after a CPU
+    run, demand loads) and those due before the next step (stage placements), or None.
+
+    Which decisions respect the budget is each policy's rule (docs/POLICIES.md, "The link
+    budget"): the adaptive ``saem``'s own copies (it follows a shadow cache: opportunistic) stay
+    within it and the rest wait for a later step; the baselines and SAEM's stage rules keep their
+    published behaviour (a miss loaded after its CPU run, a boundary's copies issued at once).
 
 What a decision costs is the simulator's concern (pricing.py prices each change on one FIFO
 host-to-device link with per-slot ready times and the CPU/GPU time of every layer); the engine
@@ -21,6 +28,8 @@ issues the copies natively. ``miss_mode`` says how the simulator serves this pol
 """
 
 from __future__ import annotations
+
+import math
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -118,7 +127,8 @@ class Policy(ABC):
         return None
 
     @abstractmethod
-    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+    def observe(self, routing_rows: np.ndarray, events: StepEvents,
+                link_budget: float = math.inf) -> ResidencyChange | None:
         """One decode step ran (see module docstring)."""
 
     def _apply_plan(self, plan: ResidencyPlan) -> ResidencyChange | None:

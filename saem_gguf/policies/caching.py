@@ -14,6 +14,8 @@ Two ways to serve a miss, both modelled:
 
 from __future__ import annotations
 
+import math
+
 from typing import ClassVar
 
 import numpy as np
@@ -217,7 +219,8 @@ class CachingPolicy(Policy):
         self._ops = op_buffer(ctx.n_layer, E)
         return state
 
-    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+    def observe(self, routing_rows: np.ndarray, events: StepEvents,
+                link_budget: float = math.inf) -> ResidencyChange | None:
         st = self.state
         n = decide_caching(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._key, self._stamp,
                            self.kind, self._lam, self.miss_cpu, self._cnt, self._uniq, self._miss, self._admitted,

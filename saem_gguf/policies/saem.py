@@ -34,6 +34,8 @@ counts.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,7 +207,8 @@ class SaemPolicy(Policy):
 
     # -- decisions -----------------------------------------------------------------------
 
-    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+    def observe(self, routing_rows: np.ndarray, events: StepEvents,
+                link_budget: float = math.inf) -> ResidencyChange | None:
         self._count(routing_rows, events)
         reason = self._due(events)
         if not reason:

@@ -3,6 +3,8 @@ static hot experts. Non-resident experts always run in place on the CPU, as thos
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from saem_gguf.policies.base import Policy, PolicyContext
@@ -12,7 +14,8 @@ from saem_gguf.policies.state import ResidencyChange, ResidencyPlan, StepEvents
 class StaticPolicy(Policy):
     """Residency fixed at load; misses run on the CPU."""
 
-    def observe(self, routing_rows: np.ndarray, events: StepEvents) -> ResidencyChange | None:
+    def observe(self, routing_rows: np.ndarray, events: StepEvents,
+                link_budget: float = math.inf) -> ResidencyChange | None:
         return None
 
 
