@@ -6,8 +6,9 @@ side and the disk are measured here with short real runs (under a second togethe
 
 - DRAM read bandwidth: all usable CPUs sum disjoint chunks of a 64 MiB array, far larger than the
   last-level cache, which is the read-only stream a quantized expert GEMV makes;
-- matmul throughput per core (all cores over their number), halved for what quantized ggml dot
-  products reach;
+- matmul throughput per core: the best of many short float32 products on one core (BLAS held to
+  one thread, in a child process), halved for what quantized ggml dot products reach; a rate no
+  real core has is measured again, and if it stays so, used once with a warning but not cached;
 - the read bandwidth and latency of the disk under the cache directory (a 64 MiB scratch file,
   written, dropped from the page cache, read back; ``measure_disk_read``), the RAM tier's link.
 
@@ -27,7 +28,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -90,18 +93,85 @@ def measure_memory_bandwidth(n_bytes: int = 64 << 20, repeats: int = 3, threads:
     return a.nbytes / best
 
 
-def measure_flops_per_core(cores: int, n: int = 384, repeats: int = 3) -> float:
-    """FLOP/s per core: a float32 matmul on numpy's BLAS (all its threads) over ``cores``, scaled to
-    what quantized kernels reach."""
-    a = np.random.default_rng(0).random((n, n), dtype=np.float32)
-    a @ a  # BLAS threads start outside the timing
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - t0)
-    # quantized ggml dot products reach roughly half the fp32 GEMM rate (dequantisation work)
-    return 0.5 * 2.0 * n**3 / best / max(1, cores)
+# A core's float32 GEMM rate outside this range is a measurement gone wrong (the run preempted
+# throughout, a mis-read clock), not a CPU: an old low-power core reaches a few GFLOP/s, an AVX-512
+# core with two FMA units at 5 GHz about 320.
+PLAUSIBLE_GEMM_FLOPS_PER_CORE = (1e9, 400e9)
+# quantized ggml dot products reach roughly half the float32 GEMM rate (dequantisation work)
+QUANT_SHARE_OF_GEMM = 0.5
+
+# Run in a child process whose BLAS is held to one thread (the variables are read when the BLAS
+# library loads, so they cannot be changed inside this process): the best of ``repeats`` timed
+# n x n float32 products, in seconds.
+_GEMM_PROBE = """
+import sys, time
+import numpy as np
+n, repeats = int(sys.argv[1]), int(sys.argv[2])
+a = np.random.default_rng(0).random((n, n), dtype=np.float32)
+a @ a
+best = float("inf")
+for _ in range(repeats):
+    t0 = time.perf_counter()
+    a @ a
+    best = min(best, time.perf_counter() - t0)
+print(repr(best))
+"""
+_ONE_THREAD = {k: "1" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                                "VECLIB_MAXIMUM_THREADS")}
+
+
+def single_core_gemm_seconds(n: int, repeats: int) -> float:
+    """Best time of ``repeats`` n x n float32 matrix products on one core (numpy's BLAS in a child
+    process held to one thread)."""
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _GEMM_PROBE, str(n), str(repeats)],
+                             env={**os.environ, **_ONE_THREAD}, capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+        return float(out)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        raise SaemError(f"could not measure this CPU's matrix product rate: {e}") from None
+
+
+@dataclass(frozen=True)
+class FlopsMeasurement:
+    """What ``measure_flops_per_core`` found: ``flops_per_core`` is what quantized ggml dot
+    products reach, taken as half the best single-core float32 GEMM rate ``gemm_flops``; that
+    rate was ``plausible`` (within PLAUSIBLE_GEMM_FLOPS_PER_CORE) after ``attempts`` tries."""
+
+    flops_per_core: float
+    gemm_flops: float
+    attempts: int
+    plausible: bool
+
+
+def measure_flops_per_core(n: int = 256, repeats: int = 30, attempts: int = 3,
+                           probe=None) -> FlopsMeasurement:
+    """FLOP/s per core from short single-threaded matrix products, the best of ``repeats`` (a run
+    the scheduler preempted only comes out slower, so the best is the core's speed). All-core
+    BLAS divided by the core count collapses when another process holds a core (its threads wait
+    for each other): 0.8 against 40.3 GFLOP/s per core on one 2-core machine. A rate outside
+    PLAUSIBLE_GEMM_FLOPS_PER_CORE is measured again, up to ``attempts`` times in all, keeping the
+    one nearest the range. ``probe(n, repeats)`` returns the best product's seconds (default:
+    single_core_gemm_seconds)."""
+    lo, hi = PLAUSIBLE_GEMM_FLOPS_PER_CORE
+    probe = probe or single_core_gemm_seconds
+    nearest = 0.0
+    for attempt in range(1, attempts + 1):
+        rate = 2.0 * n**3 / probe(n, repeats)
+        if gemm_rate_plausible(rate):
+            return FlopsMeasurement(QUANT_SHARE_OF_GEMM * rate, rate, attempt, True)
+        if nearest == 0.0 or abs(np.log(rate / (lo if rate < lo else hi))) < \
+                abs(np.log(nearest / (lo if nearest < lo else hi))):
+            nearest = rate
+    return FlopsMeasurement(QUANT_SHARE_OF_GEMM * nearest, nearest, attempts, False)
+
+
+def gemm_rate_plausible(rate: float) -> bool:
+    """Whether a single-core float32 GEMM rate (FLOP/s) can be a real core's."""
+    lo, hi = PLAUSIBLE_GEMM_FLOPS_PER_CORE
+    return lo <= rate <= hi
 
 
 def measure_cpu(base: HardwareProfile, quick: bool = False) -> HardwareProfile:
@@ -110,11 +180,14 @@ def measure_cpu(base: HardwareProfile, quick: bool = False) -> HardwareProfile:
 
     cores = min(psutil.cpu_count(logical=False) or psutil.cpu_count() or 1, _usable_cpus())
     bw = measure_memory_bandwidth(32 << 20 if quick else 64 << 20)
-    fl = measure_flops_per_core(cores)
+    fl = measure_flops_per_core(repeats=10 if quick else 30)
     mem = psutil.virtual_memory().total
+    doubt = "" if fl.plausible else (f" (IMPLAUSIBLE after {fl.attempts} tries: {fl.gemm_flops / 1e9:.2f} GFLOP/s "
+                                     "float32 on one core; not cached, measured again next time)")
     return base.replace(
-        name=f"measured+{base.name}", cpu_mem_bw=bw, cpu_cores=int(cores), cpu_flops_per_core=fl,
-        notes=f"CPU measured here: {cores} cores, {bw / GB:.1f} GB/s read, {fl / 1e9:.1f} GFLOP/s/core, "
+        name=f"measured+{base.name}", cpu_mem_bw=bw, cpu_cores=int(cores), cpu_flops_per_core=fl.flops_per_core,
+        notes=f"CPU measured here: {cores} cores, {bw / GB:.1f} GB/s read, "
+              f"{fl.flops_per_core / 1e9:.1f} GFLOP/s/core{doubt}, "
               f"{mem / 2**30:.0f} GiB RAM; GPU, host-to-device link and SSD not measured: from the "
               f"{base.name} preset")
 
@@ -156,8 +229,9 @@ def measure_disk_read(directory: Path, n_bytes: int = 64 << 20, read_size: int =
 def cache_path(base_name: str, identity: dict | None = None) -> Path:
     from saem_gguf.build.paths import cache_root
 
-    # format 2: the disk is measured too (a profile cached before has only the preset's disk)
-    ident = dict(identity or machine_identity(), preset=base_name, format=2)
+    # format 2: the disk is measured too (a profile cached before has only the preset's disk);
+    # 3: FLOP/s per core single-threaded (all-core BLAS over the cores collapsed under load)
+    ident = dict(identity or machine_identity(), preset=base_name, format=3)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "hw" / f"{key}.json"
 
@@ -174,6 +248,10 @@ def measured_profile(base_name: str) -> tuple[HardwareProfile, Path, bool]:
         except SaemError:
             pass  # a damaged cache entry is measured again
     hw = measure_cpu(HW_PRESETS[base_name])
+    plausible = gemm_rate_plausible(hw.cpu_flops_per_core / QUANT_SHARE_OF_GEMM)
+    if not plausible:
+        print(f"warning: --hw measure: {hw.cpu_flops_per_core / 1e9:.2f} GFLOP/s per core is not a plausible "
+              "CPU's (measured 3 times); using it this once, not cached", file=sys.stderr)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         bw, latency = measure_disk_read(path.parent)
@@ -183,6 +261,8 @@ def measured_profile(base_name: str) -> tuple[HardwareProfile, Path, bool]:
                         f"{latency * 1e6:.0f} us per 4 KiB read")
     except OSError:
         pass  # no writable cache: the preset's disk
+    if not plausible:
+        return hw, path, True
     try:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(hw), indent=1))

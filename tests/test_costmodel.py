@@ -144,3 +144,41 @@ def test_measure_disk_read_reads_a_dropped_scratch_file(tmp_path):
     assert 1e6 < bw < measure_memory_bandwidth(32 << 20) * 4
     assert 0 < latency < 1.0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_flops_per_core_is_single_threaded_best_of_short_runs_and_sanity_checked():
+    """The per-core rate comes from one core (a child process whose BLAS has one thread), as the
+    best of short runs; an implausible rate is measured again, and one that stays implausible is
+    reported as such (the profile is then not cached)."""
+    from saem_gguf.hw_measure import (
+        PLAUSIBLE_GEMM_FLOPS_PER_CORE, QUANT_SHARE_OF_GEMM, gemm_rate_plausible, measure_flops_per_core,
+        single_core_gemm_seconds,
+    )
+
+    real = measure_flops_per_core(repeats=5)
+    assert real.plausible and real.attempts >= 1
+    assert real.flops_per_core == pytest.approx(QUANT_SHARE_OF_GEMM * real.gemm_flops)
+    assert 0 < single_core_gemm_seconds(64, 3) < 1.0
+    lo, hi = PLAUSIBLE_GEMM_FLOPS_PER_CORE
+    n = 256
+    seconds_for = lambda rate: 2.0 * n**3 / rate  # noqa: E731
+    # a first run preempted throughout (1000x too slow), then a real one: measured twice
+    runs = iter([seconds_for(lo / 1000), seconds_for(40e9)])
+    m = measure_flops_per_core(n=n, probe=lambda n_, r: next(runs))
+    assert (m.plausible, m.attempts) == (True, 2) and m.gemm_flops == pytest.approx(40e9)
+    # implausible every time: three tries, the nearest to the plausible range kept, flagged
+    runs = iter([seconds_for(lo / 100), seconds_for(lo / 3), seconds_for(hi * 50)])
+    m = measure_flops_per_core(n=n, probe=lambda n_, r: next(runs))
+    assert (m.plausible, m.attempts) == (False, 3) and m.gemm_flops == pytest.approx(lo / 3)
+    assert not gemm_rate_plausible(m.gemm_flops) and gemm_rate_plausible(lo) and gemm_rate_plausible(hi)
+
+
+def test_an_implausible_measurement_is_not_cached(tmp_path, monkeypatch, capsys):
+    from saem_gguf import hw_measure
+
+    monkeypatch.setenv("SAEM_GGUF_CACHE", str(tmp_path))
+    monkeypatch.setattr(hw_measure, "single_core_gemm_seconds", lambda n, r: 2.0 * n**3 / 1e6)  # 1 MFLOP/s
+    hw, path, measured = hw_measure.measured_profile("rtx4090-ddr5")
+    assert measured and not path.exists()
+    assert "IMPLAUSIBLE" in hw.notes
+    assert "warning: --hw measure" in capsys.readouterr().err
