@@ -6,28 +6,30 @@ One ``Placement`` per loaded model. The engine calls ``on_prompt`` after each pr
 one-row case). Routing comes from the native counters (no eval callback). The policy is driven
 through the entry points the simulator drives it through (``Policy.begin_group``,
 ``Policy.observe`` with the stage events reported after the step and its link budget) and only
-decides. The link budget comes from the simulator's pricing of the same decisions on the cost
-model (pricing.LinkClock: estimated step times, the copies still in flight), not from measured
-times, so the decisions are reproducible and equal the simulator's on the same trace. Its decisions (``ResidencyChange``) become native copies, in decision order (async
+decides. A policy that reads its link budget (``uses_link_budget``) gets it from the estimated
+link clock the simulator keeps too (link_budget.LinkMeter: each step's duration estimated on
+the cost model, the copies still queued), not from measured times, so the decisions are
+reproducible and equal the simulator's on the same trace; the others are told inf. Its decisions (``ResidencyChange``) become native copies, in decision order (async
 where the build has a device), and slot-map updates, in force for the next decode. Hits are
 counted against the slot maps in force for the step's decode.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from saem_gguf import native_api as na
 from saem_gguf.errors import SaemError
+from saem_gguf.link_budget import LinkMeter
 from saem_gguf.policies import make_policy
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import (
     OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, active_rows, record_decision,
     resident_uses,
 )
-from saem_gguf.pricing import LinkClock
 from saem_gguf.stage.detector import StageDetector, StageEvent
 
 
@@ -89,8 +91,9 @@ class Placement:
                              n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
                              calib_counts=calib_counts, cue_counts=cue_counts)
         self.state: CacheState = self.policy.start(pctx)  # the policy's books (read only here)
-        # the residency in force and the link as the simulator prices them: the policy's link budget
-        self.link = LinkClock(self.state, self.policy.miss_mode, cost)
+        # the estimated link clock, for a policy that reads its link budget (the others are told
+        # inf, as the simulator tells them)
+        self.link = LinkMeter(cost, self.n_expert) if self.policy.uses_link_budget else None
         # the policy may use fewer/more slots than the budget (n-cpu-moe, gpu-all)
         n_slots[self.moe_layers] = self.state.n_slots
         na.saem_moe_cache_init(ctx, n_slots.tolist())
@@ -140,8 +143,8 @@ class Placement:
                              event_steps=np.zeros(0, np.int32), prefill_counts=counts,
                              prefill_tokens=n_tokens, step0=self._step)
         change = self.policy.begin_group(block)
-        if change is not None:
-            self.link.place(change, self._step)
+        if change is not None and self.link is not None:
+            self.link.placed(change)
         self._put_in_force("group", change)
         for tier in self.tiers:
             tier.begin_group(block)
@@ -168,7 +171,7 @@ class Placement:
         self.stats.hits += resident_uses(routing, self._native)
         self.stats.accesses += active_rows(routing) * routing.shape[1] * routing.shape[2]
         slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
-        events = self.detector.feed(slots, pieces, routing if self.detector.tracks_routing else None)
+        events = self.detector.feed(slots, pieces, routing if self.detector.needs_routing else None)
         combined = self.combined.feed(slots, pieces, routing) if self.combined is not None else None
         if events or combined:
             self.stats.events.extend(events)
@@ -186,11 +189,12 @@ class Placement:
             seen = self._quiet.get(B)
             if seen is None:
                 seen = self._quiet[B] = StepEvents(n_rows=B, combined=None if self.combined is None else False)
-        budget = self.link.budget
+        budget = self.link.budget(routing, self._native) if self.link is not None else math.inf
         if self.link_budgets is not None:
             self.link_budgets.append(budget)
         change = self.policy.observe(routing, seen, budget)
-        self.link.steps(routing[None], 0, 1, self._step, change)
+        if self.link is not None:
+            self.link.decided(change)
         self._put_in_force("step", change)
         self._step += 1
         self.stats.tokens += B

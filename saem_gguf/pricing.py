@@ -21,17 +21,13 @@ from numba import njit
 
 from saem_gguf.accounting import (
     A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_CPU_TOKENS, A_DEMAND, A_EVICT, A_GPU_RUNS, A_HIT, A_HIT_CPU,
-    A_LAYER_STEPS, A_PLANS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, K_CPU, K_HIT, K_HIT_CPU, K_TEMP,
-    Accounting, log_put,
+    A_LAYER_STEPS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, K_CPU, K_HIT, K_HIT_CPU, K_TEMP, log_put,
 )
 from saem_gguf.costmodel import (
-    C_BARRIER, C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, C_H2D_BW, C_OVERLAP, C_STEP_S, C_SYNC, CostModel, t_cpu,
-    t_gpu, t_xfer,
+    C_BARRIER, C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, C_OVERLAP, C_STEP_S, C_SYNC, t_cpu, t_gpu, t_xfer,
 )
 from saem_gguf.policies.base import MISS_CPU, MISS_RULE
-from saem_gguf.policies.state import (
-    OP_AFTER_USE, OP_DEMAND, OP_EVICT, OP_PREFETCH, CacheState, ResidencyChange, active_rows, gather,
-)
+from saem_gguf.policies.state import OP_AFTER_USE, OP_DEMAND, OP_EVICT, OP_PREFETCH, active_rows, gather
 
 
 @njit(cache=True)
@@ -331,58 +327,3 @@ def price_placement(ops, p, g, slot_of, owner, ready_at, cost, clock, acc, log, 
             acc[A_PROACTIVE] += 1
         else:
             acc[A_DEMAND] += 1
-
-
-class LinkClock:
-    """The residency in force, when each slot's last copy lands and the simulated clock: the
-    state the simulator prices a policy's decisions on (``price_steps``, ``price_placement``), and
-    what both drivers derive a policy's **link budget** from.
-
-    The link budget told to ``Policy.observe`` for a step is the bytes the host-to-device link can
-    still carry before the next step starts: the last priced step's duration (an estimate of this
-    step's), less the time the copies already queued keep the link busy beyond this step's start,
-    times the link bandwidth. A copy takes ``t_xfer * h2d_bw`` bytes of it (its latency counted as
-    bytes the link could have moved; ``costmodel.link_bytes_per_copy``). Before any step has been
-    priced the budget is unbounded.
-
-    The simulator's replay and the engine's Placement both run one LinkClock over the same
-    decisions, so they tell the policy the same budget for the same trace (tests/test_parity.py)."""
-
-    def __init__(self, state: CacheState, miss_mode: int, cost: CostModel, acct: Accounting | None = None) -> None:
-        self.cache = state.copy()  # the residency in force (the policy's books run ahead of it)
-        self.ready_at = np.zeros(self.cache.owner.shape, np.float64)
-        self.miss_mode = miss_mode
-        self.cost = cost.array
-        self.acct = acct if acct is not None else Accounting()
-        self.step_s = np.inf  # duration of the last priced step with a token (none yet)
-
-    @property
-    def budget(self) -> float:
-        """Bytes the link may carry before the next step (see the class docstring)."""
-        now, link_free = self.acct.clock
-        return float(self.cost[C_H2D_BW] * max(0.0, self.step_s - max(0.0, link_free - now)))
-
-    def place(self, change: ResidencyChange, g: int) -> None:
-        """Price ``change`` (a group's first placement) before global step ``g``."""
-        a = self.acct
-        a.counters[A_PLANS] += change.placements
-        price_placement(change.ops, change.n_in_step, g, self.cache.slot_of, self.cache.owner, self.ready_at,
-                        self.cost, a.clock, a.counters, a.log, a.log_n)
-
-    def steps(self, routing: np.ndarray, s0: int, s1: int, step0: int, change: ResidencyChange | None) -> None:
-        """Price steps [s0, s1) of ``routing`` int16 [S, B, L, K] (global index of step 0: ``step0``),
-        with ``change`` made on observing step s1 - 1 (None: no decision)."""
-        a = self.acct
-        if change is None:
-            ops, n_in = _NO_OPS, 0
-        else:
-            ops, n_in = change.ops, change.n_in_step
-            a.counters[A_PLANS] += change.placements
-        t0, tokens = a.clock[0], a.counters[A_TOKENS]
-        price_steps(routing, s0, s1, step0, self.cache.slot_of, self.cache.owner, self.ready_at, ops, n_in,
-                    self.miss_mode, self.cost, a.clock, a.counters, a.log, a.log_n)
-        if s1 - s0 == 1 and a.counters[A_TOKENS] > tokens:
-            self.step_s = a.clock[0] - t0
-
-
-_NO_OPS = np.zeros((0, 4), np.int32)

@@ -13,6 +13,7 @@ Metrics are defined in docs/POLICIES.md.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -25,13 +26,14 @@ from saem_gguf.accounting import (
 from saem_gguf.budget import format_size
 from saem_gguf.costmodel import CostModel, HardwareProfile, ModelShape, find_model_shape, get_hw
 from saem_gguf.errors import SaemError
+from saem_gguf.link_budget import LinkMeter
 from saem_gguf.policies import DEFAULT_POLICIES, make_policy
 from saem_gguf.policies.base import Policy, PolicyContext, budget_slots
 from saem_gguf.policies.cue_profiles import cue_stage_counts, detected_cues, detected_events
 from saem_gguf.policies.state import (
     Decision, RoutingBlock, active_rows, record_decision, resident_uses, used_experts,
 )
-from saem_gguf.pricing import LinkClock
+from saem_gguf.pricing import price_placement, price_steps
 from saem_gguf.stage.coherence import stage_histogram
 from saem_gguf.trace import TraceSet, validate_traces
 
@@ -265,29 +267,49 @@ def replay(pol: Policy, blocks: list[RoutingBlock], acct: Accounting, decisions:
     """Drive a started policy over ``blocks`` through its entry points (``begin_group`` per block,
     ``observe`` per step with the events reported after it and its link budget, as the engine
     does) and price what it decides into ``acct``: the simulator keeps its own copy of the
-    residency in force and of when each slot's copy lands (pricing.LinkClock), and prices each
-    step before the policy observes the next, so the budget it tells is current.
-    ``decisions`` collects every change and ``link_budgets`` every budget told (for comparing with
-    the engine's). ``ram``: a RAM tier below this policy, driven with the same groups, rows and
-    events (as Placement.tiers)."""
-    link = LinkClock(pol.state, pol.miss_mode, pol.ctx.cost, acct)
+    residency in force and of when each slot's copy lands. Steps between decisions are priced in
+    one kernel call. A policy that reads its link budget gets it from a LinkMeter (link_budget.py,
+    the engine's too); the others are told inf. ``decisions`` collects every change and
+    ``link_budgets`` every budget told (for comparing with the engine's). ``ram``: a RAM tier
+    below this policy, driven with the same groups, rows and events (as Placement.tiers)."""
+    cache = pol.state.copy()
+    ready_at = np.zeros(cache.owner.shape, np.float64)
+    cost = pol.ctx.cost.array
+    no_ops = np.zeros((0, 4), np.int32)
+    c = acct.counters
+    meter = LinkMeter(pol.ctx.cost, pol.ctx.n_expert) if pol.uses_link_budget else None
     for blk in blocks:
         change = pol.begin_group(blk)
         if change is not None:
             record_decision(decisions, "group", blk.step0, change)
-            link.place(change, blk.step0)
+            if meter is not None:
+                meter.placed(change)
+            c[A_PLANS] += change.placements
+            price_placement(change.ops, change.n_in_step, blk.step0, cache.slot_of, cache.owner, ready_at, cost,
+                            acct.clock, c, acct.log, acct.log_n)
         if ram is not None:
             ram.begin_group(blk)
+        priced = 0  # steps before this one are priced
         for s in range(blk.n_steps):
             if ram is not None:  # the VRAM map in force for step s: the policy's books before it observes
                 ram.on_step(blk.routing[s], blk.events_after(s), pol.state.slot_of)
-            budget = link.budget
+            budget = meter.budget(blk.routing[s], pol.state.slot_of) if meter is not None else math.inf
             if link_budgets is not None:
                 link_budgets.append(budget)
             change = pol.observe(blk.routing[s], blk.events_after(s), budget)
+            if meter is not None:
+                meter.decided(change)
+            if change is None:
+                continue
             record_decision(decisions, "step", blk.step0 + s, change)
-            link.steps(blk.routing, s, s + 1, blk.step0, change)
-        if not np.array_equal(link.cache.slot_of, pol.state.slot_of):
+            c[A_PLANS] += change.placements
+            price_steps(blk.routing, priced, s + 1, blk.step0, cache.slot_of, cache.owner, ready_at, change.ops,
+                        change.n_in_step, pol.miss_mode, cost, acct.clock, c, acct.log, acct.log_n)
+            priced = s + 1
+        if priced < blk.n_steps:
+            price_steps(blk.routing, priced, blk.n_steps, blk.step0, cache.slot_of, cache.owner, ready_at, no_ops, 0,
+                        pol.miss_mode, cost, acct.clock, c, acct.log, acct.log_n)
+        if not np.array_equal(cache.slot_of, pol.state.slot_of):
             raise AssertionError(f"{pol.name}: its changes do not lead to the residency it holds")
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from saem_gguf.costmodel import C_DENSE_LAYER_S, C_STEP_S, HW_PRESETS, CostModel, link_bytes_per_copy
+from saem_gguf.costmodel import C_DENSE_LAYER_S, C_STEP_S, C_SYNC, HW_PRESETS, CostModel, link_bytes_per_copy
 from saem_gguf.policies import make_policy
 from saem_gguf.accounting import A_HIT, Accounting
 from saem_gguf.policies.adaptive import CTL_LEADER, AdaptiveSaemPolicy, candidate_kind, copy_cost_in_hits
 from saem_gguf.policies.base import PolicyContext
-from saem_gguf.policies.state import OP_EVICT, RoutingBlock, StepEvents
-from saem_gguf.pricing import LinkClock
+from saem_gguf.policies.state import OP_EVICT, OP_PREFETCH, ResidencyChange, RoutingBlock, StepEvents
+from saem_gguf.link_budget import LinkMeter
 from saem_gguf.simulator import replay
 
 HW = HW_PRESETS["rtx4090-ddr5"]
@@ -128,23 +128,35 @@ def test_link_budget_defers_the_followers_copies_and_they_catch_up():
     assert np.array_equal(one[1].state.slot_of >= 0, one[1]._c_slot[lead] >= 0)
 
 
-def test_link_clock_budget_hand_computed():
-    """The budget is the last priced step's duration less the link's backlog beyond the step's
-    start, in bytes at the link's bandwidth; unbounded before any step is priced."""
-    L, E, K, S = 1, 8, 2, 2
-    ctx = _ctx(L, E, K, S, np.arange(E, dtype=float)[None])
-    pol = make_policy("static-hot")
-    state = pol.start(ctx)
-    link = LinkClock(state, pol.miss_mode, ctx.cost)
-    assert np.isinf(link.budget)
-    routing = np.array([[[[7, 6]]], [[[0, 1]]]], np.int16)  # a step of two hits, then two CPU runs
-    link.steps(routing, 0, 1, 0, None)
-    cost = ctx.cost
-    step = (cost.array[C_DENSE_LAYER_S] + 2 * cost.gpu_time(1)) + cost.array[C_STEP_S]
-    assert link.step_s == pytest.approx(step, rel=1e-12)
-    assert link.budget == pytest.approx(step * HW.h2d_bw, rel=1e-12)
-    # a backlog on the link beyond the next step's start comes off the budget
-    link.acct.clock[1] = link.acct.clock[0] + step / 4
-    assert link.budget == pytest.approx(0.75 * step * HW.h2d_bw, rel=1e-12)
-    link.acct.clock[1] = link.acct.clock[0] + 2 * step
-    assert link.budget == 0.0
+def test_link_meter_budget_hand_computed():
+    """The budget is the step's estimated duration (dense part, GPU runs of residents, CPU runs of
+    the others, one sync, the output head) less the link's backlog beyond the step's start, in
+    bytes at the link's bandwidth; the copies decided join the queue from the step's start."""
+    L, E = 2, 8
+    cost = CostModel.from_expert_bytes(2_654_208, HW)
+    a = cost.array
+    meter = LinkMeter(cost, E)
+    slot_of = np.full((L, E), -1, np.int32)
+    slot_of[:, 7] = 0  # expert 7 resident in both layers
+    rows = np.array([[[7, 6], [7, 5]]], np.int16)  # one token: experts 7 and 6, then 7 and 5
+    step = a[C_STEP_S] + L * (a[C_DENSE_LAYER_S] + cost.gpu_time(1) + cost.cpu_time(1) + a[C_SYNC])
+    assert meter.budget(rows, slot_of) == pytest.approx(step * HW.h2d_bw, rel=1e-12)
+    # two tokens on expert 6 of layer 0 and a row without a token
+    two = np.array([[[7, 6], [7, 5]], [[6, 7], [5, 7]], [[-1, -1], [-1, -1]]], np.int16)
+    step2 = a[C_STEP_S] + L * (a[C_DENSE_LAYER_S] + cost.gpu_time(2) + cost.cpu_time(2) + a[C_SYNC])
+    meter2 = LinkMeter(cost, E)
+    assert meter2.budget(two, slot_of) == pytest.approx(step2 * HW.h2d_bw, rel=1e-12)
+    # three copies and an eviction decided: the copies keep the link busy 3 t_xfer from the step's
+    # start; the next step (same estimate) has what is left of its duration
+    ops = np.array([[0, 6, 1, OP_PREFETCH], [0, 5, 2, OP_PREFETCH], [1, 6, 1, OP_PREFETCH],
+                    [1, 7, 0, OP_EVICT]], np.int32)
+    meter.decided(ResidencyChange(ops=ops, n_in_step=4, target=slot_of))
+    backlog = 3 * cost.transfer_time() - step
+    assert meter.budget(rows, slot_of) == pytest.approx(max(0.0, step - max(0.0, backlog)) * HW.h2d_bw, rel=1e-9)
+    # a step of no token takes no time: no budget
+    assert LinkMeter(cost, E).budget(np.full((1, L, 2), -1, np.int16), slot_of) == 0.0
+    # with CPU and GPU overlapping, the layer takes the longer of the two
+    ov = CostModel.from_expert_bytes(2_654_208, HW.replace(cpu_gpu_overlap=True))
+    step_ov = ov.array[C_STEP_S] + L * (ov.array[C_DENSE_LAYER_S] + max(ov.gpu_time(1), ov.cpu_time(1))
+                                        + ov.array[C_SYNC])
+    assert LinkMeter(ov, E).budget(rows, slot_of) == pytest.approx(step_ov * HW.h2d_bw, rel=1e-12)

@@ -19,7 +19,7 @@ from saem_gguf.policies.oracle import OraclePolicy
 from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.saem import SaemConfig, SaemPolicy
 from saem_gguf.policies.state import OP_DEMAND, OP_EVICT, CacheState, RoutingBlock, StepEvents
-from saem_gguf.pricing import LinkClock
+from saem_gguf.pricing import price_placement, price_steps
 from saem_gguf.simulator import replay
 
 HW = HW_PRESETS["rtx4090-ddr5"]
@@ -326,30 +326,38 @@ def test_invariants_random(case, gap, warm):
 @settings(max_examples=25, deadline=None)
 @given(_case())
 def test_pricing_steps_together_equals_one_by_one(case):
-    """The replay prices each step before the policy observes the next (so the link budget it
-    tells is current); pricing the quiet steps between two decisions in one kernel call gives the
-    same counters and clock."""
+    """The simulator prices the steps between two decisions in one kernel call: that gives the
+    counters and clock of pricing every step on its own (the policy told the same link budgets)."""
     L, E, K, slots, blk, calib = case
     for name in ("lru", "lru-cpu", "lfu", "temporal-cpu", "saem", "saem-stage", "saem-implicit", "static-hot"):
-        ctx = _ctx(L, E, K, slots, calib, batch=blk.routing.shape[1])
-        pol = make_policy(name)
-        pol.start(ctx)
-        start = pol.state.copy()
-        one_by_one, decisions = Accounting(), []
-        replay(pol, [blk], one_by_one, decisions)
-        together = Accounting()
-        link = LinkClock(start, pol.miss_mode, ctx.cost, together)
-        priced = 0
-        for when, g, change in decisions:
-            if when == "group":
-                link.place(change, g)
-                continue
-            link.steps(blk.routing, priced, g + 1, 0, change)
-            priced = g + 1
-        link.steps(blk.routing, priced, blk.n_steps, 0, None)
-        np.testing.assert_allclose(one_by_one.counters, together.counters, rtol=1e-12)
-        np.testing.assert_allclose(one_by_one.clock, together.clock, rtol=1e-12)
-        assert np.array_equal(link.cache.slot_of, pol.state.slot_of)
+        out = []
+        budgets = []
+        for together in (True, False):
+            ctx = _ctx(L, E, K, slots, calib, batch=blk.routing.shape[1])
+            pol = make_policy(name)
+            pol.start(ctx)
+            acct = Accounting()
+            if together:
+                replay(pol, [blk], acct, link_budgets=budgets)
+            else:
+                cache = pol.state.copy()
+                ready = np.zeros(cache.owner.shape)
+                a = ctx.cost.array
+                ch = pol.begin_group(blk)
+                if ch is not None:
+                    acct.counters[A_PLANS] += ch.placements
+                    price_placement(ch.ops, 0, 0, cache.slot_of, cache.owner, ready, a, acct.clock, acct.counters,
+                                    acct.log, acct.log_n)
+                for s in range(blk.n_steps):
+                    ch = pol.observe(blk.routing[s], blk.events_after(s), budgets[s])
+                    ops, n_in = (ch.ops, ch.n_in_step) if ch is not None else (np.zeros((0, 4), np.int32), 0)
+                    acct.counters[A_PLANS] += ch.placements if ch is not None else 0
+                    price_steps(blk.routing, s, s + 1, 0, cache.slot_of, cache.owner, ready, ops, n_in,
+                                pol.miss_mode, a, acct.clock, acct.counters, acct.log, acct.log_n)
+            out.append((acct.counters.copy(), acct.clock.copy(), pol.state.slot_of.copy()))
+        np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-12)
+        np.testing.assert_allclose(out[0][1], out[1][1], rtol=1e-12)
+        assert np.array_equal(out[0][2], out[1][2])
 
 
 def test_dma_contention_slows_cpu_experts():

@@ -19,9 +19,10 @@ Candidates, each a full shadow cache (sets only; no pricing):
 
 Each step, each candidate earns ``hits - copy_cost * copies`` (token-level hits of its set
 before its own update, copies it made); the score is an exponential average over
-``horizon_steps``. The real cache holds the leader's set: after each layer runs, the layer's
-residents that left the leader's set are evicted and the leader's new residents copied in (for
-a leader that keeps its set, that is exactly its own loads). The leader changes when another
+``horizon_steps``. The real cache follows the leader's set: after each layer runs, the leader's
+new residents are copied in best first, each replacing a resident that left the leader's set,
+as far as the step's link budget allows (``observe``'s ``link_budget``; the rest follow at later
+steps); for a leader that keeps its set, that is exactly its own loads. The leader changes when another
 candidate's score beats it by more than the copies a switch costs, spread over the horizon.
 ``copy_cost`` is in hits: the CPU time a copy's DMA takes from CPU experts (the part of
 ``t_xfer`` not hidden behind the next layer's dense part, times ``1 - 1/f``, f the DMA
@@ -345,6 +346,11 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
     def uses_combined_events(self) -> bool:
         """The stage detector's cue + routing-shift events when it ran (a boundary costs the
         stage candidate nothing but a re-rank), else the cue events."""
+        return True
+
+    @property
+    def uses_link_budget(self) -> bool:
+        """The real cache's copies (following the leader) stay within the link budget."""
         return True
 
     @property

@@ -12,8 +12,8 @@ simulator (simulator.replay) and by the engine (placement.py) alike, with the sa
     one decode step ran with int16 [B, L, K] ``routing_rows`` (-1 rows: no token) under the
     residency in force; ``events`` (StepEvents) are what the stage detectors reported after
     it; ``link_budget`` is how many bytes the host-to-device link can carry before the next
-    step (pricing.LinkClock; a copy takes ``costmodel.link_bytes_per_copy`` of them; inf: no
-    limit is known). Returns the residency decisions made while the step ran (loads after a CPU
+    step (link_budget.LinkMeter; a copy takes ``costmodel.link_bytes_per_copy`` of them; inf
+    for a policy that does not read it, ``uses_link_budget`` False). Returns the residency decisions made while the step ran (loads after a CPU
     run, demand loads) and those due before the next step (stage placements), or None.
 
     Which decisions respect the budget is each policy's rule (docs/POLICIES.md, "The link
@@ -99,6 +99,12 @@ class Policy(ABC):
     def uses_combined_events(self) -> bool:
         """Whether the policy acts on the combined cue + routing-shift detector's events
         (StepEvents.combined): the engine then runs that detector too."""
+        return False
+
+    @property
+    def uses_link_budget(self) -> bool:
+        """Whether ``observe`` reads its ``link_budget``: the drivers price the link to tell it
+        only then (the engine otherwise prices nothing) and pass inf to the others."""
         return False
 
     def __init__(self) -> None:
