@@ -285,5 +285,3 @@ def test_detector_text_only_matches_the_matcher():
         assert [g for g in got if g[0] == i] == want
     mine = [g for g in got if g[0] == 0]
     assert det.stage_start(0) == (mine[-1][2] if mine else 0)
-    with pytest.raises(SaemError):
-        det.stage_histogram(0)  # routing not tracked

@@ -1,14 +1,13 @@
 """The engine-facing streaming stage detector: cue matcher + optional implicit detector.
 
-One ``feed`` per decode step: the text piece (and, when routing is tracked, the top-k expert
-ids [L, K]) of the token each active sequence just produced. A boundary is a cue, or (with
-``use_implicit``) a routing shift; with both on, the shift must be ``combined_scale`` times
-stronger, since cues already catch the explicit transitions. Either kind restarts the other's
-stage, and one minimum stage length applies to both.
+One ``feed`` per decode step: the text piece (and, when the routing-shift detector runs, the
+top-k expert ids [L, K]) of the token each active sequence just produced. A boundary is a cue,
+or (with ``use_implicit``) a routing shift; with both on, the shift must be ``combined_scale``
+times stronger, since cues already catch the explicit transitions. Either kind restarts the
+other's stage, and one minimum stage length applies to both.
 
-When routing is tracked the detector also keeps each sequence's current-stage expert
-histogram and, at each boundary, the completed stage's histogram: what the planner aggregates
-across the batch (coherence.aggregate_stage) to pick the next stage's resident experts.
+The detector keeps no routing histograms: the policies count the routing they rank by
+themselves (policies/), so a cue-only detector reads no routing at all.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from numba import njit
 
 from saem_gguf.errors import SaemError
 from saem_gguf.stage.cues import CueSet
@@ -48,23 +46,16 @@ class StageEvent(NamedTuple):
     score: float  # implicit: excess divergence when it fired; cue: 0.0
 
 
-@njit(cache=True)
-def _add_routing(hist, seq_idx, experts):
-    E = hist.shape[2]
-    for j in range(seq_idx.shape[0]):
-        i = seq_idx[j]
-        for l in range(experts.shape[1]):
-            for k in range(experts.shape[2]):
-                e = experts[j, l, k]
-                if 0 <= e < E:
-                    hist[i, l, e] += 1
+_NO_EVENTS: tuple[StageEvent, ...] = ()  # what feed returns for a step without a boundary
 
 
 class StageDetector:
     """Per-sequence stage detection for ``n_seq`` slots (one token per slot per ``feed``).
 
-    Routing is tracked when ``n_layer``, ``n_expert`` and ``top_k`` are given; then ``feed``
-    needs the experts of each token, and implicit detection and stage histograms are available.
+    The routing shape (``n_layer``, ``n_expert``, ``top_k``) is needed for implicit detection
+    (``tracks_routing``: it is known, so ``fresh`` can make a twin that detects routing shifts);
+    ``feed`` needs the experts of each token only when the routing-shift detector runs
+    (``needs_routing``).
     """
 
     def __init__(self, n_seq: int, cues: CueSet | None = None, config: DetectorConfig | None = None, *,
@@ -94,8 +85,6 @@ class StageDetector:
             if cfg.use_implicit:
                 icfg = replace(cfg.implicit, min_stage_tokens=cfg.min_stage_tokens)
                 self.implicit = ImplicitDetector(n_seq, n_layer, n_expert, top_k, icfg)
-            self._stage = np.zeros((n_seq, n_layer, n_expert), np.int64)
-            self._completed = np.zeros((n_seq, n_layer, n_expert), np.int64)
         self._scale = cfg.combined_scale if (cfg.use_cues and cfg.use_implicit) else 1.0
         self._stage_start = np.zeros(n_seq, np.int64)
 
@@ -130,61 +119,64 @@ class StageDetector:
             self.matcher.reset(seq, start_token)
         if self.implicit is not None:
             self.implicit.reset(seq, start_token)
-        if self.tracks_routing:
-            self._stage[seq] = 0
-            self._completed[seq] = 0
         self._stage_start[seq] = start_token
 
     def _check_slot(self, seq: int) -> None:
         if not 0 <= seq < self.n_seq:
             raise SaemError(f"sequence slot {seq} out of range 0..{self.n_seq - 1}")
 
+    @property
+    def needs_routing(self) -> bool:
+        """Whether ``feed`` reads the experts of each token (the routing-shift detector runs)."""
+        return self.implicit is not None
+
     def feed(self, seq_idx, pieces: Sequence[bytes] | None = None,
-             experts: np.ndarray | None = None) -> list[StageEvent]:
+             experts: np.ndarray | None = None) -> Sequence[StageEvent]:
         """Consume one token for each slot in ``seq_idx`` (distinct slots): its text piece and,
-        when routing is tracked, its experts [B, L, K]. Returns the boundaries found."""
-        seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
+        when the routing-shift detector runs, its experts [B, L, K] (ignored otherwise). Returns
+        the boundaries found (an empty tuple when none: nothing is allocated for a quiet step)."""
+        if type(seq_idx) is not np.ndarray or seq_idx.dtype != np.int64 or seq_idx.ndim != 1:
+            seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
         B = seq_idx.shape[0]
         if B == 0:
-            return []
-        if B > 1 and self.matcher is not None and self.tracks_routing:
+            return _NO_EVENTS
+        if B > 1 and self.matcher is not None and self.implicit is not None:
             # Cue and routing events are merged per slot after both kernels ran; that is only
             # well-defined when each slot advances by exactly one token.
             if len(set(seq_idx.tolist())) != B:
                 raise SaemError("feed: a sequence slot appears twice in one step")
-        events: list[StageEvent] = []
+        events: list[StageEvent] | None = None
         if self.matcher is not None:
             if pieces is None:
                 raise SaemError("feed: this detector matches cues and needs the token pieces")
             mev = self.matcher.feed(seq_idx, pieces)
             if len(mev):
+                events = []
                 for s, c, t in mev.tuples():
                     events.append(StageEvent(s, t, "cue", c, self.cues[c].text, 0.0))
                     self._boundary(s, t)
-        if self.tracks_routing:
+        if self.implicit is not None:
             if experts is None:
-                raise SaemError("feed: this detector tracks routing and needs the experts [B, L, K]")
-            experts = np.asarray(experts)
-            if experts.shape != (B, *self.shape[:1], self.shape[2]):
-                raise SaemError(f"feed: experts must be [{B}, {self.shape[0]}, {self.shape[2]}], got {experts.shape}")
+                raise SaemError("feed: this detector detects routing shifts and needs the experts [B, L, K]")
+            if type(experts) is not np.ndarray:
+                experts = np.asarray(experts)
+            if experts.shape != (B, self.shape[0], self.shape[2]):
+                raise SaemError(f"feed: experts must be [{B}, {self.shape[0]}, {self.shape[2]}], "
+                                f"got {tuple(experts.shape)}")
             if experts.dtype != np.int16:
                 experts = experts.astype(np.int16)
-            if self.implicit is not None:
-                iev = self.implicit.update(seq_idx, experts, self._scale)
+            iev = self.implicit.update(seq_idx, experts, self._scale)
+            if len(iev):
+                events = events if events is not None else []
                 for s, t, x in zip(iev.seq.tolist(), iev.token.tolist(), iev.score.tolist()):
                     events.append(StageEvent(s, t, "implicit", -1, "", float(x)))
                     self._boundary(s, t, implicit=True)
                     if self.matcher is not None:
                         self.matcher.mark_boundary(s, t)
-            # The boundary token's routing opens the new stage.
-            _add_routing(self._stage, seq_idx, experts)
-        return events
+        return _NO_EVENTS if events is None else events
 
     def _boundary(self, s: int, t: int, implicit: bool = False) -> None:
         self._stage_start[s] = t
-        if self.tracks_routing:
-            self._completed[s] = self._stage[s]
-            self._stage[s] = 0
         if self.implicit is not None and not implicit:
             self.implicit.new_stage(s, t)  # a cue restarts the routing statistics too
 
@@ -202,17 +194,3 @@ class StageDetector:
     def stage_start(self, seq: int) -> int:
         """Token index where slot ``seq``'s current stage began."""
         return int(self._stage_start[seq])
-
-    def stage_histogram(self, seq: int) -> np.ndarray:
-        """int64 [L, E]: expert usage of slot ``seq``'s current stage so far."""
-        self._need_routing()
-        return self._stage[seq].copy()
-
-    def completed_histogram(self, seq: int) -> np.ndarray:
-        """int64 [L, E]: expert usage of slot ``seq``'s last completed stage."""
-        self._need_routing()
-        return self._completed[seq].copy()
-
-    def _need_routing(self) -> None:
-        if not self.tracks_routing:
-            raise SaemError("this detector does not track routing (construct it with n_layer, n_expert, top_k)")
