@@ -2,16 +2,18 @@
 every policy at 48 layers x 128 experts x top-8).
 
     python bench/bench_placement_cost.py [--layers 48] [--experts 128] [--top-k 8] [--ecr 25%]
-                                         [-n 200] [--policies a,b,...] [--json OUT]
+                                         [-n 200] [--reps 3] [--policies a,b,...] [--json OUT]
 
 One process, one generated model of that routing shape (tiny matrices, so llama.cpp's decode is
 cheap and the placement's share is visible). For each policy the engine decodes ``-n`` tokens
 and ``Placement.on_token`` (read the routing back, count hits, feed the stage detector(s), run
 the policy's one-step entry point, sync the native slot maps and issue copies) is timed around
 each call, in wall time and in the calling thread's CPU time (on a loaded machine the wall time
-also counts waiting for a core); medians and p90 are printed with the load average. The
-first tokens, which compile nothing but warm caches, are excluded (``--skip``). Asserts nothing:
-timings depend on the machine and its load.
+also counts waiting for a core). ``--reps`` repetitions run every policy in turn, so a change of
+the machine's load touches all policies alike; per policy the tokens of all repetitions give the
+median and p90, and the per-repetition medians show the spread; the load average is printed
+with each. The first tokens of each run, which compile nothing but warm caches, are excluded
+(``--skip``). Asserts nothing: timings depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--ecr", type=ecr_arg, default=0.25, help="cache ratio: 25%% or 0.25 (the CLI's one unit)")
     p.add_argument("-n", type=int, default=200, help="decoded tokens per policy")
-    p.add_argument("--skip", type=int, default=20, help="first tokens not counted")
+    p.add_argument("--skip", type=int, default=20, help="first tokens of each run not counted")
+    p.add_argument("--reps", type=int, default=3, help="runs of every policy, in turn")
     p.add_argument("--policies", default=",".join(ENGINE_POLICIES))
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -75,23 +78,37 @@ def main(argv=None) -> int:
     eng = Engine(EngineConfig(model=path, n_ctx=a.n + 64, n_threads=1, ecr=a.ecr, progress=False),
                  log=lambda m: None)
     slots = budget_slots(100.0 * a.ecr, a.experts)  # the default saem may split it unevenly
-    rows = []
+    policies = a.policies.split(",")
+    runs: dict[str, list[dict]] = {pol: [] for pol in policies}
     try:
         print(f"placement per decoded token, {a.layers} layers x {a.experts} experts x top-{a.top_k}, "
-              f"{slots} slots per layer, load average {os.getloadavg()[0]:.2f}")
-        for pol in a.policies.split(","):
-            eng.set_placement(pol, int(slots))
-            wall, cpu = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)
-            wall, cpu = sorted(wall[a.skip:]), sorted(cpu[a.skip:])
-            row = {"policy": pol, "tokens": len(wall), "median_us": round(statistics.median(wall), 1),
-                   "p90_us": round(wall[int(0.9 * (len(wall) - 1))], 1),
-                   "cpu_median_us": round(statistics.median(cpu), 1), "loadavg": round(os.getloadavg()[0], 2)}
-            rows.append(row)
-            print(f"  {pol:<14} wall median {row['median_us']:>7.1f} us  p90 {row['p90_us']:>7.1f} us  "
-                  f"CPU median {row['cpu_median_us']:>7.1f} us  ({row['tokens']} tokens, load {row['loadavg']:.2f})",
-                  flush=True)
+              f"{slots} slots per layer, {a.reps} repetitions x {a.n} tokens, load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        for rep in range(a.reps):
+            for pol in policies:
+                eng.set_placement(pol, int(slots))
+                wall, cpu = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)
+                runs[pol].append({"wall": wall[a.skip:], "cpu": cpu[a.skip:], "loadavg": os.getloadavg()[0]})
+            print(f"  repetition {rep + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         eng.close()
+    rows = []
+    for pol, rr in runs.items():
+        wall = sorted(x for r in rr for x in r["wall"])
+        cpu = sorted(x for r in rr for x in r["cpu"])
+        rep_medians = [statistics.median(r["wall"]) for r in rr]
+        loads = [r["loadavg"] for r in rr]
+        row = {"policy": pol, "tokens": len(wall), "median_us": round(statistics.median(wall), 1),
+               "p90_us": round(wall[int(0.9 * (len(wall) - 1))], 1),
+               "cpu_median_us": round(statistics.median(cpu), 1),
+               "cpu_p90_us": round(cpu[int(0.9 * (len(cpu) - 1))], 1),
+               "rep_median_us": [round(m, 1) for m in rep_medians],
+               "loadavg": [round(x, 2) for x in loads]}
+        rows.append(row)
+        print(f"  {pol:<14} wall median {row['median_us']:>7.1f} us  p90 {row['p90_us']:>7.1f} us  "
+              f"CPU median {row['cpu_median_us']:>7.1f} us  p90 {row['cpu_p90_us']:>7.1f} us  "
+              f"per-run medians {min(rep_medians):.1f}-{max(rep_medians):.1f} us  "
+              f"(load {min(loads):.2f}-{max(loads):.2f})", flush=True)
     if a.json:
         write_text_atomic(a.json, json.dumps(rows, indent=1))
     return 0
