@@ -31,6 +31,7 @@ from saem_gguf.policies.state import (
     resident_uses,
 )
 from saem_gguf.stage.detector import StageDetector, StageEvent
+from saem_gguf.stage.pair import DetectorPair
 
 
 # Policies whose misses wait for a load mid-step: the native layer offers no such wait, so the
@@ -100,9 +101,12 @@ class Placement:
         na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
         self.detector = detector
         # the combined cue + routing-shift twin of the detector, for policies that act on both
-        # (the simulator replays the same two detectors, simulator.detector_events)
-        self.combined = detector.fresh(use_implicit=True) if (
-            self.policy.uses_combined_events and detector.tracks_routing) else None
+        # (the simulator replays the same two detectors, simulator.detector_events): fed with the
+        # cue detector in one pass (stage.pair) when that one detects cues only; a detector that
+        # also detects routing shifts is its own twin
+        wants_twin = self.policy.uses_combined_events and detector.tracks_routing
+        self.pair = DetectorPair(detector) if wants_twin and not detector.needs_routing else None
+        self.combined = detector if wants_twin and detector.needs_routing else None
         self.stats = PlacementStats()
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
         self._put_initial(self.state.slot_of)
@@ -171,8 +175,11 @@ class Placement:
         self.stats.hits += resident_uses(routing, self._native)
         self.stats.accesses += active_rows(routing) * routing.shape[1] * routing.shape[2]
         slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
-        events = self.detector.feed(slots, pieces, routing if self.detector.needs_routing else None)
-        combined = self.combined.feed(slots, pieces, routing) if self.combined is not None else None
+        if self.pair is not None:
+            events, combined = self.pair.feed(slots, pieces, routing)
+        else:
+            events = self.detector.feed(slots, pieces, routing if self.detector.needs_routing else None)
+            combined = bool(events) if self.combined is not None else None
         if events or combined:
             self.stats.events.extend(events)
             self.stats.boundaries += len(events)
@@ -184,11 +191,11 @@ class Placement:
                     row_cue[e.seq] = e.cue
             row_of = {s: b for b, s in enumerate(seqs)}
             seen = StepEvents(rows=tuple(row_of[s] for s in row_cue), cues=tuple(row_cue.values()), n_rows=B,
-                              combined=bool(combined) if self.combined is not None else None)
+                              combined=bool(combined) if self._has_twin else None)
         else:
             seen = self._quiet.get(B)
             if seen is None:
-                seen = self._quiet[B] = StepEvents(n_rows=B, combined=None if self.combined is None else False)
+                seen = self._quiet[B] = StepEvents(n_rows=B, combined=False if self._has_twin else None)
         budget = self.link.budget(routing, self._native) if self.link is not None else math.inf
         if self.link_budgets is not None:
             self.link_budgets.append(budget)
@@ -232,9 +239,14 @@ class Placement:
             na.saem_moe_set_slot_map(self.ctx, il, target[l].tolist())
             self._native[l] = target[l]
 
+    @property
+    def _has_twin(self) -> bool:
+        """Whether the combined detector runs (its verdict goes to the policy)."""
+        return self.pair is not None or self.combined is not None
+
     def reset_sequence(self, seq: int = 0) -> None:
         """A new conversation in detector slot ``seq``: its stage state restarts, residency stays
         (it is still a good guess)."""
         self.detector.reset(seq)
-        if self.combined is not None:
-            self.combined.reset(seq)
+        if self.pair is not None:
+            self.pair.reset(seq)

@@ -162,3 +162,39 @@ def test_a_cue_only_detector_reads_no_routing_and_allocates_nothing_on_a_quiet_s
     with pytest.raises(SaemError, match="experts"):
         twin.feed(slot, [b"x"])
     assert twin.feed(slot, [b"x"], np.zeros((1, 2, 2), np.int16).tolist()) == ()  # a list is taken as an array
+
+
+@pytest.mark.parametrize("min_stage", [0, 32])
+def test_detector_pair_gives_the_two_detectors_results(min_stage):
+    """The engine's fused pass (stage.pair) reports, step by step, the events of the cue detector
+    and the verdict of its combined twin, fed separately (what the simulator replays), through
+    cue and routing-shift boundaries, several slots and a slot reset mid-way."""
+    from saem_gguf.stage.pair import DetectorPair
+
+    cfg = SyntheticConfig(n_sequences=3, seed=13, cue_prob=0.5, stage_len_scale=0.5)
+    seqs = make_stage_traces(cfg).sequences
+    cue_only = StageDetector(3, CueSet.load("general"), DetectorConfig(min_stage_tokens=min_stage), n_layer=48,
+                             n_expert=128, top_k=8)
+    twin = cue_only.fresh(use_implicit=True)
+    pair = DetectorPair(cue_only.fresh())
+    n_cue = n_twin = diverged = 0
+    for step in range(max(s.n_tokens for s in seqs)):
+        if step == 300:  # slot 1 starts a new sequence
+            for d in (cue_only, twin, pair):
+                d.reset(1, step)
+        idx = np.array([i for i, s in enumerate(seqs) if step < s.n_tokens], np.int64)
+        pieces = [seqs[i].pieces[step] for i in idx]
+        routing = np.stack([seqs[i].experts[step] for i in idx])
+        want_events = list(cue_only.feed(idx, pieces))
+        twin_events = twin.feed(idx, pieces, routing)
+        want_combined = bool(twin_events)
+        # the twin's clock moved at a routing shift: it drops (or keeps) a cue the other keeps (drops)
+        diverged += [e for e in twin_events if e.source == "cue"] != want_events
+        got_events, got_combined = pair.feed(idx, pieces, routing)
+        assert list(got_events) == want_events and got_combined == want_combined, step
+        n_cue += len(want_events)
+        n_twin += want_combined
+    assert n_cue >= 20 and n_twin > n_cue  # cues and routing shifts both exercised
+    assert (diverged > 0) == (min_stage > 0)  # the two clocks disagreed on some cue
+    with pytest.raises(SaemError, match="cue-only"):
+        DetectorPair(twin)

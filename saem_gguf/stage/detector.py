@@ -46,7 +46,18 @@ class StageEvent(NamedTuple):
     score: float  # implicit: excess divergence when it fired; cue: 0.0
 
 
-_NO_EVENTS: tuple[StageEvent, ...] = ()  # what feed returns for a step without a boundary
+NO_EVENTS: tuple[StageEvent, ...] = ()  # what feed returns for a step without a boundary
+
+
+def routing_rows(experts, B: int, shape: tuple[int, int, int]) -> np.ndarray:
+    """``experts`` checked as one step's int16 [B, L, K] routing (``shape`` = (L, E, K))."""
+    if experts is None:
+        raise SaemError("feed: this detector detects routing shifts and needs the experts [B, L, K]")
+    if type(experts) is not np.ndarray:
+        experts = np.asarray(experts)
+    if experts.shape != (B, shape[0], shape[2]):
+        raise SaemError(f"feed: experts must be [{B}, {shape[0]}, {shape[2]}], got {tuple(experts.shape)}")
+    return experts if experts.dtype == np.int16 else experts.astype(np.int16)
 
 
 class StageDetector:
@@ -139,7 +150,7 @@ class StageDetector:
             seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
         B = seq_idx.shape[0]
         if B == 0:
-            return _NO_EVENTS
+            return NO_EVENTS
         if B > 1 and self.matcher is not None and self.implicit is not None:
             # Cue and routing events are merged per slot after both kernels ran; that is only
             # well-defined when each slot advances by exactly one token.
@@ -156,15 +167,7 @@ class StageDetector:
                     events.append(StageEvent(s, t, "cue", c, self.cues[c].text, 0.0))
                     self._boundary(s, t)
         if self.implicit is not None:
-            if experts is None:
-                raise SaemError("feed: this detector detects routing shifts and needs the experts [B, L, K]")
-            if type(experts) is not np.ndarray:
-                experts = np.asarray(experts)
-            if experts.shape != (B, self.shape[0], self.shape[2]):
-                raise SaemError(f"feed: experts must be [{B}, {self.shape[0]}, {self.shape[2]}], "
-                                f"got {tuple(experts.shape)}")
-            if experts.dtype != np.int16:
-                experts = experts.astype(np.int16)
+            experts = routing_rows(experts, B, self.shape)
             iev = self.implicit.update(seq_idx, experts, self._scale)
             if len(iev):
                 events = events if events is not None else []
@@ -173,7 +176,7 @@ class StageDetector:
                     self._boundary(s, t, implicit=True)
                     if self.matcher is not None:
                         self.matcher.mark_boundary(s, t)
-        return _NO_EVENTS if events is None else events
+        return NO_EVENTS if events is None else events
 
     def _boundary(self, s: int, t: int, implicit: bool = False) -> None:
         self._stage_start[s] = t
