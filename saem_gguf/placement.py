@@ -9,9 +9,10 @@ through the entry points the simulator drives it through (``Policy.begin_group``
 decides. A policy that reads its link budget (``uses_link_budget``) gets it from the estimated
 link clock the simulator keeps too (link_budget.LinkMeter: each step's duration estimated on
 the cost model, the copies still queued), not from measured times, so the decisions are
-reproducible and equal the simulator's on the same trace; the others are told inf. Its decisions (``ResidencyChange``) become native copies, in decision order (async
-where the build has a device), and slot-map updates, in force for the next decode. Hits are
-counted against the slot maps in force for the step's decode.
+reproducible and equal the simulator's on the same trace; the others are told inf. Its
+decisions (``ResidencyChange``) become native copies, in decision order (async where the build
+has a device), and slot-map updates, in force for the next decode. Hits are counted against the
+slot maps in force for the step's decode.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class Placement:
         # also detects routing shifts is its own twin
         wants_twin = self.policy.uses_combined_events and detector.tracks_routing
         self.pair = DetectorPair(detector) if wants_twin and not detector.needs_routing else None
-        self.combined = detector if wants_twin and detector.needs_routing else None
+        self.twin_is_detector = wants_twin and detector.needs_routing
         self.stats = PlacementStats()
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
         self._put_initial(self.state.slot_of)
@@ -179,7 +180,7 @@ class Placement:
             events, combined = self.pair.feed(slots, pieces, routing)
         else:
             events = self.detector.feed(slots, pieces, routing if self.detector.needs_routing else None)
-            combined = bool(events) if self.combined is not None else None
+            combined = bool(events) if self.twin_is_detector else None
         if events or combined:
             self.stats.events.extend(events)
             self.stats.boundaries += len(events)
@@ -242,7 +243,7 @@ class Placement:
     @property
     def _has_twin(self) -> bool:
         """Whether the combined detector runs (its verdict goes to the policy)."""
-        return self.pair is not None or self.combined is not None
+        return self.pair is not None or self.twin_is_detector
 
     def reset_sequence(self, seq: int = 0) -> None:
         """A new conversation in detector slot ``seq``: its stage state restarts, residency stays
