@@ -35,8 +35,8 @@ from saem_gguf.testmodels import ensure_model  # noqa: E402
 from saem_gguf.testmodels.spec import ModelSpec  # noqa: E402
 
 # every policy the engine runs (the wait-for-load caches run as their -cpu variants)
-ENGINE_POLICIES = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "temporal-cpu", "saem", "saem-stage",
-                   "saem-strict", "saem-implicit", "saem-cue", "saem-nocpu", "gpu-all")
+ENGINE_POLICIES = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "temporal-cpu", "saem", "saem:uniform",
+                   "saem-stage", "saem-strict", "saem-implicit", "saem-cue", "saem-nocpu", "gpu-all")
 
 
 def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[float]]:
@@ -71,7 +71,9 @@ def main(argv=None) -> int:
     p.add_argument("-n", type=int, default=200, help="decoded tokens per policy")
     p.add_argument("--skip", type=int, default=20, help="first tokens of each run not counted")
     p.add_argument("--reps", type=int, default=3, help="runs of every policy, in turn")
-    p.add_argument("--policies", default=",".join(ENGINE_POLICIES))
+    p.add_argument("--policies", default=",".join(ENGINE_POLICIES),
+                   help="comma-separated; saem:uniform is the default saem with the uniform slot layout "
+                        "(the budget's slots in every layer, what a model whose experts dominate gets)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     path = ensure_model(ModelSpec(n_layer=a.layers, n_expert=a.experts, n_expert_used=a.top_k, expert_pool=8))
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
               f"{os.getloadavg()[0]:.2f}", flush=True)
         for rep in range(a.reps):
             for pol in policies:
-                eng.set_placement(pol, int(slots))
+                name, _, layout = pol.partition(":")
+                eng.set_placement(name, int(slots), {"layout": layout} if layout else None)
                 wall, cpu = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)
                 runs[pol].append({"wall": wall[a.skip:], "cpu": cpu[a.skip:], "loadavg": os.getloadavg()[0]})
             print(f"  repetition {rep + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)

@@ -561,8 +561,9 @@ class Engine:
             self.note(f"expert management is off: {e}")
             self.placement = None
 
-    def set_placement(self, policy: str, slots: int) -> None:
-        """(Re)attach placement: ``policy`` over ``slots`` cache slots per MoE layer. The native
+    def set_placement(self, policy: str, slots: int, policy_args: dict | None = None) -> None:
+        """(Re)attach placement: ``policy`` over ``slots`` cache slots per MoE layer (``policy_args``:
+        keyword arguments of the policy's class, e.g. the default saem's ``layout``). The native
         cache is re-initialised; the model stays loaded (bench switches policies this way)."""
         from saem_gguf.costmodel import CostModel, get_hw
         from saem_gguf.placement import Placement
@@ -574,8 +575,9 @@ class Engine:
             raise SaemError(f"{self.info.architecture} is a dense model: no experts to place")
         detector, calib, cue_counts = self._make_detector(policy)
         cost = CostModel.from_expert_bytes(self.info.moe_layers[0].bytes_per_expert, get_hw(self.cfg.hw))
-        policy_args = ({"n_cpu_layers": self._n_cpu_moe_layers()}
-                       if policy == "n-cpu-moe" and self.cfg.n_cpu_moe is not None else None)
+        policy_args = dict(policy_args or {})
+        if policy == "n-cpu-moe" and self.cfg.n_cpu_moe is not None:
+            policy_args["n_cpu_layers"] = self._n_cpu_moe_layers()
         self.placement = None
         self.placement = Placement(self.llm.ctx, policy, slots, cost, detector,
                                    calib_counts=calib, cue_counts=cue_counts, record=self.cfg.record,
