@@ -22,8 +22,9 @@ before its own update, copies it made); the score is an exponential average over
 ``horizon_steps``. The real cache follows the leader's set: after each layer runs, the leader's
 new residents are copied in best first, each replacing a resident that left the leader's set,
 as far as the step's link budget allows (``observe``'s ``link_budget``; the rest follow at later
-steps); for a leader that keeps its set, that is exactly its own loads. The leader changes when another
-candidate's score beats it by more than the copies a switch costs, spread over the horizon.
+steps); for a leader that keeps its set, that is exactly its own loads. The leader changes when
+another candidate's score beats it by more than the copies a switch costs, spread over the
+horizon.
 ``copy_cost`` is in hits: the CPU time a copy's DMA takes from CPU experts (the part of
 ``t_xfer`` not hidden behind the next layer's dense part, times ``1 - 1/f``, f the DMA
 slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
@@ -35,7 +36,6 @@ the switching copies and the lag of the average: robust by construction, not by 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import numpy as np
