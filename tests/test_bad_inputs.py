@@ -473,6 +473,15 @@ def _big_model_argv(b, d):
             "-o", str(d / "big.gguf")]
 
 
+def _long_trace_argv(b, d):
+    # 400 prompts: the built-in six end at EOS within a second (the embedded model answers in
+    # ~30 ms), which can finish before the signal lands; the file lies beside ``d``, which the
+    # test checks is left empty
+    prompts = d.parent / f"{d.name}-prompts.txt"
+    prompts.write_text("".join(f"What is {i} + {i + 1}?\n" for i in range(400)))
+    return ["trace", "--prompts", str(prompts), "-n", "300", "-o", str(d / "t.npz")]
+
+
 SIGNAL_CASES = [
     SignalCase("gen-model-sigterm", _big_model_argv, signal.SIGTERM, "", (143, -15)),
     SignalCase("gen-model-sighup", _big_model_argv, signal.SIGHUP, "", (129, -1)),
@@ -482,10 +491,8 @@ SIGNAL_CASES = [
                signal.SIGINT, "[saem] policy", (130,)),
     SignalCase("generate-sigterm", lambda b, d: ["generate", "-p", "Let me think.", "-n", "4000", "--ignore-eos"],
                signal.SIGTERM, "[saem] policy", (143, -15)),
-    SignalCase("trace-sigterm", lambda b, d: ["trace", "-n", "3000", "-o", str(d / "t.npz")],
-               signal.SIGTERM, "[saem] policy", (143, -15)),
-    SignalCase("trace-sigint", lambda b, d: ["trace", "-n", "3000", "-o", str(d / "t.npz")],
-               signal.SIGINT, "[saem] policy", (130,)),
+    SignalCase("trace-sigterm", _long_trace_argv, signal.SIGTERM, "[saem] policy", (143, -15)),
+    SignalCase("trace-sigint", _long_trace_argv, signal.SIGINT, "[saem] policy", (130,)),
     SignalCase("simulate-sigterm", lambda b, d: ["simulate", "--synthetic", "--seqs", "400", "--policies", "all",
                                                  "--json", str(d / "s.json"), "--plot", str(d / "s.png")],
                signal.SIGTERM, "simulate", (143, -15)),
