@@ -56,7 +56,10 @@ class EngineConfig:
     # without --kv-unified, the KV cache is split into one stream per sequence, each of
     # n_ctx / n_parallel cells (llama.cpp rounds that up to a multiple of 256); see n_ctx_seq
     n_parallel: int = 1
-    n_threads: int | None = None
+    n_threads: int | None = None  # -t: threads of a one-token ubatch (None: every CPU this process may use)
+    # -tb: threads of a ubatch of several tokens (a prompt, a batch step of several sequences);
+    # None: as n_threads (llama.cpp's default)
+    n_threads_batch: int | None = None
     # load-time llama.cpp settings (llama.cpp's flags of the same names, README "Usage"); the
     # defaults are llama-cpp-python's (the Python API's), the CLI passes llama.cpp's
     n_gpu_layers: int | None = None  # -ngl; None or negative: every layer (llama.cpp's auto/all)
@@ -393,6 +396,7 @@ class Engine:
 
             ram_plan = plan_ram_budget(self.info, cfg.ram_budget, cfg.n_ctx)
         n_threads = cfg.n_threads or max(1, len(self.numa_plan.cpus))
+        n_threads_batch = cfg.n_threads_batch or n_threads
         Cls = construct or _make_llama_class(llama_cpp)
         llama_kw = self._llama_load_params(llama_cpp, managed=slots is not None)
         # the bar writes to a duplicate of fd 2, taken before llama.cpp's log silences fd 2
@@ -401,7 +405,7 @@ class Engine:
             with _quiet_stderr(not cfg.verbose), _llama_error_log(llama_cpp) as load_errors:
                 self.llm = Cls(
                     model_path=str(self.path), n_ctx=cfg.n_ctx, n_threads=n_threads,
-                    n_threads_batch=n_threads, seed=cfg.seed, verbose=cfg.verbose,
+                    n_threads_batch=n_threads_batch, seed=cfg.seed, verbose=cfg.verbose,
                     # tracing wants every prompt token's routing in the last layer too, which
                     # llama.cpp computes only for tokens whose logits are requested
                     logits_all=cfg.record,
@@ -868,6 +872,13 @@ class Engine:
         self._trace_tokens.clear()
         if self.placement is not None:
             self.placement.trace_experts.clear()
+
+    def reset_stats(self) -> None:
+        """The placement's and the RAM tier's counts start again from zero (residency stays)."""
+        if self.placement is not None:
+            self.placement.reset_stats()
+        if self.ram_tier is not None:
+            self.ram_tier.reset_stats()
 
     def stats(self) -> dict:
         d = {"model": str(self.path), "architecture": self.info.architecture,
