@@ -213,6 +213,11 @@ class Placement:
             na.saem_moe_set_slot_map(self.ctx, il, target[l].tolist())
             self._native[l] = target[l]
 
+    def reset_stats(self) -> None:
+        """Counts start again from zero; residency and the policy's state stay (a server's warm-up
+        run is not the clients' figures)."""
+        self.stats = PlacementStats()
+
     def reset_sequence(self, seq: int = 0) -> None:
         """A new conversation in detector slot ``seq``: its stage state restarts, residency stays
         (it is still a good guess)."""

@@ -367,3 +367,24 @@ def test_parallel_settings_are_checked(qwen3_path):
             Scheduler(eng, 2, queue_max=-1)
     finally:
         eng.close()
+
+
+def test_warm_up_runs_every_slot_then_leaves_nothing_behind(qwen3_path, alone):
+    """serve's warm-up run (Scheduler.warm_up, before start): it decodes in every slot, then the
+    slots and their KV cells are empty, every count is zero, and the replies served after are the
+    ones served alone."""
+    with serving(qwen3_path, 4, start=False) as (eng, sched):
+        lc, ctx = eng._llama_cpp, eng.llm.ctx
+        mem = lc.llama_get_memory(ctx)
+        sched.warm_up(eng.prompt_tokens("Hello"))
+        assert lc.llama_perf_context(ctx).n_eval > 0  # it decoded (llama.cpp's own count)
+        assert [lc.llama_memory_seq_pos_max(mem, s) for s in range(4)] == [-1] * 4
+        st = sched.stats()
+        assert (st["busy_slots"], st["tokens"], st["decode_steps"], st["requests"]) == (0, 0, 0, 0)
+        assert (st["expert_accesses"], st["prompt_tokens"], st["boundaries"]) == (0, 0, 0)
+        sched.start()
+        with pytest.raises(SaemError, match="before start"):
+            sched.warm_up(eng.prompt_tokens("Hello"))
+        reqs = [BatchRequest(eng.prompt_tokens(p), n, SamplingConfig()) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        out = serve_all(sched, reqs)
+    assert [reply(evs)[0] for evs in out] == [r.tokens for r in alone]

@@ -63,6 +63,9 @@ class TokenEvent:
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) on the last event
 
 
+WARM_UP_TOKENS = 4  # tokens each slot decodes in Scheduler.warm_up
+
+
 class QueueFull(SaemError):
     """Every slot is busy and the waiting queue is full (HTTP 503)."""
 
@@ -243,6 +246,25 @@ class Scheduler:
             self._wake.notify()
 
     # --- lifecycle -----------------------------------------------------------------------------
+    def warm_up(self, prompt_tokens: list[int], n_tokens: int = WARM_UP_TOKENS) -> None:
+        """Before start(), on the calling thread: ``prompt_tokens`` in every slot, greedy, for
+        ``n_tokens`` tokens each, through the decode loop's own steps, so that the one-time costs
+        of the first steps (compiling or loading the placement's Numba kernels, ~13 s on a fresh
+        checkout; llama.cpp's first graphs of one and of every batch size) are paid before the
+        server says it is ready, as llama-server's warm-up run is. Then every slot is empty again
+        (KV cells freed) and the counters, the engine's placement figures included, start from
+        zero; residency stays what the policy chose (placement never changes results)."""
+        if self._thread is not None:
+            raise SaemError("warm_up() must come before start()")
+        req = BatchRequest(list(prompt_tokens), n_tokens, SamplingConfig(temp=0.0, ignore_eos=True))
+        for slot in range(self.n_parallel):
+            self._admit(slot, SequenceHandle(self, req, seed=0))
+        while any(s is not None for s in self._slots):
+            self._decode_step()
+        with self._lock:
+            self._tokens = self._steps = self._rows = self._step_decodes = 0
+        self.engine.reset_stats()
+
     def start(self) -> None:
         """Start the decode thread."""
         if self._thread is not None:
