@@ -96,7 +96,10 @@ class SequenceHandle:
         ended), and the slot and its KV cells are freed before the next decode step."""
         self._scheduler._cancel(self)
 
-    def _push(self, ev: TokenEvent) -> None:
+    def _push(self, ev: TokenEvent, wakes: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] | None = None) -> None:
+        """Queue ``ev`` and wake its consumers: a blocked ``events()`` at once, an ``aevents()``
+        at once too, or, given ``wakes``, when the caller passes that list to ``_wake_loops``
+        (the decode thread wakes each event loop once per step, not once per token)."""
         with self._cond:
             if self._finished:
                 return
@@ -104,11 +107,10 @@ class SequenceHandle:
             self._finished = ev.finish_reason is not None
             self._cond.notify_all()
             waiters, self._async_waiters = self._async_waiters, []
-        for loop, flag in waiters:
-            try:
-                loop.call_soon_threadsafe(flag.set)
-            except RuntimeError:  # the loop has closed: nobody is waiting any more
-                pass
+        if wakes is None:
+            _wake_loops(waiters)
+        else:
+            wakes.extend(waiters)
 
     def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
         """Blocking iterator over the events, ending after the final one. ``timeout``: seconds
@@ -193,6 +195,9 @@ class Scheduler:
         self._rows = 0  # tokens those steps decoded
         self._step_decodes = 0  # llama_decode calls those steps made (one per run of consecutive slots)
         self._t_started: float | None = None
+        # async consumers to wake after the decode thread's current step (its events' wake-ups, one
+        # per event loop: _wake_loops)
+        self._step_wakes: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     @property
     def n_ctx_seq(self) -> int:
@@ -320,6 +325,7 @@ class Scheduler:
         try:
             while self._schedule():
                 self._decode_step()
+                self._wake_step_consumers()
         except Exception as e:  # noqa: BLE001 - every accepted request must still get its final event
             msg = f"the decode loop failed: {type(e).__name__}: {e}".splitlines()[0]
             with self._lock:
@@ -332,6 +338,12 @@ class Scheduler:
                     except Exception:  # noqa: BLE001 - the final event is pushed regardless
                         pass
             self._end_waiting("error", msg)
+        finally:
+            self._wake_step_consumers()
+
+    def _wake_step_consumers(self) -> None:
+        wakes, self._step_wakes = self._step_wakes, []
+        _wake_loops(wakes)
 
     def _end_waiting(self, reason: str, error: str | None) -> None:
         with self._lock:
@@ -363,6 +375,7 @@ class Scheduler:
                     continue
             for s in cancelled:  # outside the lock: _finish takes it
                 self._finish(s, "cancelled", b"")
+            self._wake_step_consumers()  # before the wait below
         for slot, handle in admit:
             self._admit(slot, handle)
         return True
@@ -490,7 +503,7 @@ class Scheduler:
             self._finish(seq, "stop" if stopped else "length", piece, (tok,), logprobs)
             return
         seq.next_token = tok
-        seq.handle._push(TokenEvent(piece, (tok,), logprobs, None))
+        seq.handle._push(TokenEvent(piece, (tok,), logprobs, None), self._step_wakes)
 
     def _logprobs(self, batch_index: int, tok: int, n_probs: int) -> tuple | None:
         """(chosen token's logprob, its n_probs best alternatives, best first), from the raw
@@ -516,7 +529,24 @@ class Scheduler:
             with self._lock:
                 self._slots[seq.slot] = None
             seq.handle._push(TokenEvent(text, token_ids, logprobs, reason, error,
-                                        usage=(seq.n_prompt, len(seq.tokens))))
+                                        usage=(seq.n_prompt, len(seq.tokens))), self._step_wakes)
+
+
+def _set_all(flags: list[asyncio.Event]) -> None:
+    for flag in flags:
+        flag.set()
+
+
+def _wake_loops(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    """Set each waiting consumer's flag, with one thread-safe call per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for loop, flag in waiters:
+        by_loop.setdefault(loop, []).append(flag)
+    for loop, flags in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, flags)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            pass
 
 
 def _consecutive_runs(active: list[_Sequence], n_ubatch: int) -> Iterator[list[_Sequence]]:
