@@ -452,6 +452,10 @@ class Engine:
         llm.set_seed(self.seed)
         vocab = llm._model.vocab
         self.eog_tokens = [t for t in range(llm.n_vocab()) if self._llama_cpp.llama_vocab_is_eog(vocab, t)]
+        # a token's text depends on the token alone (the vocabulary is fixed): each is detokenized
+        # once, not once per generated token (piece, and _piece_after's lone previous token)
+        self._piece_of: dict[int, bytes] = {}
+        self._detokenized_alone: dict[int, bytes] = {}
         self._fallback_noted = False
         if cfg.chat_template is not None:
             self.set_chat_template(cfg.chat_template)
@@ -659,8 +663,11 @@ class Engine:
             p.on_token(piece)
 
     def piece(self, token: int) -> bytes:
-        # not LlamaModel.token_to_piece: it returns its whole 32-byte buffer, NULs included
-        return self.llm._model.detokenize([token], special=True)
+        piece = self._piece_of.get(token)
+        if piece is None:
+            # not LlamaModel.token_to_piece: it returns its whole 32-byte buffer, NULs included
+            piece = self._piece_of[token] = self.llm._model.detokenize([token], special=True)
+        return piece
 
     # --- generation --------------------------------------------------------------------------
     def prompt_tokens(self, prompt: str, parse_special: bool = False) -> list[int]:
@@ -812,7 +819,11 @@ class Engine:
         detok = self.llm.detokenize
         if len(tokens) == 1:
             return detok(tokens)
-        return detok(tokens[-2:])[len(detok(tokens[-2:-1])):]
+        prev = tokens[-2]
+        alone = self._detokenized_alone.get(prev)
+        if alone is None:
+            alone = self._detokenized_alone[prev] = detok([prev])
+        return detok(tokens[-2:])[len(alone):]
 
     def generate(self, prompt: str | list[int] | ChatPrompt, n_predict: int = 256,
                  sampling: SamplingConfig = GREEDY, on_piece: Callable[[bytes], None] | None = None,
