@@ -90,9 +90,7 @@ def run(args: argparse.Namespace) -> int:
                               api_keys=args.api_keys or (), system=args.system)
             state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,
                                 metrics=ServerMetrics(scheduler.stats))
-            if args.warmup:
-                scheduler.warm_up(scheduler.tokenize_prompt(WARM_UP_PROMPT))
-            scheduler.start()
+            scheduler.start(warm_up=scheduler.tokenize_prompt(WARM_UP_PROMPT) if args.warmup else None)
             if not args.quiet:
                 print(f"[saem] serving {cfg.model_id} at {url_of(sock)} (-np {args.n_parallel}, "
                       f"-t {threads.n_threads} -tb {threads.n_threads_batch}, policy {eng.stats()['policy']}); "

@@ -251,16 +251,14 @@ class Scheduler:
             self._wake.notify()
 
     # --- lifecycle -----------------------------------------------------------------------------
-    def warm_up(self, prompt_tokens: list[int], n_tokens: int = WARM_UP_TOKENS) -> None:
-        """Before start(), on the calling thread: ``prompt_tokens`` in every slot, greedy, for
-        ``n_tokens`` tokens each, through the decode loop's own steps, so that the one-time costs
-        of the first steps (compiling or loading the placement's Numba kernels, ~13 s on a fresh
-        checkout; llama.cpp's first graphs of one and of every batch size) are paid before the
-        server says it is ready, as llama-server's warm-up run is. Then every slot is empty again
-        (KV cells freed) and the counters, the engine's placement figures included, start from
-        zero; residency stays what the policy chose (placement never changes results)."""
-        if self._thread is not None:
-            raise SaemError("warm_up() must come before start()")
+    def _warm_up(self, prompt_tokens: list[int], n_tokens: int = WARM_UP_TOKENS) -> None:
+        """``prompt_tokens`` in every slot, greedy, for ``n_tokens`` tokens each, through the decode
+        loop's own steps, so that the one-time costs of the first steps (compiling or loading the
+        placement's Numba kernels, ~13 s on a fresh checkout; llama.cpp's first graphs of one and
+        of every batch size) are paid before the server says it is ready, as llama-server's
+        warm-up run is. Then every slot is empty again (KV cells freed) and the counters, the
+        engine's placement figures included, start from zero; residency stays what the policy
+        chose (placement never changes results)."""
         req = BatchRequest(list(prompt_tokens), n_tokens, SamplingConfig(temp=0.0, ignore_eos=True))
         for slot in range(self.n_parallel):
             self._admit(slot, SequenceHandle(self, req, seed=0))
@@ -270,13 +268,23 @@ class Scheduler:
             self._tokens = self._steps = self._rows = self._step_decodes = 0
         self.engine.reset_stats()
 
-    def start(self) -> None:
-        """Start the decode thread."""
+    def start(self, warm_up: list[int] | None = None) -> None:
+        """Start the decode thread. With ``warm_up`` (a prompt's tokens) the thread first runs the
+        warm-up (``_warm_up``), and start() returns when it is done, raising SaemError if it
+        failed. The warm-up runs on the decode thread because every ``llama_decode`` must: the
+        CPU build's OpenMP keeps a team of worker threads per calling thread, and with more of
+        them than CPUs libgomp stops spinning between decodes (measured: -np 1 at -t 2 fell from
+        2566 to 427 tok/s after a warm-up on the main thread)."""
         if self._thread is not None:
             raise SaemError("the scheduler is already started")
-        self._t_started = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, name="saem-decode", daemon=True)
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(warm_up, ready), name="saem-decode", daemon=True)
         self._thread.start()
+        ready.wait()
+        with self._lock:
+            failure = self._failure
+        if failure is not None:
+            raise SaemError(f"the server's warm-up run failed: {failure}")
 
     def stop(self, drain: bool) -> None:
         """Stop accepting requests. ``drain``: finish every accepted request; otherwise cancel
@@ -321,8 +329,14 @@ class Scheduler:
         return d
 
     # --- the decode thread ---------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, warm_up: list[int] | None, ready: threading.Event) -> None:
         try:
+            try:
+                if warm_up is not None:
+                    self._warm_up(warm_up)
+                self._t_started = time.perf_counter()
+            finally:
+                ready.set()
             while self._schedule():
                 self._decode_step()
                 self._wake_step_consumers()
