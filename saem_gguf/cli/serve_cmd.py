@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up run (llama-server's flag): by default every slot decodes a few "
                         "tokens before the server says it is ready, so that the first requests do not pay "
-                        "the one-time costs (the placement kernels' compilation, ~13 s on a fresh checkout)")
+                        "the one-time costs (the placement kernels' compilation, about 11 s on a fresh checkout here)")
     g.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0, metavar="SECONDS",
                    help="after SIGINT/SIGTERM, requests in flight may finish for this long (10), then they "
                         "are cancelled and answered with a 503; a second Ctrl-C stops at once")

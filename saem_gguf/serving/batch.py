@@ -254,9 +254,9 @@ class Scheduler:
     def _warm_up(self, prompt_tokens: list[int], n_tokens: int = WARM_UP_TOKENS) -> None:
         """``prompt_tokens`` in every slot, greedy, for ``n_tokens`` tokens each, through the decode
         loop's own steps, so that the one-time costs of the first steps (compiling or loading the
-        placement's Numba kernels, ~13 s on a fresh checkout; llama.cpp's first graphs of one and
-        of every batch size) are paid before the server says it is ready, as llama-server's
-        warm-up run is. Then every slot is empty again (KV cells freed) and the counters, the
+        placement's Numba kernels, about 11 s on a fresh checkout here; llama.cpp's first graphs
+        of one and of every batch size) are paid before the server says it is ready, as
+        llama-server's warm-up run is. Then every slot is empty again (KV cells freed) and the counters, the
         engine's placement figures included, start from zero; residency stays what the policy
         chose (placement never changes results)."""
         req = BatchRequest(list(prompt_tokens), n_tokens, SamplingConfig(temp=0.0, ignore_eos=True))
