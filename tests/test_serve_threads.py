@@ -12,11 +12,11 @@ from saem_gguf.testmodels import ensure_model
 
 
 @pytest.mark.parametrize("n_cpus,threads,threads_batch,expected", [
-    (2, None, None, (1, 2)),  # this machine: a spare core beside one-token decodes, both for batches
-    (16, None, None, (15, 16)),
+    (2, None, None, (1, 1)),  # this machine: one core for llama.cpp, one for the server's Python
+    (16, None, None, (15, 15)),
     (1, None, None, (1, 1)),  # never zero threads
     (2, 3, None, (3, 3)),  # -t alone sets -tb too, as llama.cpp does
-    (2, None, 1, (1, 1)),  # -tb alone: -t still follows the rule
+    (2, None, 2, (1, 2)),  # -tb alone: -t still follows the rule
     (8, 2, 6, (2, 6)),  # both given: both win
 ])
 def test_thread_rule(n_cpus, threads, threads_batch, expected):

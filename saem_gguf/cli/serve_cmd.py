@@ -35,9 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "and /v1/completions (streamed as server-sent events with \"stream\": "
                                    "true), GET /v1/models, /health, /metrics (Prometheus), "
                                    "/v1/saem/stats. SIGINT/SIGTERM stop it cleanly (exit 0).",
-                       epilog="Threads: without -t and -tb, a one-token decode gets every usable CPU but "
-                              "one (-t) and a ubatch of several tokens (a prompt, a step of several "
-                              "sequences) every usable CPU (-tb), at every -np; -t alone sets both.")
+                       epilog="Threads: without -t and -tb, both a one-token decode (-t) and a ubatch of "
+                              "several tokens (a prompt, a step of several sequences: -tb) get every usable "
+                              "CPU but one, at every -np; -t alone sets both.")
     add_model_args(p)
     add_chat_args(p)
     g = p.add_argument_group("server (llama-server's names)")
