@@ -1,7 +1,7 @@
 """Serving throughput and latency: C concurrent clients x M requests each against one `serve`
-process on localhost, at each -np in one run (issue 13, item 6).
+process on localhost, at each -np, repeated (issue 13, item 6).
 
-    python bench/bench_server.py [-m MODEL] [--np 1,4,8] [--clients 8] [--requests 25]
+    python bench/bench_server.py [-m MODEL] [--np 1,4,8] [--repeat 3] [--clients 8] [--requests 25]
                                  [--max-tokens 32] [--ctx-per-seq 1024] [--json OUT] [-- SERVE FLAGS]
 
 Every request is a streamed chat completion at temperature 0 with ``ignore_eos`` and
@@ -10,8 +10,14 @@ the questions vary by request. Per -np: aggregate generated tokens/s (all comple
 the wall time from the first request sent to the last answer read), time to first token (the
 first content chunk) and whole-request latency at p50 and p99, and failed requests (any error or
 a short answer). Each -np gets its own server with ``-c`` = ctx-per-seq x np, so every sequence
-has the same context. The load average is printed with each row: run it on a quiet machine (under
-the project's heavy-job lock on a shared one).
+has the same context, and every server runs with the same flags (serve's own thread rule unless
+-t/-tb are passed after --).
+
+The -np values are interleaved within each repetition (1, 4, 8, 1, 4, 8, ...), so a drift in the
+machine's load hits all of them alike; the table gives the mean +/- the standard deviation over the
+repetitions, the ratio to the first -np taken within each repetition, and the range of the 1-minute
+load average seen before and after the runs. Run it on a quiet machine (under the project's
+heavy-job lock on a shared one).
 """
 
 from __future__ import annotations
@@ -142,16 +148,57 @@ def run_one(n_parallel: int, args: argparse.Namespace) -> RunResult:
                      load_before, load_after, failed[0].error if failed else None)
 
 
-def table(runs: list[RunResult]) -> str:
-    base = runs[0]
-    head = (f"{'-np':>4} {'requests':>8} {'failed':>6} {'tok/s':>8} {'x -np ' + str(base.n_parallel):>9} "
+@dataclass(frozen=True)
+class Summary:
+    """One -np over the repetitions: means and standard deviations (ddof 1; 0 with one repetition)."""
+
+    n_parallel: int
+    repetitions: int
+    requests: int  # over every repetition
+    failed: int
+    tokens_per_s: tuple[float, float]  # (mean, sd)
+    ratio: tuple[float, float]  # tokens/s over the first -np's of the same repetition
+    ttft_p50_s: tuple[float, float]
+    ttft_p99_s: tuple[float, float]
+    latency_p50_s: tuple[float, float]
+    latency_p99_s: tuple[float, float]
+    load_min: float
+    load_max: float
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    a = np.asarray(values, float)
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
+
+
+def summarize(reps: list[list[RunResult]]) -> list[Summary]:
+    """``reps[r][i]``: repetition r's run of the i-th -np (the first -np is the ratios' base)."""
+    out = []
+    for i, first in enumerate(reps[0]):
+        runs = [rep[i] for rep in reps]
+        loads = [x for r in runs for x in (r.load_before, r.load_after)]
+        out.append(Summary(
+            first.n_parallel, len(runs), sum(r.requests for r in runs), sum(r.failed for r in runs),
+            _mean_sd([r.tokens_per_s for r in runs]),
+            _mean_sd([r.tokens_per_s / rep[0].tokens_per_s for r, rep in zip(runs, reps)]),
+            _mean_sd([r.ttft_p50_s for r in runs]), _mean_sd([r.ttft_p99_s for r in runs]),
+            _mean_sd([r.latency_p50_s for r in runs]), _mean_sd([r.latency_p99_s for r in runs]),
+            min(loads), max(loads)))
+    return out
+
+
+def table(summaries: list[Summary]) -> str:
+    base = summaries[0].n_parallel
+    head = (f"{'-np':>4} {'reps':>4} {'requests':>8} {'failed':>6} {'tok/s':>16} {'x -np ' + str(base):>15} "
             f"{'TTFT p50':>9} {'TTFT p99':>9} {'lat p50':>8} {'lat p99':>8} {'load':>10}")
     rows = [head, "-" * len(head)]
-    for r in runs:
-        rows.append(f"{r.n_parallel:>4} {r.requests:>8} {r.failed:>6} {r.tokens_per_s:>8.1f} "
-                    f"{r.tokens_per_s / base.tokens_per_s:>8.2f}x {r.ttft_p50_s * 1e3:>7.0f}ms "
-                    f"{r.ttft_p99_s * 1e3:>7.0f}ms {r.latency_p50_s:>7.2f}s {r.latency_p99_s:>7.2f}s "
-                    f"{r.load_before:>4.2f}-{r.load_after:<4.2f}")
+    for s in summaries:
+        rows.append(f"{s.n_parallel:>4} {s.repetitions:>4} {s.requests:>8} {s.failed:>6} "
+                    f"{s.tokens_per_s[0]:>7.0f} +/- {s.tokens_per_s[1]:<4.0f} "
+                    f"{s.ratio[0]:>6.2f} +/- {s.ratio[1]:<4.2f} "
+                    f"{s.ttft_p50_s[0] * 1e3:>7.0f}ms {s.ttft_p99_s[0] * 1e3:>7.0f}ms "
+                    f"{s.latency_p50_s[0]:>7.2f}s {s.latency_p99_s[0]:>7.2f}s "
+                    f"{s.load_min:>4.2f}-{s.load_max:<4.2f}")
     return "\n".join(rows)
 
 
@@ -161,6 +208,8 @@ def main() -> int:
     p.add_argument("-m", "--model", default=None, help="GGUF model (default: the embedded model)")
     p.add_argument("--np", dest="n_parallel", default="1,4,8",
                    help="comma-separated -np values; the first is the ratios' base (1,4,8)")
+    p.add_argument("--repeat", type=bounded_int(1, 1000), default=3,
+                   help="repetitions, the -np values interleaved within each (3)")
     p.add_argument("--clients", type=bounded_int(1, 256), default=8, help="concurrent clients (8)")
     p.add_argument("--requests", type=bounded_int(1, 100_000), default=25, help="requests per client (25)")
     p.add_argument("--max-tokens", type=bounded_int(1, 100_000), default=32, help="tokens per answer (32)")
@@ -177,19 +226,27 @@ def main() -> int:
         p.error(f"--np: expected comma-separated integers, got {args.n_parallel!r}")
     if not nps or any(n < 1 for n in nps):
         p.error(f"--np: every value must be >= 1, got {args.n_parallel!r}")
-    runs = []
-    for n in nps:
-        print(f"-np {n}: {args.clients} clients x {args.requests} requests x {args.max_tokens} tokens ...",
-              file=sys.stderr, flush=True)
-        runs.append(run_one(n, args))
-    print(table(runs))
-    for r in runs:
-        if r.first_error:
-            print(f"-np {r.n_parallel}: first failure: {r.first_error}")
+    reps: list[list[RunResult]] = []
+    for rep in range(args.repeat):
+        runs = []
+        for n in nps:
+            print(f"repetition {rep + 1}/{args.repeat}, -np {n}: {args.clients} clients x {args.requests} "
+                  f"requests x {args.max_tokens} tokens ...", file=sys.stderr, flush=True)
+            runs.append(run_one(n, args))
+            print(f"  {runs[-1].tokens_per_s:.0f} tok/s, {runs[-1].failed} failed, load "
+                  f"{runs[-1].load_before:.2f}-{runs[-1].load_after:.2f}", file=sys.stderr, flush=True)
+        reps.append(runs)
+    summaries = summarize(reps)
+    print(table(summaries))
+    for rep, runs in enumerate(reps):
+        for r in runs:
+            if r.first_error:
+                print(f"repetition {rep + 1}, -np {r.n_parallel}: first failure: {r.first_error}")
     if args.json:
         write_text_atomic(args.json, json.dumps({"config": {k: v for k, v in vars(args).items()},
-                                                 "runs": [asdict(r) for r in runs]}, indent=2))
-    return 1 if any(r.failed for r in runs) else 0
+                                                 "summary": [asdict(s) for s in summaries],
+                                                 "runs": [[asdict(r) for r in runs] for runs in reps]}, indent=2))
+    return 1 if any(s.failed for s in summaries) else 0
 
 
 if __name__ == "__main__":

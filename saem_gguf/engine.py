@@ -56,7 +56,10 @@ class EngineConfig:
     # without --kv-unified, the KV cache is split into one stream per sequence, each of
     # n_ctx / n_parallel cells (llama.cpp rounds that up to a multiple of 256); see n_ctx_seq
     n_parallel: int = 1
-    n_threads: int | None = None
+    n_threads: int | None = None  # -t: threads of a one-token ubatch (None: every CPU this process may use)
+    # -tb: threads of a ubatch of several tokens (a prompt, a batch step of several sequences);
+    # None: as n_threads (llama.cpp's default)
+    n_threads_batch: int | None = None
     # load-time llama.cpp settings (llama.cpp's flags of the same names, README "Usage"); the
     # defaults are llama-cpp-python's (the Python API's), the CLI passes llama.cpp's
     n_gpu_layers: int | None = None  # -ngl; None or negative: every layer (llama.cpp's auto/all)
@@ -393,6 +396,7 @@ class Engine:
 
             ram_plan = plan_ram_budget(self.info, cfg.ram_budget, cfg.n_ctx)
         n_threads = cfg.n_threads or max(1, len(self.numa_plan.cpus))
+        n_threads_batch = cfg.n_threads_batch or n_threads
         Cls = construct or _make_llama_class(llama_cpp)
         llama_kw = self._llama_load_params(llama_cpp, managed=slots is not None)
         # the bar writes to a duplicate of fd 2, taken before llama.cpp's log silences fd 2
@@ -401,7 +405,7 @@ class Engine:
             with _quiet_stderr(not cfg.verbose), _llama_error_log(llama_cpp) as load_errors:
                 self.llm = Cls(
                     model_path=str(self.path), n_ctx=cfg.n_ctx, n_threads=n_threads,
-                    n_threads_batch=n_threads, seed=cfg.seed, verbose=cfg.verbose,
+                    n_threads_batch=n_threads_batch, seed=cfg.seed, verbose=cfg.verbose,
                     # tracing wants every prompt token's routing in the last layer too, which
                     # llama.cpp computes only for tokens whose logits are requested
                     logits_all=cfg.record,
@@ -448,6 +452,10 @@ class Engine:
         llm.set_seed(self.seed)
         vocab = llm._model.vocab
         self.eog_tokens = [t for t in range(llm.n_vocab()) if self._llama_cpp.llama_vocab_is_eog(vocab, t)]
+        # a token's text depends on the token alone (the vocabulary is fixed): each is detokenized
+        # once, not once per generated token (piece, and _piece_after's lone previous token)
+        self._piece_of: dict[int, bytes] = {}
+        self._detokenized_alone: dict[int, bytes] = {}
         self._fallback_noted = False
         if cfg.chat_template is not None:
             self.set_chat_template(cfg.chat_template)
@@ -657,8 +665,11 @@ class Engine:
             p.on_token(piece)
 
     def piece(self, token: int) -> bytes:
-        # not LlamaModel.token_to_piece: it returns its whole 32-byte buffer, NULs included
-        return self.llm._model.detokenize([token], special=True)
+        piece = self._piece_of.get(token)
+        if piece is None:
+            # not LlamaModel.token_to_piece: it returns its whole 32-byte buffer, NULs included
+            piece = self._piece_of[token] = self.llm._model.detokenize([token], special=True)
+        return piece
 
     # --- generation --------------------------------------------------------------------------
     def prompt_tokens(self, prompt: str, parse_special: bool = False) -> list[int]:
@@ -810,7 +821,11 @@ class Engine:
         detok = self.llm.detokenize
         if len(tokens) == 1:
             return detok(tokens)
-        return detok(tokens[-2:])[len(detok(tokens[-2:-1])):]
+        prev = tokens[-2]
+        alone = self._detokenized_alone.get(prev)
+        if alone is None:
+            alone = self._detokenized_alone[prev] = detok([prev])
+        return detok(tokens[-2:])[len(alone):]
 
     def generate(self, prompt: str | list[int] | ChatPrompt, n_predict: int = 256,
                  sampling: SamplingConfig = GREEDY, on_piece: Callable[[bytes], None] | None = None,
@@ -870,6 +885,13 @@ class Engine:
         self._trace_tokens.clear()
         if self.placement is not None:
             self.placement.trace_experts.clear()
+
+    def reset_stats(self) -> None:
+        """The placement's and the RAM tier's counts start again from zero (residency stays)."""
+        if self.placement is not None:
+            self.placement.reset_stats()
+        if self.ram_tier is not None:
+            self.ram_tier.reset_stats()
 
     def stats(self) -> dict:
         d = {"model": str(self.path), "architecture": self.info.architecture,

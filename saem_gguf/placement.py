@@ -245,6 +245,11 @@ class Placement:
         """Whether the combined detector runs (its verdict goes to the policy)."""
         return self.pair is not None or self.twin_is_detector
 
+    def reset_stats(self) -> None:
+        """Counts start again from zero; residency and the policy's state stay (a server's warm-up
+        run is not the clients' figures)."""
+        self.stats = PlacementStats()
+
     def reset_sequence(self, seq: int = 0) -> None:
         """A new conversation in detector slot ``seq``: its stage state restarts, residency stays
         (it is still a good guess)."""

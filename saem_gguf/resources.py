@@ -103,20 +103,20 @@ def max_threads() -> int:
     return THREADS_PER_CORE_MAX * (os.cpu_count() or 1)
 
 
-def clamp_threads(n_threads: int | None, note: Callable[[str], None]) -> int | None:
+def clamp_threads(n_threads: int | None, note: Callable[[str], None], flag: str = "-t") -> int | None:
     if n_threads is None:
         return None
     if n_threads < 1:
-        raise SaemError(f"-t {n_threads}: must be >= 1")
+        raise SaemError(f"{flag} {n_threads}: must be >= 1")
     cap = max_threads()
     if n_threads > cap:
-        note(f"-t {n_threads} is more than {THREADS_PER_CORE_MAX} threads per core: using {cap}")
+        note(f"{flag} {n_threads} is more than {THREADS_PER_CORE_MAX} threads per core: using {cap}")
         return cap
     return n_threads
 
 
 def checked_engine_inputs(cfg, note: Callable[[str], None]):
-    """(cfg with -t clamped, the validated ModelInfo, the model path) for ``Engine``: the model
+    """(cfg with -t and -tb clamped, the validated ModelInfo, the model path) for ``Engine``: the model
     file checked for everything llama.cpp asserts on, -c and the model's context against memory."""
     path = cfg.model
     if path is None:
@@ -125,5 +125,6 @@ def checked_engine_inputs(cfg, note: Callable[[str], None]):
         path = default_model_path()
     info = read_model_info(path, for_load=True)
     check_context(info, cfg.n_ctx, cfg.record, available_memory())
-    cfg = dataclasses.replace(cfg, n_threads=clamp_threads(cfg.n_threads, note))
+    cfg = dataclasses.replace(cfg, n_threads=clamp_threads(cfg.n_threads, note),
+                              n_threads_batch=clamp_threads(cfg.n_threads_batch, note, "-tb"))
     return cfg, info, Path(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from typing import Iterator
 
@@ -367,3 +368,40 @@ def test_parallel_settings_are_checked(qwen3_path):
             Scheduler(eng, 2, queue_max=-1)
     finally:
         eng.close()
+
+
+def test_warm_up_runs_every_slot_then_leaves_nothing_behind(qwen3_path, alone):
+    """serve's warm-up run (Scheduler.start(warm_up=...)): before start() returns, the decode
+    thread decodes in every slot, then the slots and their KV cells are empty, every count is
+    zero, and the replies served after are the ones served alone; a request queued before start
+    waits for it."""
+    with serving(qwen3_path, 4, start=False) as (eng, sched):
+        lc, ctx = eng._llama_cpp, eng.llm.ctx
+        mem = lc.llama_get_memory(ctx)
+        reqs = [BatchRequest(eng.prompt_tokens(p), n, SamplingConfig()) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        first = sched.submit(reqs[0])
+        decode_thread = []
+        real_warm_up = sched._warm_up
+        sched._warm_up = lambda tokens: (decode_thread.append(threading.current_thread()), real_warm_up(tokens))
+        sched.start(warm_up=eng.prompt_tokens("Hello"))
+        assert decode_thread == [sched._thread]  # not the caller's thread (see Scheduler.start)
+        assert lc.llama_perf_context(ctx).n_eval > 0  # it decoded (llama.cpp's own count)
+        out = [collect(first)]
+        assert [lc.llama_memory_seq_pos_max(mem, s) for s in range(4)] == [-1] * 4
+        st = sched.stats()
+        assert (st["busy_slots"], st["tokens"], st["requests"]) == (0, len(alone[0].tokens), 1)
+        assert st["prompt_tokens"] == len(alone[0].prompt_token_ids)  # the warm-up's are not counted
+        out += serve_all(sched, reqs[1:])
+    assert [reply(evs)[0] for evs in out] == [r.tokens for r in alone]
+
+
+def test_a_failed_warm_up_fails_start_with_one_line(qwen3_path):
+    with serving(qwen3_path, 2, start=False) as (eng, sched):
+        def broken(tokens: list[int]) -> None:
+            raise MemoryError("out of memory\nwhile warming up")
+
+        sched._warm_up = broken
+        with pytest.raises(SaemError, match=r"^the server's warm-up run failed: .*MemoryError: out of memory$"):
+            sched.start(warm_up=eng.prompt_tokens("x"))
+        with pytest.raises(SchedulerStopped):
+            sched.submit(BatchRequest(eng.prompt_tokens("x"), 2, SamplingConfig()))

@@ -43,6 +43,17 @@ def one_line_usage_error(r) -> str:
     return r.stderr
 
 
+# --- threads ----------------------------------------------------------------------------------
+
+def test_threads_and_batch_threads_reach_the_context(model, llama_cpp):
+    for argv, expected in ((["-t", "1", "-tb", "2"], (1, 2)), (["-t", "1"], (1, 1))):  # -tb defaults to -t
+        eng = open_with("-m", model, *argv)
+        try:
+            assert (llama_cpp.llama_n_threads(eng.llm.ctx), llama_cpp.llama_n_threads_batch(eng.llm.ctx)) == expected
+        finally:
+            eng.close()
+
+
 # --- batch sizes, KV cache types, flash attention -----------------------------------------------
 
 def test_batch_sizes_reach_the_context(model, llama_cpp):

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO
 from serve_helpers import ServerProcess, wait_until
+from saem_gguf.serving.threads import serve_threads, usable_cpus
 
 QUESTION = "What is 12 + 7?"
 PROMPT = "The capital of France is"
@@ -72,6 +73,9 @@ def test_models_health_stats_metrics(server, client):
     assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
     stats = _stats(server)
     assert stats["n_parallel"] == 4 and "policy" in stats and "hit_rate" in stats
+    # serve's thread rule (serving.threads), said in the line that says it is ready
+    rule = serve_threads(usable_cpus(), None, None)
+    assert f"-t {rule.n_threads} -tb {rule.n_threads_batch}," in server.stderr()
     r = httpx.get(server.url + "/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     names = {f.name for f in text_string_to_metric_families(r.text)}

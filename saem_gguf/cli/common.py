@@ -100,7 +100,11 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
                    help="GGUF model" + ("" if model_required else " (default: the embedded model)"))
     g.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context size (4096)")
     g.add_argument("-t", "--threads", type=_positive_int, default=None,
-                   help="CPU threads for non-resident experts (default: every CPU this process may use)")
+                   help="CPU threads of a one-token decode, as llama.cpp's -t (default: every CPU this "
+                        "process may use; serve has its own rule, see its help)")
+    g.add_argument("-tb", "--threads-batch", dest="threads_batch", type=_positive_int, default=None,
+                   help="CPU threads of a ubatch of several tokens (a prompt, a batch step of several "
+                        "sequences), as llama.cpp's -tb (default: as -t)")
     g.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_n_gpu_layers,
                    default=None, metavar="N|auto|all",
                    help="layers whose weights go to the GPU (default auto; auto and all = every layer, as "

@@ -14,6 +14,7 @@ def engine_config(args: argparse.Namespace, **over) -> EngineConfig:
     ``over`` replaces fields the command decides itself (bench's policy, trace's recording)."""
     has_placement = hasattr(args, "cpu_moe")
     kw = dict(model=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
+              n_threads_batch=args.threads_batch,
               n_gpu_layers=args.n_gpu_layers, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
               flash_attn=args.flash_attn, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
               use_mmap=args.use_mmap, use_mlock=args.mlock, tensor_overrides=tuple(args.tensor_overrides),

@@ -17,6 +17,7 @@ from saem_gguf.engine import MAX_PARALLEL
 
 DEFAULT_PORT = 8080  # llama-server's
 MAX_QUEUE = 100_000
+WARM_UP_PROMPT = "Hello"  # what the warm-up run decodes after (its reply is thrown away)
 
 
 def _api_keys(text: str) -> tuple[str, ...]:
@@ -33,7 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "batching and stage-aware expert placement: POST /v1/chat/completions "
                                    "and /v1/completions (streamed as server-sent events with \"stream\": "
                                    "true), GET /v1/models, /health, /metrics (Prometheus), "
-                                   "/v1/saem/stats. SIGINT/SIGTERM stop it cleanly (exit 0).")
+                                   "/v1/saem/stats. SIGINT/SIGTERM stop it cleanly (exit 0).",
+                       epilog="Threads: without -t and -tb, both a one-token decode (-t) and a ubatch of "
+                              "several tokens (a prompt, a step of several sequences: -tb) get every usable "
+                              "CPU but one, at every -np; -t alone sets both.")
     add_model_args(p)
     add_chat_args(p)
     g = p.add_argument_group("server (llama-server's names)")
@@ -51,6 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "/health; a wrong or missing key is a 401")
     g.add_argument("-a", "--alias", default=None, metavar="NAME",
                    help="the model's name in /v1/models and answers (default: the GGUF's file name)")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the warm-up run (llama-server's flag): by default every slot decodes a few "
+                        "tokens before the server says it is ready, so that the first requests do not pay "
+                        "the one-time costs (the placement kernels' compilation, about 11 s on a fresh checkout here)")
     g.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0, metavar="SECONDS",
                    help="after SIGINT/SIGTERM, requests in flight may finish for this long (10), then they "
                         "are cancelled and answered with a 503; a second Ctrl-C stops at once")
@@ -64,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from saem_gguf.serving.batch import Scheduler
     from saem_gguf.serving.metrics import ServerMetrics
     from saem_gguf.serving.server import ListenConfig, bind, serve, url_of
+    from saem_gguf.serving.threads import serve_threads, usable_cpus
 
     # -s is the seed of a request without one (None: a random one per request)
     sampling = replace(sampling_config(args), seed=args.seed)
@@ -71,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
                           verbose=args.verbose)
     sock = bind(listen.host, listen.port)  # before the model loads: a taken port fails at once
     try:
-        eng = open_engine(args, n_parallel=args.n_parallel)
+        threads = serve_threads(usable_cpus(), args.threads, args.threads_batch)
+        eng = open_engine(args, n_parallel=args.n_parallel, n_threads=threads.n_threads,
+                          n_threads_batch=threads.n_threads_batch)
         try:
             scheduler = Scheduler(eng, n_parallel=args.n_parallel, queue_max=args.queue_max)
             cfg = ServeConfig(model_id=args.alias or eng.path.name, sampling=sampling,
@@ -79,10 +90,11 @@ def run(args: argparse.Namespace) -> int:
                               api_keys=args.api_keys or (), system=args.system)
             state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,
                                 metrics=ServerMetrics(scheduler.stats))
-            scheduler.start()
+            scheduler.start(warm_up=scheduler.tokenize_prompt(WARM_UP_PROMPT) if args.warmup else None)
             if not args.quiet:
                 print(f"[saem] serving {cfg.model_id} at {url_of(sock)} (-np {args.n_parallel}, "
-                      f"policy {eng.stats()['policy']}); Ctrl-C stops", file=sys.stderr, flush=True)
+                      f"-t {threads.n_threads} -tb {threads.n_threads_batch}, policy {eng.stats()['policy']}); "
+                      "Ctrl-C stops", file=sys.stderr, flush=True)
             serve(create_app(state), state, sock, listen)
         finally:
             eng.close()

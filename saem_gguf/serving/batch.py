@@ -63,6 +63,9 @@ class TokenEvent:
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) on the last event
 
 
+WARM_UP_TOKENS = 4  # tokens each slot decodes in Scheduler.warm_up
+
+
 class QueueFull(SaemError):
     """Every slot is busy and the waiting queue is full (HTTP 503)."""
 
@@ -93,7 +96,10 @@ class SequenceHandle:
         ended), and the slot and its KV cells are freed before the next decode step."""
         self._scheduler._cancel(self)
 
-    def _push(self, ev: TokenEvent) -> None:
+    def _push(self, ev: TokenEvent, wakes: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] | None = None) -> None:
+        """Queue ``ev`` and wake its consumers: a blocked ``events()`` at once, an ``aevents()``
+        at once too, or, given ``wakes``, when the caller passes that list to ``_wake_loops``
+        (the decode thread wakes each event loop once per step, not once per token)."""
         with self._cond:
             if self._finished:
                 return
@@ -101,11 +107,10 @@ class SequenceHandle:
             self._finished = ev.finish_reason is not None
             self._cond.notify_all()
             waiters, self._async_waiters = self._async_waiters, []
-        for loop, flag in waiters:
-            try:
-                loop.call_soon_threadsafe(flag.set)
-            except RuntimeError:  # the loop has closed: nobody is waiting any more
-                pass
+        if wakes is None:
+            _wake_loops(waiters)
+        else:
+            wakes.extend(waiters)
 
     def events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
         """Blocking iterator over the events, ending after the final one. ``timeout``: seconds
@@ -190,6 +195,9 @@ class Scheduler:
         self._rows = 0  # tokens those steps decoded
         self._step_decodes = 0  # llama_decode calls those steps made (one per run of consecutive slots)
         self._t_started: float | None = None
+        # async consumers to wake after the decode thread's current step (its events' wake-ups, one
+        # per event loop: _wake_loops)
+        self._step_wakes: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     @property
     def n_ctx_seq(self) -> int:
@@ -243,13 +251,40 @@ class Scheduler:
             self._wake.notify()
 
     # --- lifecycle -----------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the decode thread."""
+    def _warm_up(self, prompt_tokens: list[int], n_tokens: int = WARM_UP_TOKENS) -> None:
+        """``prompt_tokens`` in every slot, greedy, for ``n_tokens`` tokens each, through the decode
+        loop's own steps, so that the one-time costs of the first steps (compiling or loading the
+        placement's Numba kernels, about 11 s on a fresh checkout here; llama.cpp's first graphs
+        of one and of every batch size) are paid before the server says it is ready, as
+        llama-server's warm-up run is. Then every slot is empty again (KV cells freed) and the counters, the
+        engine's placement figures included, start from zero; residency stays what the policy
+        chose (placement never changes results)."""
+        req = BatchRequest(list(prompt_tokens), n_tokens, SamplingConfig(temp=0.0, ignore_eos=True))
+        for slot in range(self.n_parallel):
+            self._admit(slot, SequenceHandle(self, req, seed=0))
+        while any(s is not None for s in self._slots):
+            self._decode_step()
+        with self._lock:
+            self._tokens = self._steps = self._rows = self._step_decodes = 0
+        self.engine.reset_stats()
+
+    def start(self, warm_up: list[int] | None = None) -> None:
+        """Start the decode thread. With ``warm_up`` (a prompt's tokens) the thread first runs the
+        warm-up (``_warm_up``), and start() returns when it is done, raising SaemError if it
+        failed. The warm-up runs on the decode thread because every ``llama_decode`` must: the
+        CPU build's OpenMP keeps a team of worker threads per calling thread, and with more of
+        them than CPUs libgomp stops spinning between decodes (measured: -np 1 at -t 2 fell from
+        2566 to 427 tok/s after a warm-up on the main thread)."""
         if self._thread is not None:
             raise SaemError("the scheduler is already started")
-        self._t_started = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, name="saem-decode", daemon=True)
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(warm_up, ready), name="saem-decode", daemon=True)
         self._thread.start()
+        ready.wait()
+        with self._lock:
+            failure = self._failure
+        if failure is not None:
+            raise SaemError(f"the server's warm-up run failed: {failure}")
 
     def stop(self, drain: bool) -> None:
         """Stop accepting requests. ``drain``: finish every accepted request; otherwise cancel
@@ -294,10 +329,17 @@ class Scheduler:
         return d
 
     # --- the decode thread ---------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, warm_up: list[int] | None, ready: threading.Event) -> None:
         try:
+            try:
+                if warm_up is not None:
+                    self._warm_up(warm_up)
+                self._t_started = time.perf_counter()
+            finally:
+                ready.set()
             while self._schedule():
                 self._decode_step()
+                self._wake_step_consumers()
         except Exception as e:  # noqa: BLE001 - every accepted request must still get its final event
             msg = f"the decode loop failed: {type(e).__name__}: {e}".splitlines()[0]
             with self._lock:
@@ -310,6 +352,12 @@ class Scheduler:
                     except Exception:  # noqa: BLE001 - the final event is pushed regardless
                         pass
             self._end_waiting("error", msg)
+        finally:
+            self._wake_step_consumers()
+
+    def _wake_step_consumers(self) -> None:
+        wakes, self._step_wakes = self._step_wakes, []
+        _wake_loops(wakes)
 
     def _end_waiting(self, reason: str, error: str | None) -> None:
         with self._lock:
@@ -341,6 +389,7 @@ class Scheduler:
                     continue
             for s in cancelled:  # outside the lock: _finish takes it
                 self._finish(s, "cancelled", b"")
+            self._wake_step_consumers()  # before the wait below
         for slot, handle in admit:
             self._admit(slot, handle)
         return True
@@ -468,7 +517,7 @@ class Scheduler:
             self._finish(seq, "stop" if stopped else "length", piece, (tok,), logprobs)
             return
         seq.next_token = tok
-        seq.handle._push(TokenEvent(piece, (tok,), logprobs, None))
+        seq.handle._push(TokenEvent(piece, (tok,), logprobs, None), self._step_wakes)
 
     def _logprobs(self, batch_index: int, tok: int, n_probs: int) -> tuple | None:
         """(chosen token's logprob, its n_probs best alternatives, best first), from the raw
@@ -494,7 +543,24 @@ class Scheduler:
             with self._lock:
                 self._slots[seq.slot] = None
             seq.handle._push(TokenEvent(text, token_ids, logprobs, reason, error,
-                                        usage=(seq.n_prompt, len(seq.tokens))))
+                                        usage=(seq.n_prompt, len(seq.tokens))), self._step_wakes)
+
+
+def _set_all(flags: list[asyncio.Event]) -> None:
+    for flag in flags:
+        flag.set()
+
+
+def _wake_loops(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    """Set each waiting consumer's flag, with one thread-safe call per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for loop, flag in waiters:
+        by_loop.setdefault(loop, []).append(flag)
+    for loop, flags in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, flags)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            pass
 
 
 def _consecutive_runs(active: list[_Sequence], n_ubatch: int) -> Iterator[list[_Sequence]]:
