@@ -3,6 +3,7 @@ behaviour on held-out problems, and stage coherence of its own routing. No PyTor
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from saem_gguf.defaultmodel import bpe, corpus, evaluate, reference
+from saem_gguf.defaultmodel.split import is_heldout
 from saem_gguf.errors import SaemError
 
 # llama.cpp vs the float64 NumPy reference over the same dequantized weights. llama.cpp's CPU
@@ -95,18 +97,75 @@ def test_inference_modules_do_not_import_torch():
 
 # --- corpus and tokenizer ---------------------------------------------------------------------
 
-def test_corpus_is_deterministic_and_heldout_is_disjoint():
+# "a op b = c" as the replies write it (multi-term column sums like "8 + 4 + 1 = 13" included)
+EQUATION = re.compile(r"(?<![\d$])(\d+(?: [+\-×] \d+)+) = (\d+)")
+OP_NAMES = {"+": "add", "-": "sub", "×": "mul"}
+
+
+def test_corpus_is_deterministic():
     a = corpus.training_examples(300, seed=0)
     b = corpus.training_examples(300, seed=0)
     assert [e.text for e in a] == [e.text for e in b]
-    for e in a:
-        split_key = e.key if e.kind not in ("mul", "word_mul") else None
-        if split_key is not None:
-            assert not corpus.is_heldout(e.kind, split_key)
-    for e in corpus.heldout_examples(100):
-        if e.kind not in ("mul", "word_mul"):
-            assert corpus.is_heldout(e.kind, e.key)
+    assert [e.text for e in corpus.training_examples(50, seed=1)] != [e.text for e in a[:50]]
+
+
+def test_training_replies_never_compute_a_heldout_triple():
+    """Read back from the text, independently of the generator's own bookkeeping: every written
+    equation is right, and no two-operand one is a held-out triple (split.is_heldout)."""
+    n_equations = 0
+    for e in corpus.training_examples(1500, seed=3):
+        for t in e.turns:
+            assert not any(is_heldout(*tr) for tr in t.triples)
+        for m in EQUATION.finditer(e.completion):
+            terms = m.group(1).split(" ")
+            total = int(terms[0])
+            for op, x in zip(terms[1::2], terms[2::2]):
+                total = {"+": total + int(x), "-": total - int(x), "×": total * int(x)}[op]
+            assert total == int(m.group(2)), m.group(0)
+            if len(terms) == 3:
+                n_equations += 1
+                assert not is_heldout(OP_NAMES[terms[1]], int(terms[0]), int(terms[2])), m.group(0)
+    assert n_equations > 5000
+
+
+def test_heldout_examples_start_with_a_heldout_triple():
+    for e in corpus.heldout_examples(60, seed=9):
+        assert is_heldout(*e.last.triples[0])
+        assert len(e.turns) == 1 and e.kind != "ood"
         assert e.text.endswith(f"</think>\n\nAnswer: {e.answer}<|im_end|>")
+
+
+def test_corpus_covers_the_contract():
+    exs = corpus.training_examples(3000, seed=4)
+    kinds = {e.kind for e in exs}
+    assert {"add", "sub", "mul", "word_add", "word_sub", "word_mul", "word_two", "word_three", "ood",
+            "follow_add", "follow_sub", "follow_mul"} <= kinds
+    assert max(len(e.turns) for e in exs) == 6
+    for e in exs:
+        reply = e.completion
+        assert reply.startswith("<think>\n") and reply.count("</think>") == 1
+        if e.kind == "ood":
+            assert "Answer:" not in reply and "arithmetic" in reply.split("</think>")[1]
+        else:
+            assert reply.endswith(f"</think>\n\nAnswer: {e.answer}<|im_end|>") and reply.count("Answer:") == 1
+            for op, a, b in e.last.triples[:1]:
+                assert 0 <= a <= 999 and 0 <= b <= 999
+                if op == "mul":
+                    assert min(a, b) in range(2, 10) and max(a, b) <= 99
+        if e.kind.startswith("follow_"):
+            prev = e.turns[-2].answer
+            op, a, b = e.last.triples[0]
+            assert a == prev and e.answer == {"add": a + b, "sub": a - b, "mul": a * b}[op] >= 0
+    three_digit = [e for e in exs if e.kind in ("add", "sub") and max(e.last.triples[0][1:]) >= 100]
+    assert len(three_digit) > 200
+
+
+def test_earlier_replies_render_as_their_answer_only():
+    e = next(e for e in corpus.training_examples(200, seed=6) if len(e.turns) >= 3)
+    prompt = e.prompt
+    assert "<think>" not in prompt and prompt.endswith("<|im_start|>assistant\n")
+    for t in e.turns[:-1]:
+        assert f"<|im_start|>user\n{t.question}<|im_end|>\n<|im_start|>assistant\n{t.visible}<|im_end|>\n" in prompt
 
 
 def test_corpus_stages_use_their_own_vocabulary():
@@ -114,10 +173,36 @@ def test_corpus_stages_use_their_own_vocabulary():
     for e in corpus.training_examples(400, seed=1):
         for kind, text in e.stages:
             words.setdefault(kind, set()).update(w.strip(".,:?").lower() for w in text.split())
-    assert {"carry", "ones", "tens"} <= words["compute"]
-    assert {"matches", "adding", "subtracting"} <= words["verify"]
-    assert {"split", "round"} <= words["alternative"]
-    assert "answer" in words["conclude"] and "carry" not in words["verify"]
+    assert {"carry", "ones", "tens", "column"} <= words["compute"]
+    assert {"backwards", "adding", "back"} <= words["verify"]
+    assert {"split", "order"} <= words["alternative"]
+    assert {"again", "stands"} <= words["pause"]
+    assert "final" in words["conclude"] and "borrow" not in words["conclude"]
+
+
+def test_corpus_stages_are_long(tok):
+    """Median stage length of the replies >= 60 tokens (qwen3 cue set, no minimum stage length),
+    measured with the shipped tokenizer."""
+    lengths = []
+    for e in corpus.training_examples(400, seed=8):
+        ids = tok.encode(e.completion)[:-1]
+        lengths += np.diff(evaluate.stage_bounds(tok, ids)[0]).tolist()
+    assert np.median(lengths) >= 60, np.median(lengths)
+
+
+def test_chat_template_renders_what_the_model_was_trained_on(model_file, llama_cpp):
+    """llama-cpp-python's Jinja2 formatter (what `chat` and create_chat_completion use) on the
+    GGUF's own template gives exactly corpus.render_prompt, earlier replies stripped."""
+    from gguf import GGUFReader
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = GGUFReader(str(model_file)).fields["tokenizer.chat_template"].contents()
+    assert template == corpus.CHAT_TEMPLATE
+    fmt = Jinja2ChatFormatter(template=template, eos_token="<|im_end|>", bos_token="<|endoftext|>")
+    exs = [e for e in corpus.training_examples(300, seed=5) if len(e.turns) > 1 or e.system]
+    assert len(exs) > 100
+    for e in exs:
+        assert fmt(messages=e.messages()).prompt == e.prompt
 
 
 def test_bpe_roundtrip_small():

@@ -25,7 +25,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +47,8 @@ class Phase:
     seed_offset: int  # corpus and batch-order seed = --seed + seed_offset
 
 
-PHASES = (Phase(steps=400, batch=8, lr=3e-3, warmup=30, seed_offset=0),
-          Phase(steps=2400, batch=24, lr=2e-3, warmup=40, seed_offset=1))
+PHASES = (Phase(steps=300, batch=8, lr=3e-3, warmup=30, seed_offset=0),
+          Phase(steps=4000, batch=8, lr=2e-3, warmup=50, seed_offset=1))
 TINY_PHASES = (Phase(steps=20, batch=8, lr=3e-3, warmup=5, seed_offset=0),
                Phase(steps=10, batch=8, lr=2e-3, warmup=5, seed_offset=1))
 
@@ -61,12 +61,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="skip phases whose checkpoint exists in WORK_DIR")
     p.add_argument("--aux-coef", type=float, default=0.01)
-    p.add_argument("--max-len", type=int, default=320, help="drop longer conversations (tokens)")
-    p.add_argument("--bpe-examples", type=int, default=5000)
-    p.add_argument("--vocab-size", type=int, default=1024, help="upper bound (merges stop at frequency < 2)")
+    p.add_argument("--max-len", type=int, default=1024, help="drop longer sequences (tokens)")
+    p.add_argument("--bpe-examples", type=int, default=3000)
+    p.add_argument("--vocab-size", type=int, default=1536, help="upper bound (merges stop at frequency < 2)")
     p.add_argument("--expert-type", default="q8_0", choices=("q8_0", "q4_0"))
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, few steps")
+    p.add_argument("--phase-steps", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="override each phase's step count (comma-separated; for short pilot runs)")
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {v}")
     a = p.parse_args(argv)
@@ -158,6 +160,8 @@ def main(argv=None) -> int:
         log_f.flush()
 
     phases = TINY_PHASES if a.tiny else PHASES
+    if a.phase_steps:
+        phases = tuple(replace(ph, steps=n) for ph, n in zip(phases, a.phase_steps))
     model = tok = None
     total_steps, train_s, ema = 0, 0.0, None
     for pi, ph in enumerate(phases, 1):
