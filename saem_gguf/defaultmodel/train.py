@@ -32,7 +32,7 @@ import numpy as np
 
 from saem_gguf.defaultmodel import bpe, corpus
 
-DEFAULTS = dict(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=64, n_expert=32,
+DEFAULTS = dict(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=64, n_expert=32,
                 n_expert_used=4)
 TINY = dict(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff_exp=64, n_expert=32,
             n_expert_used=4)
@@ -48,7 +48,7 @@ class Phase:
 
 
 PHASES = (Phase(steps=300, batch=8, lr=3e-3, warmup=30, seed_offset=0),
-          Phase(steps=4000, batch=8, lr=2e-3, warmup=50, seed_offset=1))
+          Phase(steps=3400, batch=8, lr=2e-3, warmup=50, seed_offset=1))
 TINY_PHASES = (Phase(steps=20, batch=8, lr=3e-3, warmup=5, seed_offset=0),
                Phase(steps=10, batch=8, lr=2e-3, warmup=5, seed_offset=1))
 
