@@ -29,7 +29,8 @@ LOGIT_MEAN_ATOL = 0.03  # under one routing: mean |llama.cpp - reference| over p
 LOGIT_P95_ATOL = 0.15  # under one routing: 95th percentile over positions of the per-position max
 LOGIT_MAX_ATOL = 0.6  # under one routing: the largest |difference| anywhere
 FREE_MEAN_ATOL = 0.06  # each with its own routing (near-tie swaps included)
-N_HELDOUT = 64
+N_HELDOUT = 24
+MAX_REPLY_TOKENS = 1200  # the longest training replies are about 1000 tokens
 # Greedy replies, so deterministic for one build; measured 64/64 on this draw and 200/200 with
 # `python -m saem_gguf.defaultmodel.evaluate -n 200` (docs/DEFAULT_MODEL.md). The floor leaves
 # room for other CPUs' arithmetic breaking near-ties differently.
@@ -55,13 +56,21 @@ def tok(model_file):
 
 @pytest.fixture(scope="module")
 def llm(llama_cpp, model_file):
-    return llama_cpp.Llama(model_path=str(model_file), n_ctx=1024, n_batch=512, logits_all=True,
+    return llama_cpp.Llama(model_path=str(model_file), n_ctx=2048, n_batch=512, logits_all=True,
                            verbose=False, seed=0)
 
 
+def reply_to(llm, tok, example: corpus.Example) -> evaluate.Reply:
+    """Greedy reply of llama.cpp to the example's conversation, rendered by the chat template."""
+    prompt = llm.tokenize(example.prompt.encode(), add_bos=False, special=True)
+    gen = evaluate.greedy(llm, prompt, tok.id_of("<|im_end|>"), max_new=MAX_REPLY_TOKENS)
+    text = tok.decode(gen)
+    return evaluate.Reply(example, prompt, gen, text, evaluate.answer_of(text), *evaluate.stage_bounds(tok, gen))
+
+
 @pytest.fixture(scope="module")
-def replies(model_file, llm):
-    return evaluate.run_replies(model_file, corpus.heldout_examples(N_HELDOUT, seed=2024), llm=llm)
+def replies(tok, llm):
+    return [reply_to(llm, tok, e) for e in corpus.heldout_examples(N_HELDOUT, seed=2024)]
 
 
 # --- the file ---------------------------------------------------------------------------------
@@ -262,6 +271,38 @@ def test_answers_heldout_problems_with_staged_reasoning(replies):
     assert acc >= MIN_ACCURACY, f"held-out accuracy {acc:.2f}"
 
 
+# a conversation as `chat` keeps it: full replies appended, earlier ones rendered by the template
+CONVERSATION = (("Sara has 125 stickers. She gives away 38. How many stickers does she have left?", 87),
+                ("and if she buys 45 more?", 132),
+                ("Hello, who are you?", None),
+                ("What is 6 times 23?", 138),
+                ("now subtract 9 from that", 129))
+
+
+def test_multi_turn_chat_through_the_public_api(model_file):
+    """Follow-ups that refer to the previous answer, an out-of-domain turn answered honestly
+    (no Answer line, says it does arithmetic), and an independent question, through
+    saem_gguf's Llama.create_chat_completion (greedy)."""
+    from saem_gguf import Llama
+
+    llm = Llama(str(model_file), n_ctx=2048, verbose=False, seed=0)
+    try:
+        messages: list[dict] = []
+        for question, want in CONVERSATION:
+            messages.append({"role": "user", "content": question})
+            out = llm.create_chat_completion(messages=messages, temperature=0.0, max_tokens=MAX_REPLY_TOKENS)
+            reply = out["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": reply})
+            assert reply.startswith("<think>\n") and reply.count("</think>") == 1, reply
+            visible = reply.split("</think>")[1]
+            if want is None:
+                assert "Answer:" not in visible and "arithmetic" in visible, reply
+            else:
+                assert evaluate.answer_of(reply) == want, (question, reply)
+    finally:
+        llm.close()
+
+
 def test_own_generations_are_stage_coherent(replies, weights):
     """TCseq (saem_gguf.stage.coherence, capacity 0.25) of the model's own replies is above every
     one of 20 permutations of the same routing rows, within each reply (the order test: each
@@ -297,7 +338,8 @@ def test_packaged_profile_calibrates_the_embedded_model(model_file):
         try:
             ctx = eng.placement.policy.ctx
             assert ctx.calib.sum() > 0
-            assert (eng.placement.state.slot_of >= 0).sum() == 8 * 4  # calibrated placement at load
+            # calibrated placement at load: 25 % of 32 experts in every layer
+            assert (eng.placement.state.slot_of >= 0).sum() == 8 * prof.signature.n_layer
             if policy == "saem-cue":
                 assert set(ctx.cue_counts) == set(prof.stats["cue_profiles"]["counts"])
         finally:

@@ -851,9 +851,64 @@ def heldout_examples(n: int, seed: int = 12345) -> list[Example]:
     return out
 
 
-if __name__ == "__main__":  # print a few examples
-    import sys
+def corpus_stats(examples: list[Example], tok) -> dict:
+    """Figures of a sample of training sequences under tokenizer ``tok`` (a ``bpe.Tokenizer``):
+    kinds, turns, reply and stage lengths in tokens (stages cut at every qwen3 cue, no minimum
+    length, as the stage detector cuts generated text), cues per 1000 reply tokens."""
+    import numpy as np
 
-    for ex in training_examples(int(sys.argv[1]) if len(sys.argv) > 1 else 5, seed=0):
-        print(ex.text)
-        print("-" * 60)
+    from saem_gguf.defaultmodel.evaluate import stage_bounds
+
+    seq_len, reply_len, stage_len, n_stages = [], [], [], []
+    cues: dict[str, int] = {}
+    kinds: dict[str, int] = {}
+    for e in examples:
+        prompt, reply = tok.encode(e.prompt), tok.encode(e.completion)[:-1]  # without <|im_end|>
+        bounds, found, _ = stage_bounds(tok, reply)
+        seq_len.append(len(prompt) + len(reply) + 1)
+        reply_len.append(len(reply))
+        stage_len += np.diff(bounds).tolist()
+        n_stages.append(len(bounds) - 1)
+        for c in found:
+            cues[c] = cues.get(c, 0) + 1
+        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+
+    def summary(x) -> dict:
+        x = np.asarray(x)
+        return {"mean": round(float(x.mean()), 1), "median": float(np.median(x)),
+                "p10": float(np.percentile(x, 10)), "p90": float(np.percentile(x, 90)), "max": int(x.max())}
+
+    n_tok = sum(reply_len)
+    return {"sequences": len(examples), "kind_share": {k: round(v / len(examples), 3) for k, v in sorted(kinds.items())},
+            "turn_of_sequence": {str(i + 1): sum(len(e.turns) == i + 1 for e in examples) for i in range(6)},
+            "sequence_tokens": summary(seq_len), "reply_tokens": summary(reply_len),
+            "stages_per_reply": summary(n_stages), "stage_tokens": summary(stage_len),
+            "cues_per_1000_reply_tokens": {c: round(1000 * n / n_tok, 2)
+                                           for c, n in sorted(cues.items(), key=lambda kv: -kv[1])}}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description="Print generated training conversations, or their statistics.")
+    p.add_argument("-n", type=int, default=5, help="training sequences (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stats", action="store_true", help="print corpus_stats as JSON instead of the text")
+    p.add_argument("--model", help="GGUF whose tokenizer --stats counts with (default: the embedded model)")
+    a = p.parse_args(argv)
+    examples = training_examples(a.n, seed=a.seed)
+    if not a.stats:
+        for ex in examples:
+            print(ex.text)
+            print("-" * 60)
+        return 0
+    from saem_gguf.default_model import default_model_path
+    from saem_gguf.defaultmodel.bpe import Tokenizer
+
+    print(json.dumps(corpus_stats(examples, Tokenizer.from_gguf(a.model or default_model_path())), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

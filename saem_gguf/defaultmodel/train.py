@@ -2,13 +2,15 @@
 
     python -m saem_gguf.defaultmodel.train --out saem_gguf/data/default-model.gguf
 
-The recipe has two phases, each on freshly generated conversations (see docs/DEFAULT_MODEL.md):
+The recipe has two phases, each on freshly generated training sequences (corpus v2; see
+docs/DEFAULT_MODEL.md):
 
-1. 400 steps x 8 conversations, peak LR 3e-3: learns the format (the BPE is trained here);
-2. 2400 steps x 24 conversations (new data, seed + 1), LR re-warmed to 2e-3 and cosine-decayed
-   to 10 %: learns to copy operands and the column arithmetic.
+1. 300 steps x 8 sequences, peak LR 3e-3: learns the format (the BPE is trained here);
+2. 3400 steps x 8 sequences (new data, seed + 1), LR re-warmed to 2e-3 and cosine-decayed
+   to 10 %: learns to copy operands, the column arithmetic and the follow-ups.
 
-One uninterrupted run took 23 min 11 s wall on 2 otherwise idle cores (45 CPU-minutes).
+A sequence is one turn of a conversation with its history (about 480 tokens on average), so a
+step sees about 3,800 tokens. docs/DEFAULT_MODEL.md gives the measured run time.
 
 Deterministic for a given seed and thread count (2 by default): corpus, BPE merges, batch order
 and initialisation all derive from ``--seed``. Each phase saves WORK_DIR/phaseN.pt (model state,
