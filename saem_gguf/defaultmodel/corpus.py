@@ -562,52 +562,69 @@ def bare_turn(rng: random.Random, w: Work, op: str) -> Turn:
     return Turn(op, q, stages, f"Answer: {st.result}", st.result, context={"kind": "bare"})
 
 
-def word_add_turn(rng: random.Random, w: Work) -> Turn:
-    a, b = add_pair(rng)
-    (name, he, his), item = person(rng), rng.choice(ITEMS)
-    if rng.random() < 0.3:  # money
-        q = rng.choice((f"{cap(name)} has ${a} and earns ${b} more. How much money does {name} have now?",
-                        f"A book costs ${a} and a bag costs ${b}. How much do they cost together?",
-                        f"{cap(name)} saved ${a} last month and ${b} this month. How many dollars did {he} save in total?"))
-        restate = f"the two amounts are ${a} and ${b}, and the question wants the total, so I add them."
-        ctx = {"kind": "money", "name": name, "he": he}
-        concl = f"The total is ${a + b}."
-    else:
-        gain = rng.choice(GAIN_VERBS)[0]
-        q = rng.choice((f"{cap(name)} has {a} {item}. {cap(he)} {gain} {b} more. How many {item} does {name} have now?",
-                        f"{cap(name)} had {a} {item} and then {gain} {b} more. How many {item} does {he} have altogether?",
-                        f"There are {a} {item} in a room and {b} more are brought in. How many {item} are there now?",
-                        f"{cap(name)} has {a} {item} and {his} friend has {b}. How many {item} do they have in total?"))
-        restate = f"the story starts with {a} {item} and adds {b} more, so the total is {a} + {b}."
-        ctx = {"kind": "items", "name": name, "he": he, "item": item}
-        concl = f"There are {a + b} {item}."
-    st = Step("add", a, b, "")
-    return Turn("word_add", styled(rng, q), reasoning(rng, w, restate, [st], concl), f"Answer: {a + b}", a + b,
-                context=ctx)
+@dataclass(frozen=True)
+class StoryForms:
+    """The one-step story phrasings of one operation: money stories and item stories."""
+
+    op: str
+    verbs: tuple[tuple[str, str], ...]
+    money: tuple[str, ...]  # question formats: {name} {Name} {he} {a} {b}
+    money_restate: str
+    money_conclusion: str  # {c}: the result
+    items: tuple[str, ...]  # question formats, also {He} {his} {item} {verb}
+    items_restate: str
+    items_conclusion: str
 
 
-def word_sub_turn(rng: random.Random, w: Work) -> Turn:
-    a, b = sub_pair(rng)
+WORD_FORMS = {
+    "add": StoryForms(
+        "add", GAIN_VERBS,
+        ("{Name} has ${a} and earns ${b} more. How much money does {name} have now?",
+         "A book costs ${a} and a bag costs ${b}. How much do they cost together?",
+         "{Name} saved ${a} last month and ${b} this month. How many dollars did {he} save in total?"),
+        "the two amounts are ${a} and ${b}, and the question wants the total, so I add them.",
+        "The total is ${c}.",
+        ("{Name} has {a} {item}. {He} {verb} {b} more. How many {item} does {name} have now?",
+         "{Name} had {a} {item} and then {verb} {b} more. How many {item} does {he} have altogether?",
+         "There are {a} {item} in a room and {b} more are brought in. How many {item} are there now?",
+         "{Name} has {a} {item} and {his} friend has {b}. How many {item} do they have in total?"),
+        "the story starts with {a} {item} and adds {b} more, so the total is {a} + {b}.",
+        "There are {c} {item}."),
+    "sub": StoryForms(
+        "sub", LOSS_VERBS,
+        ("{Name} has ${a} and spends ${b}. How much money is left?",
+         "{Name} had ${a}. {He} paid ${b} for a gift. How many dollars does {he} have left?",
+         "A bike costs ${a}. {Name} has ${b}. How much more money does {he} need?"),
+        "I start from ${a} and take away ${b}, so I subtract {a} - {b}.",
+        "The amount is ${c}.",
+        ("{Name} has {a} {item} and {verb} {b} of them. How many {item} are left?",
+         "{Name} had {a} {item}. {He} {verb} {b}. How many {item} does {name} have left?",
+         "There were {a} {item}. {b} of them were taken away. How many {item} remain?",
+         "{Name} has {a} {item} and {his} friend has {b}. How many more does {name} have?"),
+        "the story starts with {a} {item} and {b} go, so what is left is {a} - {b}.",
+        "{c} {item} are left."),
+}
+
+
+def word_turn(rng: random.Random, w: Work, op: str) -> Turn:
+    """A one-step addition or subtraction story (money 30 %, items 70 %)."""
+    forms = WORD_FORMS[op]
+    a, b = (add_pair if op == "add" else sub_pair)(rng)
     (name, he, his), item = person(rng), rng.choice(ITEMS)
+    c = value(op, a, b)
+    slots = dict(a=a, b=b, c=c, name=name, Name=cap(name), he=he, He=cap(he), his=his, item=item)
     if rng.random() < 0.3:
-        q = rng.choice((f"{cap(name)} has ${a} and spends ${b}. How much money is left?",
-                        f"{cap(name)} had ${a}. {cap(he)} paid ${b} for a gift. How many dollars does {he} have left?",
-                        f"A bike costs ${a}. {cap(name)} has ${b}. How much more money does {he} need?"))
-        restate = f"I start from ${a} and take away ${b}, so I subtract {a} - {b}."
+        q = rng.choice(forms.money)
+        restate, concl = forms.money_restate, forms.money_conclusion
         ctx = {"kind": "money", "name": name, "he": he}
-        concl = f"The amount is ${a - b}."
     else:
-        loss = rng.choice(LOSS_VERBS)[0]
-        q = rng.choice((f"{cap(name)} has {a} {item} and {loss} {b} of them. How many {item} are left?",
-                        f"{cap(name)} had {a} {item}. {cap(he)} {loss} {b}. How many {item} does {name} have left?",
-                        f"There were {a} {item}. {b} of them were taken away. How many {item} remain?",
-                        f"{cap(name)} has {a} {item} and {his} friend has {b}. How many more does {name} have?"))
-        restate = f"the story starts with {a} {item} and {b} go, so what is left is {a} - {b}."
+        slots["verb"] = rng.choice(forms.verbs)[0]
+        q = rng.choice(forms.items)
+        restate, concl = forms.items_restate, forms.items_conclusion
         ctx = {"kind": "items", "name": name, "he": he, "item": item}
-        concl = f"{a - b} {item} are left."
-    st = Step("sub", a, b, "")
-    return Turn("word_sub", styled(rng, q), reasoning(rng, w, restate, [st], concl), f"Answer: {a - b}", a - b,
-                context=ctx)
+    question = styled(rng, q.format(**slots))
+    stages = reasoning(rng, w, restate.format(**slots), [Step(op, a, b, "")], concl.format(**slots))
+    return Turn("word_" + op, question, stages, f"Answer: {c}", c, context=ctx)
 
 
 def word_mul_turn(rng: random.Random, w: Work) -> Turn:
@@ -785,7 +802,8 @@ def ood_turn(rng: random.Random, w: Work) -> Turn:
 def new_turn(rng: random.Random, w: Work, kind: str) -> Turn:
     if kind in ("add", "sub", "mul"):
         return bare_turn(rng, w, kind)
-    return {"word_add": word_add_turn, "word_sub": word_sub_turn, "word_mul": word_mul_turn,
+    return {"word_add": lambda r, w: word_turn(r, w, "add"), "word_sub": lambda r, w: word_turn(r, w, "sub"),
+            "word_mul": word_mul_turn,
             "word_two": lambda r, w: word_multi_turn(r, w, 2), "word_three": lambda r, w: word_multi_turn(r, w, 3),
             "ood": ood_turn}[kind](rng, w)
 
