@@ -30,6 +30,7 @@ LOGIT_P95_ATOL = 0.15  # under one routing: 95th percentile over positions of th
 LOGIT_MAX_ATOL = 0.6  # under one routing: the largest |difference| anywhere
 FREE_MEAN_ATOL = 0.06  # each with its own routing (near-tie swaps included)
 N_HELDOUT = 24
+UBATCH = 512
 MAX_REPLY_TOKENS = 1200  # the longest training replies are about 1000 tokens
 # Greedy replies, so deterministic for one build; measured 64/64 on this draw and 200/200 with
 # `python -m saem_gguf.defaultmodel.evaluate -n 200` (docs/DEFAULT_MODEL.md). The floor leaves
@@ -56,7 +57,7 @@ def tok(model_file):
 
 @pytest.fixture(scope="module")
 def llm(llama_cpp, model_file):
-    return llama_cpp.Llama(model_path=str(model_file), n_ctx=2048, n_batch=512, logits_all=True,
+    return llama_cpp.Llama(model_path=str(model_file), n_ctx=2048, n_batch=UBATCH, logits_all=True,
                            verbose=False, seed=0)
 
 
@@ -232,8 +233,7 @@ def test_tokenizer_matches_llama_cpp(tok, llm):
 def test_llama_cpp_logits_match_numpy_reference(tok, llm, weights):
     from saem_gguf import native_api as na
 
-    ex = corpus.heldout_examples(3, seed=11)
-    ids = tok.encode(ex[0].text + ex[1].text)  # two conversations: ~350 positions, one ubatch
+    ids = tok.encode(corpus.heldout_examples(1, seed=11)[0].text)[:UBATCH]  # one ubatch: routing is read per ubatch
     na.saem_moe_set_counting(llm.ctx, na.SAEM_COUNT_IDS)
     try:
         llm.reset()
