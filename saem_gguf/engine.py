@@ -642,9 +642,9 @@ class Engine:
         cues = CueSet.load(FAMILY_CUES.get(info.architecture, "general"))
         if extra is not None:
             cues = _with_extra(cues, extra)
-        # the embedded model's stages are short (median ~19 tokens, docs/DEFAULT_MODEL.md)
-        cfg = DetectorConfig(min_stage_tokens=12) if self.cfg.model is None else DetectorConfig()
-        return StageDetector(self.cfg.n_parallel, cues, cfg, **shape), calib, cue_counts
+        # the default minimum stage length (32 tokens) suits the embedded model too: its stages
+        # run a median 62 tokens (docs/DEFAULT_MODEL.md), and its profile is calibrated with 32
+        return StageDetector(self.cfg.n_parallel, cues, DetectorConfig(), **shape), calib, cue_counts
 
     # --- the hook ----------------------------------------------------------------------------
     def _on_ubatch(self, tokens: list[int]) -> None:

@@ -24,6 +24,7 @@ from saem_gguf.errors import SaemError
 # the attributes of the tokens llama.cpp partitions text at (its cache_special_tokens)
 ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_DEFINED = 1 << 0, 1 << 3, 1 << 4
 
+THINK_END = b"</think>"  # reasoning ends here in Qwen3-style replies
 Tokenize = Callable[[bytes], list[int]]  # plain text -> tokens, no special parsing, no BOS
 
 
@@ -69,18 +70,25 @@ def protected_spans(prompt: bytes, contents: Sequence[str], specials: SpecialTok
     """Byte ranges of ``prompt`` holding message contents that contain special-token text.
 
     Contents are found in message order, each after the previous one; a template that trims
-    content is covered by also looking for the stripped text."""
+    content is covered by also looking for the stripped text, and one that drops an earlier
+    reply's reasoning (Qwen3's: only the text after the last ``</think>``, leading newlines
+    stripped) by also looking for that text."""
     spans = []
     cursor = 0
     for content in contents:
         raw = content.encode("utf-8")
         risky = specials.first_in(raw)
         found = -1
-        for candidate in (raw, raw.strip()):
+        candidates = [raw, raw.strip()]
+        if THINK_END in raw:
+            after = raw.rsplit(THINK_END, 1)[1].lstrip(b"\n")
+            candidates += [after, after.strip()]
+        for candidate in candidates:
             if candidate:
                 found = prompt.find(candidate, cursor)
                 if found >= 0:
                     raw = candidate
+                    risky = specials.first_in(raw)
                     break
         if found < 0:
             if risky is not None:

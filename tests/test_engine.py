@@ -109,7 +109,7 @@ def test_generate_json(qwen3_path):
 
 
 def test_generate_chat_on_the_embedded_model():
-    r = run_cli("generate", "--chat", "-p", "What is 37 + 45?", "-n", "200", "--json")
+    r = run_cli("generate", "--chat", "-p", "What is 37 + 45?", "-n", "800", "--json")
     assert r.returncode == 0, r.stderr
     assert "--chat wraps it" not in r.stderr
     text = json.loads(r.stdout)["text"]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 MODEL_NAME = "saem-default-reasoning-moe"
-N_CTX_TRAIN = 1024  # trained on conversations of <= 320 tokens; RoPE base 10000
+N_CTX_TRAIN = 2048  # trained on sequences of <= 1024 tokens; RoPE base 10000
 
 
 def spec_for(cfg, expert_type: str, seed: int = 0):
@@ -27,12 +27,12 @@ def spec_for(cfg, expert_type: str, seed: int = 0):
 
 
 def export_gguf(model, tok, out: Path, expert_type: str = "q8_0", description: str = "", seed: int = 0) -> Path:
-    from saem_gguf.testmodels.vocab import CHATML_TEMPLATE
+    from saem_gguf.defaultmodel.corpus import CHAT_TEMPLATE
     from saem_gguf.testmodels.writer import write_gguf
 
     spec = spec_for(model.c, expert_type, seed)
     path = write_gguf(Path(out), spec, tok.to_vocab(), model.gguf_tensors(), name=MODEL_NAME,
-                      description=description or "saem_gguf default model", chat_template=CHATML_TEMPLATE)
+                      description=description or "saem_gguf default model", chat_template=CHAT_TEMPLATE)
     path.chmod(0o644)  # the writer's temporary file is private; this one ships in the package
     return path
 

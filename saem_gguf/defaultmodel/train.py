@@ -2,13 +2,15 @@
 
     python -m saem_gguf.defaultmodel.train --out saem_gguf/data/default-model.gguf
 
-The recipe has two phases, each on freshly generated conversations (see docs/DEFAULT_MODEL.md):
+The recipe has two phases, each on freshly generated training sequences (corpus v2; see
+docs/DEFAULT_MODEL.md):
 
-1. 400 steps x 8 conversations, peak LR 3e-3: learns the format (the BPE is trained here);
-2. 2400 steps x 24 conversations (new data, seed + 1), LR re-warmed to 2e-3 and cosine-decayed
-   to 10 %: learns to copy operands and the column arithmetic.
+1. 300 steps x 8 sequences, peak LR 3e-3: learns the format (the BPE is trained here);
+2. 3400 steps x 8 sequences (new data, seed + 1), LR re-warmed to 2e-3 and cosine-decayed
+   to 10 %: learns to copy operands, the column arithmetic and the follow-ups.
 
-One uninterrupted run took 23 min 11 s wall on 2 otherwise idle cores (45 CPU-minutes).
+A sequence is one turn of a conversation with its history (about 480 tokens on average), so a
+step sees about 3,800 tokens. docs/DEFAULT_MODEL.md gives the measured run time.
 
 Deterministic for a given seed and thread count (2 by default): corpus, BPE merges, batch order
 and initialisation all derive from ``--seed``. Each phase saves WORK_DIR/phaseN.pt (model state,
@@ -25,14 +27,14 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from saem_gguf.defaultmodel import bpe, corpus
 
-DEFAULTS = dict(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=64, n_expert=32,
+DEFAULTS = dict(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, n_ff_exp=64, n_expert=32,
                 n_expert_used=4)
 TINY = dict(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff_exp=64, n_expert=32,
             n_expert_used=4)
@@ -47,8 +49,8 @@ class Phase:
     seed_offset: int  # corpus and batch-order seed = --seed + seed_offset
 
 
-PHASES = (Phase(steps=400, batch=8, lr=3e-3, warmup=30, seed_offset=0),
-          Phase(steps=2400, batch=24, lr=2e-3, warmup=40, seed_offset=1))
+PHASES = (Phase(steps=300, batch=8, lr=3e-3, warmup=30, seed_offset=0),
+          Phase(steps=3400, batch=8, lr=2e-3, warmup=50, seed_offset=1))
 TINY_PHASES = (Phase(steps=20, batch=8, lr=3e-3, warmup=5, seed_offset=0),
                Phase(steps=10, batch=8, lr=2e-3, warmup=5, seed_offset=1))
 
@@ -61,12 +63,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="skip phases whose checkpoint exists in WORK_DIR")
     p.add_argument("--aux-coef", type=float, default=0.01)
-    p.add_argument("--max-len", type=int, default=320, help="drop longer conversations (tokens)")
-    p.add_argument("--bpe-examples", type=int, default=5000)
-    p.add_argument("--vocab-size", type=int, default=1024, help="upper bound (merges stop at frequency < 2)")
+    p.add_argument("--max-len", type=int, default=1024, help="drop longer sequences (tokens)")
+    p.add_argument("--bpe-examples", type=int, default=3000)
+    p.add_argument("--vocab-size", type=int, default=1536, help="upper bound (merges stop at frequency < 2)")
     p.add_argument("--expert-type", default="q8_0", choices=("q8_0", "q4_0"))
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, few steps")
+    p.add_argument("--phase-steps", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="override each phase's step count (comma-separated; for short pilot runs)")
     for k, v in DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {v}")
     a = p.parse_args(argv)
@@ -158,6 +162,8 @@ def main(argv=None) -> int:
         log_f.flush()
 
     phases = TINY_PHASES if a.tiny else PHASES
+    if a.phase_steps:
+        phases = tuple(replace(ph, steps=n) for ph, n in zip(phases, a.phase_steps))
     model = tok = None
     total_steps, train_s, ema = 0, 0.0, None
     for pi, ph in enumerate(phases, 1):
