@@ -32,12 +32,19 @@ class Turn:
     kind: str  # a SINGLE_KINDS entry, "follow_add" / "follow_sub" / "follow_mul", or OUT_OF_DOMAIN
     role: str  # SINGLE, FIRST, FOLLOW_UP, INDEPENDENT
     answer: int | None  # None for an out-of-domain turn
-    heldout: bool  # the turn's first computation is a held-out triple
+    # the computations that lead to the answer, in order: (operation, a, b); a later step's a is
+    # the result before it (a follow-up's first a is the previous turn's answer)
+    steps: tuple[tuple[str, int, int], ...] = ()
     pronoun: str | None = None  # the story's subject, for a follow-up in the story's words
 
     @property
     def in_domain(self) -> bool:
         return self.answer is not None
+
+    @property
+    def heldout(self) -> bool:
+        """The turn's first computation is a held-out triple."""
+        return bool(self.steps) and is_heldout(*self.steps[0])
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,10 @@ class Conversation:
 
 def apply(op: str, a: int, b: int) -> int:
     return {"add": a + b, "sub": a - b, "mul": a * b}[op]
+
+
+def result_of(steps: tuple[tuple[str, int, int], ...]) -> int:
+    return apply(*steps[-1])
 
 
 def _operand(rng: random.Random, low: int = 0) -> int:
@@ -82,9 +93,9 @@ class ProblemMaker:
                 return a, b
         raise AssertionError(f"no held-out {op} triple found in {DRAWS} draws")
 
-    def follow_operand(self, op: str, prev: int) -> tuple[int, bool] | None:
-        """An operand x for ``prev op x`` in the domain, held out when one can be found (and
-        whether it is); None when ``op`` cannot follow ``prev``."""
+    def follow_operand(self, op: str, prev: int) -> int | None:
+        """An operand x for ``prev op x`` in the domain, held out when one can be found; None
+        when ``op`` cannot follow ``prev``."""
         if op == "mul":
             if not 2 <= prev <= 99:
                 return None
@@ -98,9 +109,7 @@ class ProblemMaker:
                 return None
             pool = list(range(1, prev + 1))
         held = [x for x in pool if is_heldout(op, prev, x)]
-        if held:
-            return self.rng.choice(held), True
-        return self.rng.choice(pool), False
+        return self.rng.choice(held or pool)
 
     # --- wording -----------------------------------------------------------------------------
     def vary_case(self, text: str) -> str:
@@ -140,24 +149,24 @@ class ProblemMaker:
         if kind in ("add", "sub", "mul"):
             a, b = self.heldout_operands(kind, max_result)
             text = self.bare(rng.choice({"add": P.ADD, "sub": P.SUB, "mul": P.MUL}[kind]), a=a, b=b)
-            answer = apply(kind, a, b)
+            steps = ((kind, a, b),)
         elif kind in ("word_add", "word_sub", "word_mul"):
             op = kind[len("word_"):]
             a, b = self.heldout_operands(op, max_result, low=1)
             text, pronoun = self.story(rng.choice({"add": P.WORD_ADD, "sub": P.WORD_SUB, "mul": P.WORD_MUL}[op]),
                                        a=a, b=b)
-            answer = apply(op, a, b)
+            steps = ((op, a, b),)
         elif kind == "word_distance":  # speed (two digits) x hours (one digit)
             a, b = self.heldout_operands("mul", one_digit_second=True)
             text, _ = self.story(rng.choice(P.WORD_DISTANCE), a=a, b=b)
-            answer = a * b
+            steps = (("mul", a, b),)
         elif kind in ("two_step", "three_step"):
-            text, answer = self._multi_step(P.TWO_STEP if kind == "two_step" else P.THREE_STEP, max_result)
+            text, steps = self._multi_step(P.TWO_STEP if kind == "two_step" else P.THREE_STEP, max_result)
         else:
             raise ValueError(f"unknown problem kind {kind!r}")
-        return Turn(text, kind, role, answer, heldout=True, pronoun=pronoun)
+        return Turn(text, kind, role, result_of(steps), steps, pronoun)
 
-    def _multi_step(self, templates, max_result: int | None) -> tuple[str, int]:
+    def _multi_step(self, templates, max_result: int | None) -> tuple[str, tuple[tuple[str, int, int], ...]]:
         """A story whose first step is a held-out triple and whose later steps stay in the domain
         (every intermediate result 0-999)."""
         rng = self.rng
@@ -166,17 +175,18 @@ class ProblemMaker:
         speed = "per hour" in template
         for _ in range(DRAWS):
             a, b = self.heldout_operands(ops[0], MAX_OPERAND, low=1, one_digit_second=speed)
-            result, later = apply(ops[0], a, b), []
+            steps = [(ops[0], a, b)]
+            result = apply(ops[0], a, b)
             for op in ops[1:]:
                 if op == "sub" and result < 1:
                     break
                 x = rng.randint(1, result) if op == "sub" else _operand(rng, low=1)
-                later.append(x)
+                steps.append((op, result, x))
                 result = apply(op, result, x)
-            if len(later) == len(ops) - 1 and 0 <= result <= limit:
-                values = dict(zip("cd", later))
+            if len(steps) == len(ops) and 0 <= result <= limit:
+                values = dict(zip("cd", (x for _, _, x in steps[1:])))
                 text, _ = self.story(template, a=a, b=b, **values)
-                return text, result
+                return text, tuple(steps)
         raise AssertionError(f"no in-domain story found for {template!r}")
 
     def follow_up(self, prev: Turn) -> Turn | None:
@@ -188,7 +198,7 @@ class ProblemMaker:
             got = self.follow_operand(op, prev.answer)
             if got is None:
                 continue
-            x, held = got
+            x = got
             if prev.pronoun is not None and op in ("add", "sub") and rng.random() < 0.5:
                 template = rng.choice(P.FOLLOW_STORY_ADD if op == "add" else P.FOLLOW_STORY_SUB)
                 text = template.format(x=x, they=prev.pronoun)
@@ -196,11 +206,11 @@ class ProblemMaker:
             else:
                 template = rng.choice({"add": P.FOLLOW_ADD, "sub": P.FOLLOW_SUB, "mul": P.FOLLOW_MUL}[op])
                 text, pronoun = self.vary_case(template.format(x=x)), None
-            return Turn(text, f"follow_{op}", FOLLOW_UP, apply(op, prev.answer, x), held, pronoun)
+            return Turn(text, f"follow_{op}", FOLLOW_UP, apply(op, prev.answer, x), ((op, prev.answer, x),), pronoun)
         return None
 
     def out_of_domain(self, role: str) -> Turn:
-        return Turn(self.rng.choice(P.OUT_OF_DOMAIN), OUT_OF_DOMAIN, role, None, heldout=False)
+        return Turn(self.rng.choice(P.OUT_OF_DOMAIN), OUT_OF_DOMAIN, role, None)
 
     def any_question(self, role: str, followed: bool) -> Turn:
         """An in-domain turn of a random kind; its answer leaves room for a follow-up when one

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from saem_gguf.defaultmodel.eval.problems import OUT_OF_DOMAIN, SINGLE, SINGLE_KINDS
+from saem_gguf.defaultmodel.eval.problems import FOLLOW_UP, OUT_OF_DOMAIN, SINGLE, SINGLE_KINDS
 from saem_gguf.defaultmodel.eval.run import TurnResult
 
 
@@ -46,6 +46,9 @@ def summarise(single: Sequence[TurnResult], conversations: Sequence[TurnResult],
         "conversations": {
             "by_turn": _group(in_conv, lambda r: f"turn {r.position}"),
             "by_turn_and_role": _group(conversations, lambda r: f"turn {r.position} {turn_label(r)}"),
+            # a follow-up's computation (previous answer op x) is held out where some x allows it
+            "follow_ups_held_out": sum(r.turn.heldout for r in in_conv if r.turn.role == FOLLOW_UP),
+            "follow_ups": sum(r.turn.role == FOLLOW_UP for r in in_conv),
         },
         "out_of_domain": {
             "single": tally(out_of_domain),

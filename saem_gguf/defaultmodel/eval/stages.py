@@ -1,7 +1,8 @@
 """Stages of generated replies: where the qwen3 cue set cuts them (no minimum stage length), and
 their length statistics.
 
-A reply's tokens are cut at every qwen3 cue the stage detector's matcher finds in their pieces.
+A reply's tokens are cut at every qwen3 cue the stage detector's matcher finds in their pieces, at
+the token that completes the cue (where the live detector fires).
 The *reasoning stages* are the segments before the ``</think>`` cut (the first opens with
 ``<think>``); the segment from ``</think>`` on (the answer line) is not a reasoning stage and is
 left out of the length statistics, but it is a stage for TCseq, as in the detector.
