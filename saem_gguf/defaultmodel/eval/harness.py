@@ -3,12 +3,12 @@ stages and the stage coherence of the in-domain replies."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from saem_gguf.build.source import sha256_file
 from saem_gguf.defaultmodel.eval import problems, report, run, stages, tcseq_baselines
 from saem_gguf.defaultmodel.eval.routing import RoutingReader
 from saem_gguf.defaultmodel.eval.run import TurnResult
@@ -87,14 +87,6 @@ def stage_figures(cfg: EvalConfig, ev: EvalRun) -> dict:
     return out
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def failures(ev: EvalRun, limit: int) -> list[dict]:
     """Up to ``limit`` wrong or malformed turns, with their question and reply."""
     bad = [r for r in ev.single + ev.conversations + ev.out_of_domain if not (r.correct and r.well_formed)]
@@ -104,7 +96,7 @@ def failures(ev: EvalRun, limit: int) -> list[dict]:
 
 def evaluate(cfg: EvalConfig, progress: Callable[[int], None] | None = None, n_failures: int = 20) -> dict:
     ev = run_sets(cfg, progress)
-    return {"model": str(cfg.model), "sha256": sha256_of(cfg.model), "seed": cfg.seed,
+    return {"model": str(cfg.model), "sha256": sha256_file(cfg.model), "seed": cfg.seed,
             "sizes": {"per_kind": cfg.per_kind, "conversations": cfg.n_conversations,
                       "out_of_domain": cfg.n_out_of_domain},
             **report.summarise(ev.single, ev.conversations, ev.out_of_domain),
