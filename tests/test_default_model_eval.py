@@ -79,6 +79,16 @@ def test_conversations_mix_follow_ups_independent_and_out_of_domain_turns(sets):
     assert all(not t.in_domain and t.answer is None for t in sets.out_of_domain)
 
 
+def test_bad_arguments_are_one_line_errors():
+    for args, rc in ((["--per-kind", "-1"], 1), (["--model", "/no/such.gguf"], 1), (["--capacity", "2"], 1),
+                     (["--per-kind", "x"], 2)):
+        r = subprocess.run([sys.executable, "-m", "saem_gguf.defaultmodel.evaluate", *args], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == rc and "Traceback" not in r.stderr, r.stderr
+        if rc == 1:
+            assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_phrasings_do_not_come_from_the_training_corpus():
     code = ("import sys; import saem_gguf.defaultmodel.eval.harness, saem_gguf.defaultmodel.evaluate; "
             "assert 'saem_gguf.defaultmodel.corpus' not in sys.modules")
@@ -189,7 +199,7 @@ FLOOR_WELL_FORMED = 0.6
 
 
 def test_shipped_model_meets_its_floors(model_file):
-    res = evaluate(EvalConfig(model=model_file, per_kind=2, n_conversations=10, n_out_of_domain=5, n_perm=0))
+    res = evaluate(EvalConfig(model=model_file, per_kind=1, n_conversations=5, n_out_of_domain=4, n_perm=0))
     h = res["headline"]
     assert h["single_turn_accuracy"] >= FLOOR_SINGLE, res["failures"]
     assert h["later_turn_accuracy"] >= FLOOR_LATER_TURNS, res["failures"]

@@ -24,6 +24,7 @@ OUT_OF_DOMAIN = "out_of_domain"
 SINGLE, FIRST, FOLLOW_UP, INDEPENDENT = "single", "first", "follow-up", "independent"
 MAX_OPERAND = 999  # add/sub operands are 1 to 3 digits
 DRAWS = 5000  # attempts to find a held-out triple before giving up (about 1 in 10 is held out)
+Step = tuple[str, int, int]  # one computation: (operation, a, b)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Turn:
     answer: int | None  # None for an out-of-domain turn
     # the computations that lead to the answer, in order: (operation, a, b); a later step's a is
     # the result before it (a follow-up's first a is the previous turn's answer)
-    steps: tuple[tuple[str, int, int], ...] = ()
+    steps: tuple[Step, ...] = ()
     pronoun: str | None = None  # the story's subject, for a follow-up in the story's words
 
     @property
@@ -57,7 +58,7 @@ def apply(op: str, a: int, b: int) -> int:
     return {"add": a + b, "sub": a - b, "mul": a * b}[op]
 
 
-def result_of(steps: tuple[tuple[str, int, int], ...]) -> int:
+def result_of(steps: tuple[Step, ...]) -> int:
     return apply(*steps[-1])
 
 
@@ -166,7 +167,7 @@ class ProblemMaker:
             raise ValueError(f"unknown problem kind {kind!r}")
         return Turn(text, kind, role, result_of(steps), steps, pronoun)
 
-    def _multi_step(self, templates, max_result: int | None) -> tuple[str, tuple[tuple[str, int, int], ...]]:
+    def _multi_step(self, templates, max_result: int | None) -> tuple[str, tuple[Step, ...]]:
         """A story whose first step is a held-out triple and whose later steps stay in the domain
         (every intermediate result 0-999)."""
         rng = self.rng
