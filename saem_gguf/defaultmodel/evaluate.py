@@ -36,12 +36,12 @@ import numpy as np
 
 from saem_gguf.defaultmodel import reference
 from saem_gguf.defaultmodel.bpe import Tokenizer
+from saem_gguf.defaultmodel.eval.scoring import CUE_SET
 
 if TYPE_CHECKING:  # the corpus is the first model's; the v2 evaluation does not depend on it
     from saem_gguf.defaultmodel import corpus
 
 ANSWER_RE = re.compile(r"</think>\s*\n\s*Answer:\s*(-?\d+)\s*$")
-CUE_SET = "qwen3"
 
 
 def open_llama(model_path: str | Path, n_ctx: int = 1024):
