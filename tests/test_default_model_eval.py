@@ -79,14 +79,16 @@ def test_conversations_mix_follow_ups_independent_and_out_of_domain_turns(sets):
     assert all(not t.in_domain and t.answer is None for t in sets.out_of_domain)
 
 
-def test_bad_arguments_are_one_line_errors():
-    for args, rc in ((["--per-kind", "-1"], 1), (["--model", "/no/such.gguf"], 1), (["--capacity", "2"], 1),
-                     (["--per-kind", "x"], 2)):
-        r = subprocess.run([sys.executable, "-m", "saem_gguf.defaultmodel.evaluate", *args], capture_output=True,
-                           text=True, timeout=60)
-        assert r.returncode == rc and "Traceback" not in r.stderr, r.stderr
-        if rc == 1:
-            assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_bad_arguments_are_one_line_errors(capsys):
+    from saem_gguf.defaultmodel.eval.cli import main
+
+    for args in (["--per-kind", "-1"], ["--model", "/no/such.gguf"], ["--capacity", "2"]):
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(SystemExit) as usage:
+        main(["--per-kind", "x"])
+    assert usage.value.code == 2
 
 
 def test_phrasings_do_not_come_from_the_training_corpus():
