@@ -192,18 +192,29 @@ def test_a_real_conversation_is_run_and_scored(llm):
     assert tallied["n"] == 2 and tallied["correct"] == sum(r.correct for r in results)
 
 
-# Floors: a little under the figures measured on the shipped model with the full evaluation
-# (docs/DEFAULT_MODEL.md, "Evaluation"); this subset is seed 14 as there, smaller.
-FLOOR_SINGLE = 0.0
-FLOOR_LATER_TURNS = 0.0
-FLOOR_REFUSAL = 0.0
-FLOOR_WELL_FORMED = 0.6
+# Floors: a little under the figures measured on the shipped model v2 (docs/DEFAULT_MODEL.md,
+# "Evaluation"), checked on a smaller draw with the same seed (a few seconds under the lock).
+# Measured, full evaluation / this draw: single-turn 42/108 = 0.389 / 4/9; turns 2 and 3 in domain
+# 29/72 = 0.403 / 1/9; refusals 34/36 / 6/6; well formed 240/248 / 28/28; median reasoning stage
+# 121 / 122 tokens. The first model (v1) predates the contract this evaluation checks (2 of 108
+# single-turn answers, no refusal); it has no floors.
+V1_SHA256 = "bbd3a7bab2684e1fd852e3de96bcac82e142c71dff1b4b0b23a09050951ec13d"
+FLOOR_SINGLE = 0.3
+FLOOR_LATER_TURNS = 0.1
+FLOOR_REFUSAL = 0.8
+FLOOR_WELL_FORMED = 0.9
+FLOOR_STAGE_MEDIAN = 100  # tokens; the contract asks for >= 60
 
 
 def test_shipped_model_meets_its_floors(model_file):
+    from saem_gguf.build.source import sha256_file
+
+    if sha256_file(model_file) == V1_SHA256:
+        pytest.skip("the first default model predates the evaluation's contract")
     res = evaluate(EvalConfig(model=model_file, per_kind=1, n_conversations=5, n_out_of_domain=4, n_perm=0))
     h = res["headline"]
     assert h["single_turn_accuracy"] >= FLOOR_SINGLE, res["failures"]
     assert h["later_turn_accuracy"] >= FLOOR_LATER_TURNS, res["failures"]
     assert h["out_of_domain_refusal"] >= FLOOR_REFUSAL, res["failures"]
     assert h["well_formed"] >= FLOOR_WELL_FORMED, res["failures"]
+    assert res["stages"]["length_median"] >= FLOOR_STAGE_MEDIAN, res["stages"]
