@@ -24,7 +24,6 @@ from saem_gguf.errors import SaemError
 # the attributes of the tokens llama.cpp partitions text at (its cache_special_tokens)
 ATTR_UNKNOWN, ATTR_CONTROL, ATTR_USER_DEFINED = 1 << 0, 1 << 3, 1 << 4
 
-THINK_END = b"</think>"  # reasoning ends here in Qwen3-style replies
 Tokenize = Callable[[bytes], list[int]]  # plain text -> tokens, no special parsing, no BOS
 
 
@@ -70,27 +69,26 @@ def protected_spans(prompt: bytes, contents: Sequence[str], specials: SpecialTok
     """Byte ranges of ``prompt`` holding message contents that contain special-token text.
 
     Contents are found in message order, each after the previous one; a template that trims
-    content is covered by also looking for the stripped text, and one that drops an earlier
-    reply's reasoning (Qwen3's: only the text after the last ``</think>``, leading newlines
-    stripped) by also looking for that text."""
+    content is covered by also looking for the stripped text, and one that keeps only the text
+    after an earlier reply's reasoning (Qwen3's) by looking for that text (``reasoning_kept``)."""
     spans = []
     cursor = 0
     for content in contents:
         raw = content.encode("utf-8")
         risky = specials.first_in(raw)
         found = -1
-        candidates = [raw, raw.strip()]
-        if THINK_END in raw:
-            after = raw.rsplit(THINK_END, 1)[1].lstrip(b"\n")
-            candidates += [after, after.strip()]
-        for candidate in candidates:
+        for candidate in (raw, raw.strip()):
             if candidate:
                 found = prompt.find(candidate, cursor)
                 if found >= 0:
                     raw = candidate
-                    risky = specials.first_in(raw)
                     break
         if found < 0:
+            kept = reasoning_kept(raw, specials)
+            at = -1 if kept is None else prompt.find(kept, cursor)
+            if at >= 0:  # only the plain text after the reasoning is in the prompt: nothing to protect
+                cursor = at + len(kept)
+                continue
             if risky is not None:
                 raise SaemError(f"the chat template rewrote a message containing {risky.decode(errors='replace')!r}; "
                                 "it cannot be kept literal, so it is not sent")
@@ -99,6 +97,25 @@ def protected_spans(prompt: bytes, contents: Sequence[str], specials: SpecialTok
             spans.append((found, found + len(raw)))
         cursor = found + len(raw)
     return spans
+
+
+def reasoning_kept(content: bytes, specials: SpecialTokens) -> bytes | None:
+    """What a reasoning model's template keeps of an earlier assistant message: Qwen3's renders
+    only the text after the message's last ``</think>``, leading newlines stripped. Here: the text
+    after the last special-token text in ``content``, when every special-token text in it is a
+    user-defined token (``<think>``, ``</think>``), so the kept text holds none. None otherwise: a
+    message with control-token text (``<|im_end|>``) must be found whole, or it is refused."""
+    last_end = -1
+    for text in specials.texts:
+        at = content.rfind(text)
+        if at >= 0:
+            if text not in specials.user_defined:
+                return None
+            last_end = max(last_end, at + len(text))
+    if last_end < 0:
+        return None
+    kept = content[last_end:].lstrip(b"\n")
+    return None if specials.first_in(kept) is not None else kept
 
 
 def tokenize_protected(prompt: bytes, spans: Sequence[tuple[int, int]], specials: SpecialTokens,

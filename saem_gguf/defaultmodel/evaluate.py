@@ -1,13 +1,16 @@
-"""Evaluate the default model with llama.cpp: held-out accuracy, stage cues, and stage coherence.
+"""Evaluate the default model: the held-out evaluation of the model contract, and v1's replay.
 
-    python -m saem_gguf.defaultmodel.evaluate [-n 200] [--model PATH] [--json OUT]
+    python -m saem_gguf.defaultmodel.evaluate [--model PATH] [--seed 14] [--per-kind 12]
+        [--conversations 40] [--ood 20] [--json OUT]
 
-For each held-out problem (``corpus.heldout_examples``: operand tuples training never saw) the
-model answers greedily through llama.cpp; a reply counts as correct when its ``Answer: N`` line
-after ``</think>`` holds the right N. Stages are cut where the qwen3 cue set's matcher fires on the
-generated pieces. TCseq (``saem_gguf.stage.coherence.tcseq``) uses the routing of the generated
-tokens, computed by the NumPy reference forward over the same GGUF; it is compared with the
-same tokens shuffled three ways (same stage bounds each time; several permutations each):
+runs ``saem_gguf.defaultmodel.eval`` (held-out phrasings, multi-turn conversations and
+out-of-domain turns through saem_gguf's public ``Llama``; stage statistics; TCseq against shuffled
+baselines with z) and prints the table by kind and turn; docs/DEFAULT_MODEL.md, "Evaluation".
+
+The functions below are the first model's single-turn replay (``corpus.heldout_examples`` read
+back through llama.cpp, routing from the NumPy reference), kept for ``tests/test_default_model.py``
+and ``bench/bench_stage_kinds.py``. ``coherence`` compares TCseq with the same tokens shuffled
+three ways (same stage bounds each time; several permutations each):
 
 * ``rows``:   each sequence's per-token routing rows permuted (order within the reply destroyed),
 * ``text``:   each reply's tokens permuted and re-routed by the model (prompt kept),
@@ -23,21 +26,22 @@ and for the shuffled, re-routed ones.
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from saem_gguf.defaultmodel import corpus, reference
+from saem_gguf.defaultmodel import reference
 from saem_gguf.defaultmodel.bpe import Tokenizer
+from saem_gguf.defaultmodel.eval.scoring import CUE_SET
+
+if TYPE_CHECKING:  # the corpus is the first model's; the v2 evaluation does not depend on it
+    from saem_gguf.defaultmodel import corpus
 
 ANSWER_RE = re.compile(r"</think>\s*\n\s*Answer:\s*(-?\d+)\s*$")
-CUE_SET = "qwen3"
 
 
 def open_llama(model_path: str | Path, n_ctx: int = 1024):
@@ -146,51 +150,31 @@ def top_share(routes: list[np.ndarray], n_expert: int, cap: int) -> float:
 
 def coherence(weights: reference.GGUFWeights, replies: list[Reply], capacity_ratio: float = 0.25,
               n_perm: int = 20, n_text_perm: int = 2, seed: int = 0) -> dict:
-    """TCseq of the replies' own routing, and of the same tokens shuffled (``n_perm``
-    permutations for the ``rows`` and ``pooled`` baselines, ``n_text_perm`` re-routed text
-    shuffles): each baseline's mean, std and max over its permutations, and how many standard
-    deviations the real TCseq lies above the mean."""
+    """TCseq of the replies' own routing against the ``rows`` and ``pooled`` baselines
+    (``eval.tcseq_baselines``, ``n_perm`` permutations each) and ``n_text_perm`` re-routed text
+    shuffles: each baseline's mean, std and max over its permutations, and z."""
+    from saem_gguf.defaultmodel.eval.tcseq_baselines import baseline_summary, tcseq_with_baselines
     from saem_gguf.stage.coherence import capacity_of, tcseq
 
-    rng = np.random.default_rng(seed)
     E = weights.n_expert
     use = [r for r in replies if len(r.bounds) > 2]  # at least one transition
     routes = [routing_of(weights, r.prompt_ids, r.gen_ids) for r in use]
-    bounds = [r.bounds for r in use]
-
-    def score(segs) -> float:
-        return tcseq(segs, E, capacity_ratio).overall
-
-    real = tcseq(list(zip(routes, bounds)), E, capacity_ratio)
-    base: dict[str, list[float]] = {"rows": [], "pooled": [], "text": []}
-    for _ in range(n_perm):
-        base["rows"].append(score([(ex[rng.permutation(len(ex))], b) for ex, b in zip(routes, bounds)]))
-        pool = np.concatenate(routes)[rng.permutation(sum(len(x) for x in routes))]
-        segs, at = [], 0
-        for ex, b in zip(routes, bounds):
-            segs.append((pool[at:at + len(ex)], b))
-            at += len(ex)
-        base["pooled"].append(score(segs))
+    res = tcseq_with_baselines(routes, [r.bounds for r in use], E, capacity_ratio, n_perm, seed)
+    rng = np.random.default_rng(seed + 1)
     text_routes: list[np.ndarray] = []
+    text_scores: list[float] = []
     for _ in range(n_text_perm):
         segs = []
         for r in use:
             perm = rng.permutation(len(r.gen_ids))
             segs.append((routing_of(weights, r.prompt_ids, [r.gen_ids[i] for i in perm]), r.bounds))
         text_routes += [x for x, _ in segs]
-        base["text"].append(score(segs))
+        text_scores.append(tcseq(segs, E, capacity_ratio).overall)
     cap = capacity_of(E, capacity_ratio)
-    res: dict = {"real": real.to_dict(), "n_sequences": len(use), "capacity_ratio": capacity_ratio,
-                 "concentration": {"real": round(top_share(routes, E, cap), 4),
-                                   "text": round(top_share(text_routes, E, cap), 4)}}
-    for name, vals in base.items():
-        if not vals:
-            continue
-        v = np.array(vals)
-        sd = float(v.std(ddof=1)) if len(v) > 1 else float("nan")
-        res[name] = {"mean": round(float(v.mean()), 6), "std": round(sd, 6), "max": round(float(v.max()), 6),
-                     "n_perm": len(v),
-                     "z": round((real.overall - v.mean()) / sd, 2) if sd and np.isfinite(sd) and sd > 0 else None}
+    res["concentration"] = {"real": round(top_share(routes, E, cap), 4),
+                            "text": round(top_share(text_routes, E, cap), 4)}
+    if text_scores:
+        res["text"] = baseline_summary(res["real"]["overall"], text_scores)
     return res
 
 
@@ -219,54 +203,10 @@ def kind_overlap(weights: reference.GGUFWeights, replies: list[Reply], top: int 
             "shared": pairs}
 
 
-def summarise(replies: list[Reply]) -> dict:
-    n = len(replies)
-    by_kind: dict[str, list[int]] = {}
-    for r in replies:
-        by_kind.setdefault(r.example.kind, [0, 0])
-        by_kind[r.example.kind][0] += r.correct
-        by_kind[r.example.kind][1] += 1
-    n_stages = [len(r.bounds) - 1 for r in replies]
-    return {
-        "n": n,
-        "accuracy": sum(r.correct for r in replies) / n,
-        "with_think": sum(r.has_think for r in replies) / n,
-        "with_cue_in_think": sum(bool(r.think_cues) for r in replies) / n,
-        "with_answer_line": sum(r.answer is not None for r in replies) / n,
-        "well_formed": sum(r.has_think and bool(r.think_cues) and r.answer is not None for r in replies) / n,
-        "mean_stages": float(np.mean(n_stages)),
-        "mean_reply_tokens": float(np.mean([len(r.gen_ids) for r in replies])),
-        "by_kind": {k: f"{c}/{t}" for k, (c, t) in sorted(by_kind.items())},
-    }
-
-
 def main(argv=None) -> int:
-    from saem_gguf.default_model import default_model_path
+    from saem_gguf.defaultmodel.eval.cli import main as eval_main
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=None)
-    p.add_argument("-n", type=int, default=200, help="held-out problems")
-    p.add_argument("--seed", type=int, default=12345, help="held-out draw seed")
-    p.add_argument("--capacity", type=float, default=0.25, help="ECR for TCseq")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--show", type=int, default=3, help="print this many replies")
-    a = p.parse_args(argv)
-    path = a.model or default_model_path()
-    t0 = time.time()
-    replies = run_replies(path, corpus.heldout_examples(a.n, seed=a.seed))
-    t_gen = time.time() - t0
-    summ = summarise(replies)
-    weights = reference.load_weights(path)
-    coh = coherence(weights, replies, a.capacity)
-    kinds = kind_overlap(weights, replies)
-    for r in replies[:a.show]:
-        print(f"--- {r.example.question}  (expected {r.example.answer})\n{r.text}")
-    out = {"model": str(path), "heldout_seed": a.seed, **summ, "tcseq": coh, "stage_kinds": kinds,
-           "generation_seconds": round(t_gen, 1)}
-    print(json.dumps(out, indent=2))
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
-    return 0
+    return eval_main(argv)
 
 
 if __name__ == "__main__":
