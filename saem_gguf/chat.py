@@ -29,7 +29,7 @@ HELP = "/stats  placement statistics   /reset  new conversation   /quit  exit   
 class ChatSession:
     engine: Engine
     system: str | None = None
-    n_predict: int = 512
+    n_predict: int = -1  # as llama-cli: until end of generation (a full context ends it too)
     sampling: SamplingConfig = GREEDY
     show_stages: bool = False
     hide_thinking: bool = False  # fold <think>…</think> into one line

@@ -371,3 +371,11 @@ def test_engine_prices_with_the_given_hardware(model, tmp_path):
         eng.close()
     r = run_cli("generate", "-m", model, "-p", "x", "--hw", "abacus")
     assert r.returncode == 1 and "unknown hardware" in r.stderr
+
+
+def test_chat_replies_run_to_their_end_of_turn_by_default():
+    # llama-cli's -n default is -1; with 512 the embedded model's longest replies lost their answer line
+    from saem_gguf.cli.main import build_parser
+
+    assert build_parser().parse_args(["chat"]).n_predict == -1
+    assert build_parser().parse_args(["chat", "-n", "64"]).n_predict == 64

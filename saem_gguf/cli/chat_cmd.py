@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="mark stage boundaries in the output, each before the cue that opened it")
     p.add_argument("--hide-thinking", action="store_true",
                    help="fold <think>...</think> into one line saying how much was hidden")
-    add_sampling_args(p, n_predict=512)
+    add_sampling_args(p, n_predict=-1)  # llama-cli's default: a reply runs to its end of turn
     add_placement_args(p)
     p.set_defaults(func=run)
 
