@@ -49,6 +49,16 @@ class StageEvent(NamedTuple):
 NO_EVENTS: tuple[StageEvent, ...] = ()  # what feed returns for a step without a boundary
 
 
+def step_slots(seq_idx, distinct: bool = False) -> np.ndarray:
+    """``seq_idx`` as one step's int64 [B] sequence slots; ``distinct``: a slot twice is refused
+    (where cue and routing events are merged per slot, each slot must advance by one token)."""
+    if type(seq_idx) is not np.ndarray or seq_idx.dtype != np.int64 or seq_idx.ndim != 1:
+        seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
+    if distinct and seq_idx.shape[0] > 1 and len(set(seq_idx.tolist())) != seq_idx.shape[0]:
+        raise SaemError("feed: a sequence slot appears twice in one step")
+    return seq_idx
+
+
 def routing_rows(experts, B: int, shape: tuple[int, int, int]) -> np.ndarray:
     """``experts`` checked as one step's int16 [B, L, K] routing (``shape`` = (L, E, K))."""
     if experts is None:
@@ -146,16 +156,11 @@ class StageDetector:
         """Consume one token for each slot in ``seq_idx`` (distinct slots): its text piece and,
         when the routing-shift detector runs, its experts [B, L, K] (ignored otherwise). Returns
         the boundaries found (an empty tuple when none: nothing is allocated for a quiet step)."""
-        if type(seq_idx) is not np.ndarray or seq_idx.dtype != np.int64 or seq_idx.ndim != 1:
-            seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
+        # cue and routing events are merged per slot after both kernels ran
+        seq_idx = step_slots(seq_idx, distinct=self.matcher is not None and self.implicit is not None)
         B = seq_idx.shape[0]
         if B == 0:
             return NO_EVENTS
-        if B > 1 and self.matcher is not None and self.implicit is not None:
-            # Cue and routing events are merged per slot after both kernels ran; that is only
-            # well-defined when each slot advances by exactly one token.
-            if len(set(seq_idx.tolist())) != B:
-                raise SaemError("feed: a sequence slot appears twice in one step")
         events: list[StageEvent] | None = None
         if self.matcher is not None:
             if pieces is None:

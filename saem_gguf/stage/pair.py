@@ -20,7 +20,7 @@ from dataclasses import replace
 import numpy as np
 
 from saem_gguf.errors import SaemError
-from saem_gguf.stage.detector import NO_EVENTS, StageDetector, StageEvent, routing_rows
+from saem_gguf.stage.detector import NO_EVENTS, StageDetector, StageEvent, routing_rows, step_slots
 from saem_gguf.stage.implicit import ImplicitDetector
 from saem_gguf.stage.matcher import CueMatcher
 
@@ -59,11 +59,8 @@ class DetectorPair:
         """Consume one token for each slot in ``seq_idx`` int64 [B] (distinct slots): its text piece
         and its experts [B, L, K]. Returns (the cue detector's boundaries, whether the twin found
         one)."""
-        if type(seq_idx) is not np.ndarray or seq_idx.dtype != np.int64 or seq_idx.ndim != 1:
-            seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
+        seq_idx = step_slots(seq_idx, distinct=True)
         B = seq_idx.shape[0]
-        if B > 1 and len(set(seq_idx.tolist())) != B:
-            raise SaemError("feed: a sequence slot appears twice in one step")
         experts = routing_rows(experts, B, self.shape)
         events: list[StageEvent] | None = None
         combined = False
