@@ -104,15 +104,12 @@ def stage_bounds(tok: Tokenizer, ids: list[int]) -> tuple[np.ndarray, list[str],
     from saem_gguf.stage.cues import load_cues
     from saem_gguf.stage.matcher import find_cues
 
+    from saem_gguf.defaultmodel.eval.stages import cut_at_cues
+
     cues = load_cues(CUE_SET)
     events = find_cues(cues, [tok.piece(i) for i in ids])
-    opener: dict[int, str] = {}
-    for c, t in events:
-        if 0 < t < len(ids):
-            opener.setdefault(t, cues[c].text)
-    cuts = sorted(opener)
-    return (np.array([0] + cuts + [len(ids)], np.int64), [cues[c].text for c, _ in events],
-            [""] + [opener[t] for t in cuts])
+    stages = cut_at_cues(events, cues, len(ids))
+    return stages.bounds, [cues[c].text for c, _ in events], list(stages.openers)
 
 
 def answer_of(text: str) -> int | None:

@@ -37,12 +37,18 @@ def reply_stages(pieces: Sequence[bytes]) -> ReplyStages:
     from saem_gguf.stage.matcher import find_cues
 
     cues = load_cues(CUE_SET)
+    return cut_at_cues(find_cues(cues, list(pieces)), cues, len(pieces))
+
+
+def cut_at_cues(cue_events, cues, n_tokens: int) -> ReplyStages:
+    """The stages of ``n_tokens`` tokens cut where ``cue_events`` ((cue index into ``cues``,
+    token) pairs, as ``find_cues`` returns them) fall inside; the first cue at a token opens it."""
     opener: dict[int, str] = {}
-    for c, t in find_cues(cues, list(pieces)):
-        if 0 < t < len(pieces):
+    for c, t in cue_events:
+        if 0 < t < n_tokens:
             opener.setdefault(t, cues[c].text)
     cuts = sorted(opener)
-    return ReplyStages(np.array([0, *cuts, len(pieces)], np.int64), ("", *(opener[t] for t in cuts)))
+    return ReplyStages(np.array([0, *cuts, n_tokens], np.int64), ("", *(opener[t] for t in cuts)))
 
 
 def length_statistics(replies: Sequence[ReplyStages]) -> dict:
