@@ -155,23 +155,26 @@ def measure_flops_per_core(n: int = 256, repeats: int = 30, attempts: int = 3,
     PLAUSIBLE_GEMM_FLOPS_PER_CORE is measured again, up to ``attempts`` times in all, keeping the
     one nearest the range. ``probe(n, repeats)`` returns the best product's seconds (default:
     single_core_gemm_seconds)."""
-    lo, hi = PLAUSIBLE_GEMM_FLOPS_PER_CORE
     probe = probe or single_core_gemm_seconds
     nearest = 0.0
     for attempt in range(1, attempts + 1):
         rate = 2.0 * n**3 / probe(n, repeats)
         if gemm_rate_plausible(rate):
             return FlopsMeasurement(QUANT_SHARE_OF_GEMM * rate, rate, attempt, True)
-        if nearest == 0.0 or abs(np.log(rate / (lo if rate < lo else hi))) < \
-                abs(np.log(nearest / (lo if nearest < lo else hi))):
+        if nearest == 0.0 or _log_distance_to_plausible(rate) < _log_distance_to_plausible(nearest):
             nearest = rate
     return FlopsMeasurement(QUANT_SHARE_OF_GEMM * nearest, nearest, attempts, False)
 
 
+def _log_distance_to_plausible(rate: float) -> float:
+    """How many e-folds a GEMM rate lies outside PLAUSIBLE_GEMM_FLOPS_PER_CORE (0 inside)."""
+    lo, hi = PLAUSIBLE_GEMM_FLOPS_PER_CORE
+    return float(np.log(lo / rate)) if rate < lo else max(0.0, float(np.log(rate / hi)))
+
+
 def gemm_rate_plausible(rate: float) -> bool:
     """Whether a single-core float32 GEMM rate (FLOP/s) can be a real core's."""
-    lo, hi = PLAUSIBLE_GEMM_FLOPS_PER_CORE
-    return lo <= rate <= hi
+    return _log_distance_to_plausible(rate) == 0.0
 
 
 def measure_cpu(base: HardwareProfile, quick: bool = False) -> HardwareProfile:
