@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from saem_gguf.defaultmodel.eval.problems import question_lines  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 
 POLICIES = "saem,saem-strict,saem-cue,lfu-cpu,static-hot,temporal-cpu,n-cpu-moe,oracle"
 ECRS = "6.25%,12.5%,25%,50%"
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
     questions, trace, sim = a.out / "questions.txt", a.out / "trace.npz", a.out / "simulate.json"
-    questions.write_text("\n".join(question_lines(a.seed, a.n)) + "\n", encoding="utf-8")
+    write_text_atomic(questions, "\n".join(question_lines(a.seed, a.n)) + "\n")
     model = ["-m", str(a.model)] if a.model else []
     load_before = os.getloadavg()[0]
     saem_cli("trace", *model, "--prompts", str(questions), "-n", str(N_PREDICT), "--quiet", "-o", str(trace))
@@ -76,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, "tok_s", 1.0, ".0f"))
     print(f"load average (1 min): {load_before:.2f} before, {load_after:.2f} after")
     if a.json:
-        a.json.write_text(json.dumps({"rows": rows, "loadavg": [load_before, load_after],
-                                      "questions": a.n, "seed": a.seed}, indent=1))
+        # atomic, as the other benches' results: an interrupted run leaves no half-written file
+        write_text_atomic(a.json, json.dumps({"rows": rows, "loadavg": [load_before, load_after],
+                                              "questions": a.n, "seed": a.seed}, indent=1))
     return 0
 
 
