@@ -21,6 +21,11 @@ made up, but shaped after what the SAEM paper reports for Qwen3 on MATH-500:
   at a line start, so the cue matcher can find the boundaries. ``stage_starts`` holds the
   index of the first token of each stage (the cue's first token).
 
+Optional, off by default (so every other family stays byte-identical): ``drift_every`` makes a
+stage's hot set drift without a cue or a recorded boundary (every ``drift_every`` tokens the
+affinity keeps ``drift_keep`` of itself and takes the rest fresh), and ``token_noise`` routes
+that share of the tokens uniformly over the experts (tokens no stage predicts).
+
 ``stationary=True`` gives the null model: one stage per sequence (same token budget), no
 stage cues, so routing never shifts.
 
@@ -102,6 +107,14 @@ class SyntheticConfig:
     # ``kind_share * kind + (1 - kind_share) * fresh`` (coherence is then unused).
     n_kinds: int = 0
     kind_share: float = 0.8
+    # Hot sets that drift inside a stage: every ``drift_every`` tokens (0: never) the stage's
+    # affinity moves to ``drift_keep * current + (1 - drift_keep) * fresh``, with no cue and no
+    # recorded boundary (what a cache that follows the routing handles and a stage rule does not).
+    drift_every: int = 0
+    drift_keep: float = 0.8
+    # Token noise: each token routes, with this probability, by a uniform affinity over the
+    # experts instead of its stage's (tokens no stage predicts; they pollute recency caches).
+    token_noise: float = 0.0
     with_weights: bool = True
     arch: str = "qwen3moe"
     name: str = "synthetic"
@@ -461,6 +474,10 @@ def _check(cfg: SyntheticConfig) -> None:
         raise SaemError("cue_prob and noise_cue_rate must be probabilities")
     if cfg.n_kinds < 0 or not 0.0 <= cfg.kind_share <= 1.0:
         raise SaemError("n_kinds must be >= 0 and kind_share in [0, 1]")
+    if cfg.drift_every < 0 or not 0.0 <= cfg.drift_keep <= 1.0:
+        raise SaemError("drift_every must be >= 0 and drift_keep in [0, 1]")
+    if not 0.0 <= cfg.token_noise <= 1.0:
+        raise SaemError("token_noise must be a probability")
     if cfg.with_text and cfg.cue_prob > 0 and not cfg.stage_cues and not cfg.stationary:
         raise SaemError("cue_prob > 0 needs at least one stage cue")
 
@@ -518,6 +535,7 @@ def make_sequence(
         token_stage[stage_starts[s]:] = s
 
     seed = int(rng.integers(0, 2**63 - 1))
+    aff, token_stage = _drift_and_noise(cfg, rng, aff, token_stage, stage_starts, seed)
     experts, weights = sample_routing(aff, token_stage, cfg.top_k, seed)
     token_ids = textgen.ids(pieces) if textgen is not None else np.zeros(T, np.int32)
     trace = SequenceTrace(
@@ -529,6 +547,32 @@ def make_sequence(
         prompt_len=int(cfg.prompt_len),
     )
     return trace, cues
+
+
+def _drift_and_noise(cfg: SyntheticConfig, rng: np.random.Generator, aff: np.ndarray, token_stage: np.ndarray,
+                     stage_starts: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The routing rows (affinities [R, L, E]) and each token's row once in-stage drift and token
+    noise are applied (SyntheticConfig.drift_every, token_noise); unchanged, drawing nothing from
+    ``rng``, when both are off (the other families stay byte-identical)."""
+    if cfg.drift_every <= 0 and cfg.token_noise <= 0:
+        return aff, token_stage
+    L, E = aff.shape[1:]
+    T = token_stage.shape[0]
+    rows = []
+    row_of = np.empty(T, np.int64)
+    ends = [*stage_starts[1:].tolist(), T]
+    for s in range(aff.shape[0]):
+        cur = aff[s]
+        for a in range(int(stage_starts[s]), ends[s], cfg.drift_every if cfg.drift_every > 0 else T):
+            if a > stage_starts[s]:
+                cur = cfg.drift_keep * cur + (1.0 - cfg.drift_keep) * zipf_affinity(rng, L, E, cfg.skew)
+            rows.append(cur)
+            row_of[a:ends[s]] = len(rows) - 1
+    if cfg.token_noise > 0:
+        rows.append(np.full((L, E), 1.0 / E))
+        noisy = np.random.default_rng(seed ^ 0x5EED).random(T) < cfg.token_noise
+        row_of[noisy] = len(rows) - 1
+    return np.stack(rows), row_of
 
 
 def make_stage_traces(cfg: SyntheticConfig) -> TraceSet:

@@ -170,3 +170,30 @@ def replay_cache_cpu(routing: np.ndarray, slots: int, resident: list[list[int]],
                 slots_of[l][slot] = e
                 loads += 1
     return hits, loads, [{e for e in r if e >= 0} for r in slots_of]
+
+
+def adaptive_step_gain(rows: np.ndarray, before: np.ndarray, after: np.ndarray, n_slots: np.ndarray,
+                       cost: np.ndarray, copy_cost: float) -> float:
+    """What one adaptive-saem candidate earns on one step, in one-token hits (the score of
+    ``policies/adaptive.py``): per cached layer, every expert of the step held in its set
+    ``before`` [L, E] (bool) saves ``t_cpu(c) - t_gpu(c)`` for the ``c`` tokens routed to it, a
+    layer whose used experts are all held also skips the CPU round trip (C_SYNC), and every expert
+    in its set ``after`` the step that was not there before costs ``copy_cost``; all over what one
+    token's hit saves."""
+    one = t_cpu(1, cost) - t_gpu(1, cost)
+    total = 0.0
+    for l in range(rows.shape[1]):
+        if n_slots[l] == 0:
+            continue
+        uses: dict[int, int] = {}
+        for b in range(rows.shape[0]):
+            if rows[b, 0, 0] < 0:
+                continue
+            for e in rows[b, l]:
+                uses[int(e)] = uses.get(int(e), 0) + 1
+        held = [e for e in uses if before[l, e]]
+        total += sum((t_cpu(uses[e], cost) - t_gpu(uses[e], cost)) / one for e in held)
+        if len(held) == len(uses):
+            total += cost[C_SYNC] / one
+        total -= copy_cost * int(np.count_nonzero(after[l] & ~before[l]))
+    return total

@@ -160,3 +160,20 @@ def test_link_meter_budget_hand_computed():
     step_ov = ov.array[C_STEP_S] + L * (ov.array[C_DENSE_LAYER_S] + max(ov.gpu_time(1), ov.cpu_time(1))
                                         + ov.array[C_SYNC])
     assert LinkMeter(ov, E).budget(rows, slot_of) == pytest.approx(step_ov * HW.h2d_bw, rel=1e-12)
+
+
+def test_hit_gains_are_the_cost_models_savings():
+    """A candidate earns, per resident expert used by c tokens, t_cpu(c) - t_gpu(c) over a
+    one-token hit's saving, and a layer with every used expert resident also the CPU round trip;
+    by hand on the RTX 4090 preset (Qwen3-30B-A3B Q4_K): a CPU expert reads its 2.65 MB once for
+    any c below the compute bound, so 8 tokens earn far less than 8 one-token hits."""
+    from saem_gguf.costmodel import t_cpu, t_gpu
+    from saem_gguf.policies.adaptive import hit_gains
+
+    cost = CostModel.from_expert_bytes(2_654_208, HW).array
+    gain, sync = hit_gains(cost, 8)
+    one = t_cpu(1, cost) - t_gpu(1, cost)
+    assert gain[0] == 0 and gain[1] == pytest.approx(1.0)
+    assert gain[8] == pytest.approx((t_cpu(8, cost) - t_gpu(8, cost)) / one)
+    assert 1.0 < gain[8] < 4.0 and np.all(np.diff(gain[1:]) >= 0)
+    assert sync == pytest.approx(cost[C_SYNC] / one) and 0.5 < sync < 1.0

@@ -100,3 +100,38 @@ def test_cpu_caches_equal_naive(name, kind, seed):
     assert acct.counters[A_HIT] == hits
     assert acct.counters[A_ASYNC] == loads
     assert [set(np.flatnonzero(state.slot_of[l] >= 0).tolist()) for l in range(L)] == sets
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_adaptive_scores_equal_naive(seed, batch):
+    """Adaptive saem's candidate scores (decide_adaptive) equal naive.adaptive_step_gain averaged
+    as documented: plain means over the first horizon, then weight 1 / horizon, on random
+    routing with rows that finish early and layers of every cache size."""
+    from saem_gguf.policies.adaptive import CTL_ALPHA, CTL_COPY_COST, AdaptiveSaemPolicy
+    from saem_gguf.policies.state import StepEvents
+
+    rng = np.random.default_rng(100 + seed)
+    L, E, K, steps = 4, 16, 3, 90
+    calib = rng.random((L, E)) * 40
+    n_slots = np.array([0, 3, 6, E], np.int32)
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots, batch=batch,
+                        cost=CostModel.from_expert_bytes(2_654_208, HW), calib_counts=calib)
+    pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=32.0)
+    pol.start(ctx)
+    cost = ctx.cost.array
+    expect = np.zeros(len(pol.candidates))
+    routing = _routing(rng, steps, batch, L, E, K)
+    scored = 0
+    for s in range(steps):
+        before = pol._c_slot >= 0
+        pol.observe(routing[s], StepEvents(n_rows=batch))
+        after = pol._c_slot >= 0
+        if not (routing[s, :, 0, 0] >= 0).any():
+            continue
+        scored += 1
+        w = max(pol._ctl[CTL_ALPHA], 1.0 / scored)
+        for c in range(len(pol.candidates)):
+            gain = naive.adaptive_step_gain(routing[s], before[c], after[c], n_slots, cost, pol._ctl[CTL_COPY_COST])
+            expect[c] += w * (gain - expect[c])
+        np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)

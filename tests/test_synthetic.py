@@ -141,3 +141,38 @@ def test_bad_configs():
         make_stage_traces(SyntheticConfig(n_sequences=0))
     with pytest.raises(SaemError):
         fit_clipped_lognormal(10, 5, 1, 100)
+
+
+def _layer_hist(experts, a, b, n_expert):
+    return np.bincount(experts[a:b].reshape(-1).astype(np.int64), minlength=n_expert)
+
+
+def test_drift_and_token_noise():
+    """drift_every moves a stage's hot set without a recorded boundary; token_noise spreads a
+    share of the tokens over every expert; both off draws nothing more (the text, boundaries and
+    routing of every other family stay as they were)."""
+    base = SyntheticConfig(n_sequences=1, seed=5, n_stages=1, stage_len_scale=4.0, **SMALL)
+    plain = make_stage_traces(base).sequences[0]
+    same = make_stage_traces(dataclasses.replace(base, drift_every=0, token_noise=0.0)).sequences[0]
+    assert np.array_equal(plain.experts, same.experts)
+    drift = make_stage_traces(dataclasses.replace(base, drift_every=100, drift_keep=0.0)).sequences[0]
+    assert drift.pieces == plain.pieces and np.array_equal(drift.stage_starts, plain.stage_starts)
+    E = SMALL["n_expert"]
+    T = plain.n_tokens
+    assert T >= 400
+
+    def overlap(s, a, b, c, d):  # share of layer 0's routing mass that two windows have in common
+        h1 = _layer_hist(s.experts[:, :1], a, b, E) / (b - a)
+        h2 = _layer_hist(s.experts[:, :1], c, d, E) / (d - c)
+        return np.minimum(h1, h2).sum() / h1.sum()
+
+    # within one stage: the plain routing is one distribution, the drifting one moves
+    assert overlap(plain, 0, 100, 300, 400) > 0.8
+    assert overlap(drift, 0, 100, 300, 400) < overlap(plain, 0, 100, 300, 400) - 0.2
+    noisy = make_stage_traces(dataclasses.replace(base, token_noise=1.0)).sequences[0]
+    counts = _layer_hist(noisy.experts, 0, T, E)
+    assert counts.min() > 0.6 * counts.mean()  # uniform over the experts
+    with pytest.raises(SaemError, match="token_noise"):
+        make_stage_traces(dataclasses.replace(base, token_noise=1.5))
+    with pytest.raises(SaemError, match="drift_every"):
+        make_stage_traces(dataclasses.replace(base, drift_every=-1))

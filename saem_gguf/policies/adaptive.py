@@ -17,17 +17,22 @@ Candidates, each a full shadow cache (sets only; no pricing):
   completed stage's counts, blended with the cue's calibrated stage profile when there is one
   (``saem-cue``'s blend).
 
-Each step, each candidate earns ``hits - copy_cost * copies`` (token-level hits of its set
-before its own update, copies it made); the score is an exponential average over
-``horizon_steps``. The real cache follows the leader's set: after each layer runs, the leader's
+Each step, each candidate earns what its set (before its own update) would have saved in
+expert time on the cost model, in one-token hits (``hit_gains``: ``t_cpu(c) - t_gpu(c)`` for an
+expert used by ``c`` of the step's tokens, plus the CPU round trip a layer skips when every
+expert it used was held), less ``copy_cost`` per copy it made; the score is an exponential
+average over ``horizon_steps``. Counting token hits instead would favour the rule that hits
+most, which is not the fastest where one CPU expert in a layer costs the whole round trip (the
+embedded model: a hit saves 1.4 us, the round trip 30 us) or where a batch shares an expert's
+weight read. The real cache follows the leader's set: after each layer runs, the leader's
 new residents are copied in best first, each replacing a resident that left the leader's set,
 as far as the step's link budget allows (``observe``'s ``link_budget``; the rest follow at later
 steps); for a leader that keeps its set, that is exactly its own loads. The leader changes when
 another candidate's score beats it by more than the copies a switch costs, spread over the
 horizon.
-``copy_cost`` is in hits: the CPU time a copy's DMA takes from CPU experts (the part of
-``t_xfer`` not hidden behind the next layer's dense part, times ``1 - 1/f``, f the DMA
-slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
+``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
+experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
+1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
 
 Because the baselines' own rules are candidates, the real cache trails the best of them only by
 the switching copies and the lag of the average: robust by construction, not by tuning.
@@ -41,7 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from saem_gguf.costmodel import C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, link_bytes_per_copy, t_cpu, t_gpu, t_xfer
+from saem_gguf.costmodel import (
+    C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_SYNC, link_bytes_per_copy, t_cpu, t_gpu, t_xfer,
+)
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.caching import KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda
 from saem_gguf.policies.layout import choose_layout
@@ -79,7 +86,8 @@ CTL_SWITCHES = 4  # leader changes so far
 CTL_SWITCH_COST = 5  # what one copy of a leader switch must be outweighed by, in hits
 CTL_SCORED = 6  # steps scored so far: the first horizon's averages are plain means (no lag from 0)
 CTL_WARM = 7  # 1: the first steps are averaged as plain means; 0: all with weight 1 / horizon
-N_CTL = 8
+CTL_SYNC_GAIN = 8  # what a layer step with every used expert resident saves beyond its hits (no CPU round trip), in hits
+N_CTL = 9
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -116,7 +124,12 @@ class AdaptiveConfig:
     warm_start: bool = True
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     prior_tokens: float = 64.0  # LFU/LRFU calibration prior, as in caching.py
-    copy_cost: float | None = None  # a copy's cost in hits; None: copy_cost_in_hits(cost model)
+    copy_cost: float | None = None  # a copy's cost in hits; None: copy_price * copy_cost_in_hits(cost model)
+    # the share of copy_cost_in_hits a copy is priced at: that estimate charges every copy the
+    # DMA slow-down of the transfer time the next dense part does not hide; the simulated price
+    # varies with the batch and the link's load, and half of it served every measured family
+    # best (docs/POLICIES.md, "Measured: does saem lead?")
+    copy_price: float = 0.5
     # "auto": split the slot budget over the layers by pricing layouts (layout.py: from uniform to
     # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer
     layout: str = "auto"
@@ -136,7 +149,7 @@ def _set_diff(c_slot, slot_of, c):
 
 @njit(cache=True)
 def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, stamp, score, led, ctl, behind,
-                    budget, cnt, uniq, miss, admitted, entrants, ops):
+                    budget, gain_of, cnt, uniq, miss, admitted, entrants, ops):
     """One decode step: pick the leader, update every candidate's shadow cache with the step's
     routing layer by layer, and bring each real layer to the leader's set after the layer ran.
     Returns how many ``ops`` rows it wrote.
@@ -146,11 +159,12 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     each candidate's CAND_* parameters; c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]:
     each candidate's expert->slot and slot->expert maps; c_key float64 [C, L, E]: their
     priority keys (caching.py); stamp int64 [L, E]: last step each expert was used; score
-    float64 [C]: averaged net hits per step; led float64 [C]: steps each candidate led; ctl:
+    float64 [C]: averaged net gain per step, in one-token hits; led float64 [C]: steps each candidate led; ctl:
     CTL_*; behind uint8 [L]: 1 where the real layer may differ from the leader's (a switch, the
     leader's own loads, a stage re-rank, copies the budget deferred: only those layers are
     compared); budget: copies the link budget allows this step (the real cache's; shadow caches
-    copy nothing); cnt int32 [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E,
+    copy nothing); gain_of float64
+    [>= B + 1]: what a resident expert used by c tokens of the step earns (``hit_gains``); cnt int32 [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E,
     3]: scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per
     layer each entrant (best first) after the eviction that frees its slot (OP_AFTER_USE for one
     the step used, OP_PREFETCH otherwise)."""
@@ -181,7 +195,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 c_key[c] /= scale[c]
                 cand[c, CAND_REF] = g
                 scale[c] = 1.0
-    net = np.zeros(C, np.float64)  # this step's hits minus priced copies, per candidate
+    net = np.zeros(C, np.float64)  # this step's gains minus priced copies, per candidate
     n_ops = 0
     for l in range(L):
         if n_slots[l] == 0:  # no cache here, in any candidate: nothing to score, keep or follow
@@ -192,10 +206,12 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             for i in range(n):
                 e = uniq[i]
                 if c_slot[c, l, e] >= 0:
-                    net[c] += cnt[e]
+                    net[c] += gain_of[cnt[e]]
                 else:
                     miss[n_miss] = e
                     n_miss += 1
+            if n_miss == 0:
+                net[c] += ctl[CTL_SYNC_GAIN]
             kind = int(cand[c, CAND_KIND])
             if kind == KIND_FIXED:
                 continue
@@ -265,6 +281,21 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     return n_ops
 
 
+def hit_gains(cost: np.ndarray, batch: int) -> tuple[np.ndarray, float]:
+    """(gain_of float64 [batch + 1], sync gain): what a candidate earns, in one-token hits, for a
+    resident expert used by c tokens of a step, and for a layer step whose used experts are all
+    resident: the cost model's saving, ``t_cpu(c) - t_gpu(c)`` (an expert's CPU run reads its
+    weights once however many tokens use it) and the CPU round trip (``C_SYNC``) that a layer
+    without CPU work skips, over what a one-token hit saves. So a candidate's score is the expert
+    time it would have saved, as the simulator prices it."""
+    c = np.arange(batch + 1, dtype=np.float64)
+    one = t_cpu(1, cost) - t_gpu(1, cost)
+    if one <= 0:
+        return c, 0.0
+    gain = np.array([0.0, *((t_cpu(int(n), cost) - t_gpu(int(n), cost)) / one for n in c[1:])])
+    return gain, float(cost[C_SYNC] / one)
+
+
 def copy_cost_in_hits(cost: np.ndarray) -> float:
     """What one copy costs, in hits. Host-to-device DMA reads host memory, so CPU experts run
     ``f`` times slower while it lasts (C_DMA_SLOW). A copy issued after a layer first overlaps the
@@ -286,12 +317,13 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
-                 copy_cost: float | None = None, layout: str = "auto", **overrides) -> None:
+                 copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
+                 **overrides) -> None:
         super().__init__(config, **overrides)
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
-                                       copy_cost=copy_cost, layout=layout)
+                                       copy_cost=copy_cost, copy_price=float(copy_price), layout=layout)
         if layout not in ("auto", "uniform"):
             raise ValueError("layout must be 'auto' or 'uniform'")
         if not candidates or candidates[0] != "stage":
@@ -326,11 +358,12 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl = np.zeros(N_CTL)
         self._ctl[CTL_LEADER] = 0  # the stage rule until the routing says otherwise
         self._ctl[CTL_ALPHA] = 1.0 / self.adaptive.horizon_steps
-        self._ctl[CTL_COPY_COST] = copy_cost_in_hits(ctx.cost.array) if self.adaptive.copy_cost is None \
-            else self.adaptive.copy_cost
+        self._ctl[CTL_COPY_COST] = self.adaptive.copy_price * copy_cost_in_hits(ctx.cost.array) \
+            if self.adaptive.copy_cost is None else self.adaptive.copy_cost
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
+        self._gain_of, self._ctl[CTL_SYNC_GAIN] = hit_gains(ctx.cost.array, max(int(ctx.batch), 1))
         self._behind = np.ones(ctx.n_layer, np.uint8)
         E = ctx.n_expert
         self._cnt = np.zeros(E, np.int32)
@@ -382,9 +415,11 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         st = self.state
         # copies the link can carry before the next step (math.inf: as many as the leader needs)
         copies = int(min(link_budget / self._copy_bytes, MAX_COPIES))
+        if routing_rows.shape[0] >= self._gain_of.shape[0]:  # a larger batch than the context said
+            self._gain_of, _ = hit_gains(self.ctx.cost.array, routing_rows.shape[0])
         n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
                             self._c_owner, self._c_key, self._stamp, self._score, self._led, self._ctl, self._behind,
-                            copies, self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops)
+                            copies, self._gain_of, self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops)
         self._count(routing_rows, events)
         reason = self._due(events)
         placements = 0
