@@ -27,9 +27,11 @@ embedded model: a hit saves 1.4 us, the round trip 30 us) or where a batch share
 weight read. The real cache follows the leader's set: after each layer runs, the leader's
 new residents are copied in best first, each replacing a resident that left the leader's set,
 as far as the step's link budget allows (``observe``'s ``link_budget``; the rest follow at later
-steps); for a leader that keeps its set, that is exactly its own loads. The leader changes when
-another candidate's score beats it by more than the copies a switch costs, spread over the
-horizon.
+steps); a cache leader's new residents only once a step uses them (its own loads come at once:
+they are what the step used), a fixed set's (stage, static) at once. The leader changes when
+another candidate's score beats it by more than the copies a switch costs, its lead counted
+over the horizon, or over the steps scored so far while they are fewer (a lead seen on three
+steps is no evidence for sixty-four).
 ``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
 experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
 1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
@@ -179,7 +181,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     for c in range(C):
         if score[c] > score[best]:
             best = c
-    gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
+    # the lead is expected to last the horizon, but it is evidence of no more steps than were scored
+    gain = (score[best] - score[lead]) * min(ctl[CTL_HORIZON], ctl[CTL_SCORED])
     sw = ctl[CTL_SWITCH_COST]
     if best != lead and gain > sw and gain > sw * _set_diff(c_slot, slot_of, best):
         lead = best
@@ -237,11 +240,20 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
         # the real layer moves to the leader's set as far as the link budget allows: the entrants
         # best first by the leader's priority (a cache leader's own load order, the ranking's
         # order for a fixed set), each into a free slot or the slot of the leaver the leader
-        # values least; the rest wait for a later step (the layer stays behind)
+        # values least; the rest wait for a later step (the layer stays behind). A cache
+        # leader's entrants come in when a step uses one (as the cache loads its own misses):
+        # copying its whole set at a switch would slow the CPU experts for experts that may
+        # never be used before the cache drops them; a fixed set (a stage placement, the
+        # calibrated one) is copied at once, as SAEM places a stage
         n_new = 0
+        waiting = 0
+        lazy = int(cand[lead, CAND_KIND]) != KIND_FIXED
         for cs in range(n_slots[l]):
             e = c_owner[lead, l, cs]
             if e < 0 or slot_of[l, e] >= 0:
+                continue
+            if lazy and cnt[e] == 0:
+                waiting += 1
                 continue
             j = n_new
             while j > 0 and c_key[lead, l, entrants[j - 1]] < c_key[lead, l, e]:
@@ -251,7 +263,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             n_new += 1
         take = min(n_new, budget)
         budget -= take
-        behind[l] = 1 if take < n_new else 0
+        behind[l] = 1 if take < n_new or waiting > 0 else 0
         for i in range(take):
             e = entrants[i]
             free = -1
