@@ -358,7 +358,10 @@ def _stats_keyed(s) -> dict:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_finishes_in_flight_requests_and_exits_0(sig):
-    s = ServerProcess(["-np", "2", "-c", "8192"]).start()
+    # the drain is given a minute: a 3000-token reply took 10 s to drain on a slower machine of
+    # this kind (the default --shutdown-timeout 10 then cancelled it); the reply's length keeps
+    # it in flight when the signal lands
+    s = ServerProcess(["-np", "2", "-c", "8192", "--shutdown-timeout", "60"]).start()
     try:
         result: dict = {}
 
@@ -373,8 +376,8 @@ def test_stop_signal_finishes_in_flight_requests_and_exits_0(sig):
         t = threading.Thread(target=stream)
         t.start()
         assert wait_until(lambda: httpx.get(s.url + "/v1/saem/stats", timeout=30).json()["busy_slots"] == 1, 30)
-        rc = s.stop(sig)
-        t.join(60)
+        rc = s.stop(sig, timeout=90)
+        t.join(90)
         assert rc == 0, s.stderr()
         body = result.get("body", "(no answer)")
         assert body.endswith("data: [DONE]\n\n"), (body[-300:], s.stderr())  # drained: the answer is whole
