@@ -29,9 +29,8 @@ new residents are copied in best first, each replacing a resident that left the 
 as far as the step's link budget allows (``observe``'s ``link_budget``; the rest follow at later
 steps); a cache leader's new residents only once a step uses them (its own loads come at once:
 they are what the step used), a fixed set's (stage, static) at once. The leader changes when
-another candidate's score beats it by more than the copies a switch costs, its lead counted
-over the horizon, or over the steps scored so far while they are fewer (a lead seen on three
-steps is no evidence for sixty-four).
+another candidate's score beats it by more than the copies a switch costs, spread over the
+horizon.
 ``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
 experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
 1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
@@ -181,8 +180,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     for c in range(C):
         if score[c] > score[best]:
             best = c
-    # the lead is expected to last the horizon, but it is evidence of no more steps than were scored
-    gain = (score[best] - score[lead]) * min(ctl[CTL_HORIZON], ctl[CTL_SCORED])
+    gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
     sw = ctl[CTL_SWITCH_COST]
     if best != lead and gain > sw and gain > sw * _set_diff(c_slot, slot_of, best):
         lead = best
