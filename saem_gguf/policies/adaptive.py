@@ -87,7 +87,7 @@ CTL_SWITCHES = 4  # leader changes so far
 CTL_SWITCH_COST = 5  # what one copy of a leader switch must be outweighed by, in hits
 CTL_SCORED = 6  # steps scored so far: the first horizon's averages are plain means (no lag from 0)
 CTL_WARM = 7  # 1: the first steps are averaged as plain means; 0: all with weight 1 / horizon
-CTL_SYNC_GAIN = 8  # what a layer step with every used expert resident saves beyond its hits (no CPU round trip), in hits
+CTL_SYNC_GAIN = 8  # a layer step with every used expert held skips the CPU round trip: its gain, in hits
 N_CTL = 9
 
 
@@ -160,15 +160,16 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     each candidate's CAND_* parameters; c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]:
     each candidate's expert->slot and slot->expert maps; c_key float64 [C, L, E]: their
     priority keys (caching.py); stamp int64 [L, E]: last step each expert was used; score
-    float64 [C]: averaged net gain per step, in one-token hits; led float64 [C]: steps each candidate led; ctl:
-    CTL_*; behind uint8 [L]: 1 where the real layer may differ from the leader's (a switch, the
-    leader's own loads, a stage re-rank, copies the budget deferred: only those layers are
-    compared); budget: copies the link budget allows this step (the real cache's; shadow caches
-    copy nothing); gain_of float64
-    [>= B + 1]: what a resident expert used by c tokens of the step earns (``hit_gains``); cnt int32 [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E,
-    3]: scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per
-    layer each entrant (best first) after the eviction that frees its slot (OP_AFTER_USE for one
-    the step used, OP_PREFETCH otherwise)."""
+    float64 [C]: averaged net gain per step, in one-token hits; led float64 [C]: steps each
+    candidate led; ctl: CTL_*; behind uint8 [L]: 1 where the real layer may differ from the
+    leader's (a switch, the leader's own loads, a stage re-rank, copies the budget deferred, a
+    cache leader's entrants not used yet: only those layers are compared); budget: copies the
+    link budget allows this step (the real cache's; shadow caches copy nothing); gain_of float64
+    [>= B + 1]: what a held expert used by c tokens of the step earns (``hit_gains``); cnt int32
+    [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E, 3]: scratch; ops int32
+    [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per layer each entrant (best
+    first) after the eviction that frees its slot (OP_AFTER_USE for one the step used,
+    OP_PREFETCH otherwise)."""
     L = slot_of.shape[0]
     C = cand.shape[0]
     if active_rows(rows) == 0:
@@ -429,7 +430,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             self._gain_of, _ = hit_gains(self.ctx.cost.array, routing_rows.shape[0])
         n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
                             self._c_owner, self._c_key, self._stamp, self._score, self._led, self._ctl, self._behind,
-                            copies, self._gain_of, self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops)
+                            copies, self._gain_of, self._cnt, self._uniq, self._miss, self._admitted, self._entrants,
+                            self._ops)
         self._count(routing_rows, events)
         reason = self._due(events)
         placements = 0
