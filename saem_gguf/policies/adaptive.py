@@ -128,8 +128,8 @@ class AdaptiveConfig:
     copy_cost: float | None = None  # a copy's cost in hits; None: copy_price * copy_cost_in_hits(cost model)
     # the share of copy_cost_in_hits a copy is priced at: that estimate charges every copy the
     # DMA slow-down of the transfer time the next dense part does not hide; the simulated price
-    # varies with the batch and the link's load, and half of it served every measured family
-    # best (docs/POLICIES.md, "Measured: does saem lead?")
+    # varies with the workload (0.27-0.77 one-token runs measured), and half of it served every
+    # measured family best (docs/POLICIES.md, "Measured: does saem lead?")
     copy_price: float = 0.5
     # "auto": split the slot budget over the layers by pricing layouts (layout.py: from uniform to
     # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer
