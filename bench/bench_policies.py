@@ -54,7 +54,7 @@ SYNTHETIC = {
     # the three together, as the issue names a generator we have not seen: recurring kinds, hot
     # sets that drift inside a stage, token noise
     "kinds-drift-noise": SyntheticConfig(n_kinds=4, drift_every=48, drift_keep=0.7, token_noise=0.15),
-    # short cue-less stages of recurring kinds with heavy noise: no rule has much to hold on to
+    # short stages of recurring kinds, few of them cued, heavy noise: no rule has much to hold on to
     "short-kinds-noise": SyntheticConfig(n_kinds=6, cue_prob=0.3, stage_len_scale=0.25, token_noise=0.3),
     # long stages whose hot set drifts fast, cues at every boundary
     "cued-drift": SyntheticConfig(coherence=0.7, drift_every=24, drift_keep=0.85, skew=1.0),
