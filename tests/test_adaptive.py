@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from saem_gguf.costmodel import C_DENSE_LAYER_S, C_STEP_S, C_SYNC, HW_PRESETS, CostModel, link_bytes_per_copy
+from saem_gguf.costmodel import (
+    C_DENSE_LAYER_S, C_STEP_S, C_SYNC, HW_PRESETS, CostModel, link_bytes_per_copy, t_cpu, t_gpu,
+)
 from saem_gguf.policies import make_policy
 from saem_gguf.accounting import A_HIT, Accounting
-from saem_gguf.policies.adaptive import CTL_LEADER, AdaptiveSaemPolicy, candidate_kind, copy_cost_in_hits
+from saem_gguf.policies.adaptive import CTL_LEADER, AdaptiveSaemPolicy, candidate_kind, copy_cost_in_hits, hit_gains
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import OP_EVICT, OP_PREFETCH, ResidencyChange, RoutingBlock, StepEvents
 from saem_gguf.link_budget import LinkMeter
@@ -167,9 +169,6 @@ def test_hit_gains_are_the_cost_models_savings():
     one-token hit's saving, and a layer with every used expert resident also the CPU round trip;
     by hand on the RTX 4090 preset (Qwen3-30B-A3B Q4_K): a CPU expert reads its 2.65 MB once for
     any c below the compute bound, so 8 tokens earn far less than 8 one-token hits."""
-    from saem_gguf.costmodel import t_cpu, t_gpu
-    from saem_gguf.policies.adaptive import hit_gains
-
     cost = CostModel.from_expert_bytes(2_654_208, HW).array
     gain, sync = hit_gains(cost, 8)
     one = t_cpu(1, cost) - t_gpu(1, cost)

@@ -11,7 +11,8 @@ from saem_gguf.policies import make_policy
 from saem_gguf.accounting import A_ACCESS, A_ASYNC, A_HIT, A_STALL, A_TEMP, Accounting
 from saem_gguf.policies.base import MISS_CPU, MISS_RULE, PolicyContext
 from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.state import CacheState, RoutingBlock
+from saem_gguf.policies.adaptive import CTL_ALPHA, CTL_COPY_COST, AdaptiveSaemPolicy
+from saem_gguf.policies.state import CacheState, RoutingBlock, StepEvents
 from saem_gguf.pricing import price_steps
 from saem_gguf.simulator import replay
 
@@ -108,9 +109,6 @@ def test_adaptive_scores_equal_naive(seed, batch):
     """Adaptive saem's candidate scores (decide_adaptive) equal naive.adaptive_step_gain averaged
     as documented: plain means over the first horizon, then weight 1 / horizon, on random
     routing with rows that finish early and layers of every cache size."""
-    from saem_gguf.policies.adaptive import CTL_ALPHA, CTL_COPY_COST, AdaptiveSaemPolicy
-    from saem_gguf.policies.state import StepEvents
-
     rng = np.random.default_rng(100 + seed)
     L, E, K, steps = 4, 16, 3, 90
     calib = rng.random((L, E)) * 40

@@ -10,6 +10,7 @@ import pytest
 from saem_gguf.errors import SaemError
 from saem_gguf.synthetic import (
     SyntheticConfig,
+    _drift_and_noise,
     draw_stage_counts,
     draw_stage_lengths,
     fit_clipped_lognormal,
@@ -153,8 +154,13 @@ def test_drift_and_token_noise():
     routing of every other family stay as they were)."""
     base = SyntheticConfig(n_sequences=1, seed=5, n_stages=1, stage_len_scale=4.0, **SMALL)
     plain = make_stage_traces(base).sequences[0]
-    same = make_stage_traces(dataclasses.replace(base, drift_every=0, token_noise=0.0)).sequences[0]
-    assert np.array_equal(plain.experts, same.experts)
+    # both off: the rows and the tokens' rows come back as they were, and the generator's state
+    # has not moved, so nothing drawn after them changes
+    rng = np.random.default_rng(9)
+    state = rng.bit_generator.state
+    aff, token_stage, starts = np.ones((2, 4, 32)), np.array([0, 0, 1, 1]), np.array([0, 2], np.int32)
+    out_aff, out_stage = _drift_and_noise(base, rng, aff, token_stage, starts, 1)
+    assert out_aff is aff and out_stage is token_stage and rng.bit_generator.state == state
     drift = make_stage_traces(dataclasses.replace(base, drift_every=100, drift_keep=0.0)).sequences[0]
     assert drift.pieces == plain.pieces and np.array_equal(drift.stage_starts, plain.stage_starts)
     E = SMALL["n_expert"]
