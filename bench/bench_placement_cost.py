@@ -14,6 +14,12 @@ the machine's load touches all policies alike; per policy the tokens of all repe
 median and p90, and the per-repetition medians show the spread; the load average is printed
 with each. The first tokens of each run, which compile nothing but warm caches, are excluded
 (``--skip``). Asserts nothing: timings depend on the machine and its load.
+
+Each run is then replayed on a fresh placement of the same policy: the recorded tokens' routing
+and text go through one routing read and ``Placement.on_step`` back to back, with no decode
+between them (``replayed median``). The two medians differ only in what the decode between two
+tokens leaves behind (cold caches and branch predictors); the replayed one is the placement's
+own work.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import os
 import statistics
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -39,19 +47,22 @@ ENGINE_POLICIES = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "
                    "saem-stage", "saem-strict", "saem-implicit", "saem-cue", "saem-nocpu", "gpu-all")
 
 
-def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[float]]:
+def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[float], list[tuple]]:
     """Decode ``n`` tokens; the wall time and this thread's CPU time of each Placement.on_token
-    call, in microseconds (on a shared machine the wall time also counts waiting for a core)."""
+    call, in microseconds (on a shared machine the wall time also counts waiting for a core),
+    and each token's (routing, piece) for ``replayed_tokens``."""
     pl = eng.placement
     inner = pl.on_token
     wall: list[float] = []
     cpu: list[float] = []
+    seen: list[tuple] = []
 
     def on_token(piece: bytes):
         t, c = time.perf_counter(), time.thread_time()
         out = inner(piece)
         cpu.append((time.thread_time() - c) * 1e6)
         wall.append((time.perf_counter() - t) * 1e6)
+        seen.append((pl.last_routing(), piece))  # after the timed call: the same ubatch's routing
         return out
 
     pl.on_token = on_token
@@ -59,7 +70,24 @@ def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[fl
         eng.generate(prompt, n_predict=n)
     finally:
         del pl.on_token
-    return wall, cpu
+    return wall, cpu, seen
+
+
+def replayed_tokens(eng: Engine, seen: list[tuple]) -> list[float]:
+    """The same tokens' placement on a fresh placement of the same policy, back to back with no
+    decode between them: one routing read and ``Placement.on_step`` with the recorded routing,
+    wall microseconds each (native copies and slot maps are real). The gap to ``timed_tokens``
+    is what running between two decodes costs the same work (caches and predictors the decode
+    left cold), not the policy's own work."""
+    pl = eng.placement
+    seq0 = np.zeros(1, np.int64)
+    wall: list[float] = []
+    for routing, piece in seen:
+        t = time.perf_counter()
+        pl.last_routing()
+        pl.on_step(routing, [piece], seq0)
+        wall.append((time.perf_counter() - t) * 1e6)
+    return wall
 
 
 def main(argv=None) -> int:
@@ -89,9 +117,13 @@ def main(argv=None) -> int:
         for rep in range(a.reps):
             for pol in policies:
                 name, _, layout = pol.partition(":")
-                eng.set_placement(name, int(slots), {"layout": layout} if layout else None)
-                wall, cpu = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)
-                runs[pol].append({"wall": wall[a.skip:], "cpu": cpu[a.skip:], "loadavg": os.getloadavg()[0]})
+                args = {"layout": layout} if layout else None
+                eng.set_placement(name, int(slots), args)
+                wall, cpu, seen = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)
+                eng.set_placement(name, int(slots), args)
+                replay = replayed_tokens(eng, seen)
+                runs[pol].append({"wall": wall[a.skip:], "cpu": cpu[a.skip:], "replay": replay[a.skip:],
+                                  "loadavg": os.getloadavg()[0]})
             print(f"  repetition {rep + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         eng.close()
@@ -99,17 +131,20 @@ def main(argv=None) -> int:
     for pol, rr in runs.items():
         wall = sorted(x for r in rr for x in r["wall"])
         cpu = sorted(x for r in rr for x in r["cpu"])
+        replay = [x for r in rr for x in r["replay"]]
         rep_medians = [statistics.median(r["wall"]) for r in rr]
         loads = [r["loadavg"] for r in rr]
         row = {"policy": pol, "tokens": len(wall), "median_us": round(statistics.median(wall), 1),
                "p90_us": round(wall[int(0.9 * (len(wall) - 1))], 1),
                "cpu_median_us": round(statistics.median(cpu), 1),
                "cpu_p90_us": round(cpu[int(0.9 * (len(cpu) - 1))], 1),
+               "replay_median_us": round(statistics.median(replay), 1),
                "rep_median_us": [round(m, 1) for m in rep_medians],
                "loadavg": [round(x, 2) for x in loads]}
         rows.append(row)
         print(f"  {pol:<14} wall median {row['median_us']:>7.1f} us  p90 {row['p90_us']:>7.1f} us  "
               f"CPU median {row['cpu_median_us']:>7.1f} us  p90 {row['cpu_p90_us']:>7.1f} us  "
+              f"replayed median {row['replay_median_us']:>6.1f} us  "
               f"per-run medians {min(rep_medians):.1f}-{max(rep_medians):.1f} us  "
               f"(load {min(loads):.2f}-{max(loads):.2f})", flush=True)
     if a.json:
