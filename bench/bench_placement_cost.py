@@ -50,42 +50,51 @@ ENGINE_POLICIES = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "
 def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[float], list[tuple]]:
     """Decode ``n`` tokens; the wall time and this thread's CPU time of each Placement.on_token
     call, in microseconds (on a shared machine the wall time also counts waiting for a core),
-    and each token's (routing, piece) for ``replayed_tokens``."""
+    and what ``replayed_tokens`` replays: each prefill ubatch ("prompt", n_tokens, routing) and
+    each token ("token", routing, piece), in order."""
     pl = eng.placement
     inner = pl.on_token
+    inner_prompt = pl.on_prompt
     wall: list[float] = []
     cpu: list[float] = []
     seen: list[tuple] = []
+
+    def on_prompt(n_tokens: int):
+        inner_prompt(n_tokens)
+        seen.append(("prompt", n_tokens, pl.last_routing()))
 
     def on_token(piece: bytes):
         t, c = time.perf_counter(), time.thread_time()
         out = inner(piece)
         cpu.append((time.thread_time() - c) * 1e6)
         wall.append((time.perf_counter() - t) * 1e6)
-        seen.append((pl.last_routing(), piece))  # after the timed call: the same ubatch's routing
+        seen.append(("token", pl.last_routing(), piece))  # after the timed call: the same ubatch's routing
         return out
 
-    pl.on_token = on_token
+    pl.on_token, pl.on_prompt = on_token, on_prompt
     try:
         eng.generate(prompt, n_predict=n)
     finally:
-        del pl.on_token
+        del pl.on_token, pl.on_prompt
     return wall, cpu, seen
 
 
 def replayed_tokens(eng: Engine, seen: list[tuple]) -> list[float]:
     """The same tokens' placement on a fresh placement of the same policy, back to back with no
     decode between them: one routing read and ``Placement.on_step`` with the recorded routing,
-    wall microseconds each (native copies and slot maps are real). The gap to ``timed_tokens``
-    is what running between two decodes costs the same work (caches and predictors the decode
-    left cold), not the policy's own work."""
+    wall microseconds each (native copies and slot maps are real; the prompt's placement is
+    replayed first, untimed). The gap to ``timed_tokens`` is what running between two decodes
+    costs the same work (what the decode left cold), not the policy's own work."""
     pl = eng.placement
     seq0 = np.zeros(1, np.int64)
     wall: list[float] = []
-    for routing, piece in seen:
+    for what, a, b in seen:
+        if what == "prompt":
+            pl.on_prompt(a, b)
+            continue
         t = time.perf_counter()
         pl.last_routing()
-        pl.on_step(routing, [piece], seq0)
+        pl.on_step(a, [b], seq0)
         wall.append((time.perf_counter() - t) * 1e6)
     return wall
 

@@ -134,9 +134,11 @@ class Placement:
         the rest stay -1."""
         return self._routing_reader.read()
 
-    def on_prompt(self, n_tokens: int) -> None:
-        """After a prefill ubatch: its routing seeds the first placement."""
-        routing = self.last_routing()
+    def on_prompt(self, n_tokens: int, routing: np.ndarray | None = None) -> None:
+        """After a prefill ubatch: its routing seeds the first placement (``routing``: that
+        ubatch's int16 [n_tokens, L, K] when the caller kept it, as a replay does; else read)."""
+        if routing is None:
+            routing = self.last_routing()
         if self.record:
             self.trace_experts.append(routing)
         self.stats.prompt_tokens += n_tokens

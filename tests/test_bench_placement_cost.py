@@ -1,0 +1,45 @@
+"""bench/bench_placement_cost.py: its replay does the live run's placement work again (same
+decisions, same hits and copies, same native slot maps), so the replayed timing is of the same
+work without a decode between tokens."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from saem_gguf.engine import Engine, EngineConfig
+from saem_gguf.testmodels import ensure_model
+from saem_gguf.testmodels.spec import ModelSpec
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_placement_cost.py"
+    spec = importlib.util.spec_from_file_location("bench_placement_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("policy", ["saem", "lru-cpu"])
+def test_replay_repeats_the_live_runs_placement(policy):
+    b = _bench()
+    path = ensure_model(ModelSpec(n_layer=4, n_expert=16, n_expert_used=2))
+    eng = Engine(EngineConfig(model=path, n_ctx=128, n_threads=1, ecr=0.25, progress=False), log=lambda m: None)
+    try:
+        eng.set_placement(policy, 4)
+        wall, cpu, seen = b.timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", 40)
+        live = eng.placement
+        eng.set_placement(policy, 4)
+        replay = b.replayed_tokens(eng, seen)
+        again = eng.placement
+    finally:
+        eng.close()
+    assert len(wall) == len(cpu) == len(replay) >= 30 and len(seen) > len(wall)
+    assert all(t > 0 for t in replay)
+    assert live.stats.copies > 0  # the run placed something, so the comparison can fail
+    for field in ("tokens", "prompt_tokens", "accesses", "hits", "copies", "bytes_moved", "boundaries", "plans"):
+        assert getattr(again.stats, field) == getattr(live.stats, field), field
+    assert np.array_equal(again._native, live._native)
