@@ -149,8 +149,22 @@ def _set_diff(c_slot, slot_of, c):
 
 
 @njit(cache=True)
-def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, stamp, score, led, ctl, behind,
-                    budget, gain_of, cnt, uniq, miss, admitted, entrants, ops):
+def _resident_floor(key, l, owner, n_slots):
+    """The lowest ``key`` [L, E] of layer ``l``'s residents in ``owner`` [L, Smax]; -inf while a
+    slot is free (a miss then always gets in)."""
+    lo = np.inf
+    for s in range(n_slots[l]):
+        o = owner[l, s]
+        if o < 0:
+            return -np.inf
+        if key[l, o] < lo:
+            lo = key[l, o]
+    return lo
+
+
+@njit(cache=True)
+def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
+                    behind, budget, gain_of, cnt, uniq, miss, admitted, entrants, ops):
     """One decode step: pick the leader, update every candidate's shadow cache with the step's
     routing layer by layer, and bring each real layer to the leader's set after the layer ran.
     Returns how many ``ops`` rows it wrote.
@@ -159,7 +173,9 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     slot_of/owner/n_slots: the real CacheState, updated in place; cand float64 [C, N_CAND]:
     each candidate's CAND_* parameters; c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]:
     each candidate's expert->slot and slot->expert maps; c_key float64 [C, L, E]: their
-    priority keys (caching.py); stamp int64 [L, E]: last step each expert was used; score
+    priority keys (caching.py); c_floor float64 [C, L]: for a frequency or decay candidate, a
+    lower bound of its layer's resident keys (-inf: none known; see below); stamp int64 [L, E]:
+    last step each expert was used; score
     float64 [C]: averaged net gain per step, in one-token hits; led float64 [C]: steps each
     candidate led; ctl: CTL_*; behind uint8 [L]: 1 where the real layer may differ from the
     leader's (a switch, the leader's own loads, a stage re-rank, copies the budget deferred, a
@@ -195,6 +211,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             scale[c] = np.exp(cand[c, CAND_LAM] * (g - cand[c, CAND_REF]))
             if scale[c] > RESCALE_AT:
                 c_key[c] /= scale[c]
+                c_floor[c] /= scale[c]
                 cand[c, CAND_REF] = g
                 scale[c] = 1.0
     net = np.zeros(C, np.float64)  # this step's gains minus priced copies, per candidate
@@ -226,7 +243,18 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                     _touch(kind, key, l, e, cnt[e], g, 0.0)
             for i in range(n):
                 stamp[l, uniq[i]] = g
-            n_in = admit_after_use(key, l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss, admitted)
+            # A frequency or decay key only grows between admissions, so the floor taken at the
+            # last one still bounds every resident's key: a miss whose key is not above it beats
+            # no resident, and admit_after_use would admit nothing. Skip its slot search then
+            # (the same decisions, most steps' work at a full cache).
+            top = -np.inf
+            for i in range(n_miss):
+                top = max(top, key[l, miss[i]])
+            n_in = 0
+            if n_miss > 0 and (top > c_floor[c, l] or kind == KIND_LRU):
+                n_in = admit_after_use(key, l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss, admitted)
+                if kind != KIND_LRU:
+                    c_floor[c, l] = _resident_floor(key, l, c_owner[c], n_slots)
             net[c] -= kappa * n_in
             if n_in > 0 and c == lead:
                 behind[l] = 1
@@ -363,6 +391,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                               self.adaptive.prior_tokens, state.slot_of)
             else:  # a fixed set's key is the score it was ranked by: the real cache copies its best first
                 self._c_key[c] = ctx.calib
+        self._c_floor = np.full((C, ctx.n_layer), -np.inf)  # nothing known: the first miss searches
         self._stamp = np.full(state.slot_of.shape, -1, np.int64)
         self._score = np.zeros(C)
         self._led = np.zeros(C)
@@ -429,7 +458,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if routing_rows.shape[0] >= self._gain_of.shape[0]:  # a larger batch than the context said
             self._gain_of, _ = hit_gains(self.ctx.cost.array, routing_rows.shape[0])
         n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
-                            self._c_owner, self._c_key, self._stamp, self._score, self._led, self._ctl, self._behind,
+                            self._c_owner, self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl, self._behind,
                             copies, self._gain_of, self._cnt, self._uniq, self._miss, self._admitted, self._entrants,
                             self._ops)
         self._count(routing_rows, events)
