@@ -4,28 +4,18 @@ work without a decode between tokens."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from bench_scripts import load_bench
 from saem_gguf.engine import Engine, EngineConfig
 from saem_gguf.testmodels import ensure_model
 from saem_gguf.testmodels.spec import ModelSpec
 
 
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_placement_cost.py"
-    spec = importlib.util.spec_from_file_location("bench_placement_cost", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("policy", ["saem", "lru-cpu"])
 def test_replay_repeats_the_live_runs_placement(policy):
-    b = _bench()
+    b = load_bench("bench_placement_cost")
     path = ensure_model(ModelSpec(n_layer=4, n_expert=16, n_expert_used=2))
     eng = Engine(EngineConfig(model=path, n_ctx=128, n_threads=1, ecr=0.25, progress=False), log=lambda m: None)
     try:

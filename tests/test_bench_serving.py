@@ -3,7 +3,6 @@ mean +/- sd) and bench/bench_batch.py --decode-rows on the embedded model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,15 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench_server():
-    spec = importlib.util.spec_from_file_location("bench_server", REPO / "bench" / "bench_server.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_server"] = mod  # its dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_server")
 
 
 def _run(bs, n: int, tok_s: float, failed: int = 0, load: float = 0.5):

@@ -3,18 +3,13 @@ answer is known: two stage kinds with disjoint experts, alternating."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
+
+from bench_scripts import load_bench
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_stage_kinds.py"
-    spec = importlib.util.spec_from_file_location("bench_stage_kinds", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_stage_kinds")
 
 
 def _seq(rng, n_stages: int, stage_len: int = 10):
