@@ -15,11 +15,12 @@ median and p90, and the per-repetition medians show the spread; the load average
 with each. The first tokens of each run, which compile nothing but warm caches, are excluded
 (``--skip``). Asserts nothing: timings depend on the machine and its load.
 
-Each run is then replayed on a fresh placement of the same policy: the recorded tokens' routing
-and text go through one routing read and ``Placement.on_step`` back to back, with no decode
-between them (``replayed median``). The two medians differ only in what the decode between two
-tokens leaves behind (cold caches and branch predictors); the replayed one is the placement's
-own work.
+Each run is then replayed on a fresh placement of the same policy: the prompt's placement from
+its recorded prefill routing, then the recorded tokens' routing and text through one routing
+read and ``Placement.on_step`` each, back to back, with no decode between them (``replayed
+median``; the same decisions, tests/test_bench_placement_cost.py). The two medians differ only
+in what the decode between two tokens leaves behind; the replayed one is the placement's own
+work.
 """
 
 from __future__ import annotations
