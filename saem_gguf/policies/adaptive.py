@@ -458,9 +458,9 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if routing_rows.shape[0] >= self._gain_of.shape[0]:  # a larger batch than the context said
             self._gain_of, _ = hit_gains(self.ctx.cost.array, routing_rows.shape[0])
         n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
-                            self._c_owner, self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl, self._behind,
-                            copies, self._gain_of, self._cnt, self._uniq, self._miss, self._admitted, self._entrants,
-                            self._ops)
+                            self._c_owner, self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl,
+                            self._behind, copies, self._gain_of, self._cnt, self._uniq, self._miss, self._admitted,
+                            self._entrants, self._ops)
         self._count(routing_rows, events)
         reason = self._due(events)
         placements = 0
