@@ -48,7 +48,7 @@ def _replay(policy, ctx, blk):
     return state, acct
 
 
-@pytest.mark.parametrize("candidate,baseline", [("lfu", "lfu-cpu"), ("lrfu-16", "temporal-cpu")])
+@pytest.mark.parametrize("candidate,baseline", [("lfu", "lfu-cpu"), ("lrfu-16", "temporal-cpu"), ("lru", "lru-cpu")])
 def test_shadow_candidates_are_the_baselines_rules(candidate, baseline):
     """The shadow cache of a candidate ends with the set the baseline policy ends with."""
     rng = np.random.default_rng(1)

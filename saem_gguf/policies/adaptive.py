@@ -173,10 +173,9 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     slot_of/owner/n_slots: the real CacheState, updated in place; cand float64 [C, N_CAND]:
     each candidate's CAND_* parameters; c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]:
     each candidate's expert->slot and slot->expert maps; c_key float64 [C, L, E]: their
-    priority keys (caching.py); c_floor float64 [C, L]: for a frequency or decay candidate, a
-    lower bound of its layer's resident keys (-inf: none known; see below); stamp int64 [L, E]:
-    last step each expert was used; score
-    float64 [C]: averaged net gain per step, in one-token hits; led float64 [C]: steps each
+    priority keys (caching.py); c_floor float64 [C, L]: for a cache candidate, a lower bound
+    of its layer's resident keys (-inf: none known; see below); stamp int64 [L, E]: last step
+    each expert was used; score float64 [C]: averaged net gain per step, in one-token hits; led float64 [C]: steps each
     candidate led; ctl: CTL_*; behind uint8 [L]: 1 where the real layer may differ from the
     leader's (a switch, the leader's own loads, a stage re-rank, copies the budget deferred, a
     cache leader's entrants not used yet: only those layers are compared); budget: copies the
@@ -243,18 +242,20 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                     _touch(kind, key, l, e, cnt[e], g, 0.0)
             for i in range(n):
                 stamp[l, uniq[i]] = g
-            # A frequency or decay key only grows between admissions, so the floor taken at the
-            # last one still bounds every resident's key: a miss whose key is not above it beats
-            # no resident, and admit_after_use would admit nothing. Skip its slot search then
-            # (the same decisions, most steps' work at a full cache).
+            # A cache candidate's key only grows between admissions (LRU: the step; LFU: the
+            # count; decay: the scaled count, its floor rescaled with it), so the floor taken at
+            # the last one still bounds every resident's key: a miss whose key is not above it
+            # beats no resident, and admit_after_use would admit nothing. Skip its slot search
+            # then (the same decisions, most steps' work at a full cache). The check stays here,
+            # not in admit_after_use: calling it for every layer and candidate cost more than
+            # the search it skips.
             top = -np.inf
             for i in range(n_miss):
                 top = max(top, key[l, miss[i]])
             n_in = 0
-            if n_miss > 0 and (top > c_floor[c, l] or kind == KIND_LRU):
+            if n_miss > 0 and top > c_floor[c, l]:
                 n_in = admit_after_use(key, l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss, admitted)
-                if kind != KIND_LRU:
-                    c_floor[c, l] = _resident_floor(key, l, c_owner[c], n_slots)
+                c_floor[c, l] = _resident_floor(key, l, c_owner[c], n_slots)
             net[c] -= kappa * n_in
             if n_in > 0 and c == lead:
                 behind[l] = 1
