@@ -103,25 +103,25 @@ class MoE(nn.Module):
         probs = F.softmax(self.router(x), dim=-1)  # [N, E]
         w, idx = probs.topk(c.n_expert_used, dim=-1)
         w = w / w.sum(-1, keepdim=True).clamp_min(6.103515625e-5)
-        # group the (token, slot) pairs by expert into a padded [E, C, D] batch: 3 bmm calls
+        # the (token, slot) pairs sorted by expert, each expert's rows one group of a grouped
+        # matmul: no padding to the busiest expert (a trained router's busiest takes 1.6x the
+        # mean), and gate and up in one product. 10-25 % faster a training step than three
+        # bmm calls on a padded [expert, slot, dim] batch (docs/DEFAULT_MODEL.md).
         N, D = x.shape
-        k, E = c.n_expert_used, c.n_expert
+        k, E, Fd = c.n_expert_used, c.n_expert, c.n_ff_exp
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts_t = torch.bincount(flat, minlength=E)
-        counts = counts_t.tolist()
-        C = max(counts)
-        starts = torch.cumsum(counts_t, 0) - counts_t
-        e_sorted = flat[order]
-        slot = e_sorted * C + (torch.arange(N * k, device=x.device) - starts[e_sorted])
+        ends = torch.cumsum(counts_t, 0).to(torch.int32)
         tok = order // k
-        xg = x.new_zeros(E * C, D).index_copy(0, slot, x[tok]).view(E, C, D)
-        h = F.silu(torch.bmm(xg, self.gate.transpose(1, 2))) * torch.bmm(xg, self.up.transpose(1, 2))
-        yg = torch.bmm(h, self.down.transpose(1, 2)).reshape(E * C, D)
-        y = x.new_zeros(N, D).index_add(0, tok, yg[slot] * w.reshape(-1)[order, None])
+        gate_up = torch.cat([self.gate, self.up], 1)  # [E, 2 Fd, D]
+        h = F.grouped_mm(x[tok], gate_up.transpose(1, 2), offs=ends)  # [N k, 2 Fd]
+        h = F.silu(h[:, :Fd]) * h[:, Fd:]
+        yg = F.grouped_mm(h, self.down.transpose(1, 2), offs=ends)  # [N k, D]
+        y = x.new_zeros(N, D).index_add(0, tok, yg * w.reshape(-1)[order, None])
         # Switch-style load-balancing loss: n_expert * sum_e (share of slots on e) * (mean prob of e)
         p_mean = probs.mean(0)
-        f = torch.tensor(counts, dtype=x.dtype, device=x.device) / flat.numel()
+        f = counts_t.to(x.dtype) / flat.numel()
         aux = c.n_expert * (f * p_mean).sum()
         return y, aux, idx
 
