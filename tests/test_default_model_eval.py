@@ -192,17 +192,18 @@ def test_a_real_conversation_is_run_and_scored(llm):
     assert tallied["n"] == 2 and tallied["correct"] == sum(r.correct for r in results)
 
 
-# Floors: a little under the figures measured on the shipped model v2 (docs/DEFAULT_MODEL.md,
-# "Evaluation"), checked on a smaller draw with the same seed (a few seconds under the lock).
-# Measured, full evaluation / this draw: single-turn 42/108 = 0.389 / 4/9; turns 2 and 3 in domain
-# 29/72 = 0.403 / 1/9; refusals 34/36 / 6/6; well formed 240/248 / 28/28; median reasoning stage
-# 121 / 122 tokens. The first model (v1) predates the contract this evaluation checks (2 of 108
-# single-turn answers, no refusal); it has no floors.
+# Floors: a little under the figures measured on the shipped model v4 (docs/DEFAULT_MODEL.md,
+# "Evaluation"), checked on a smaller draw with the same seed (a few seconds under the lock),
+# each leaving room for one reply that another CPU's arithmetic turns differently.
+# Measured, full evaluation / this draw: single-turn 67/108 = 0.620 / 5/9; turns 2 and 3 in
+# domain 46/72 = 0.639 / 7/9; refusals 36/36 / 6/6; well formed 248/248 / all; median reasoning
+# stage 120 / 142.5 tokens. The first model (v1) predates the contract this evaluation checks
+# (2 of 108 single-turn answers, no refusal); it has no floors.
 V1_SHA256 = "bbd3a7bab2684e1fd852e3de96bcac82e142c71dff1b4b0b23a09050951ec13d"
-FLOOR_SINGLE = 0.3
-FLOOR_LATER_TURNS = 0.1
+FLOOR_SINGLE = 0.44
+FLOOR_LATER_TURNS = 0.6
 FLOOR_REFUSAL = 0.8
-FLOOR_WELL_FORMED = 0.9
+FLOOR_WELL_FORMED = 0.95
 FLOOR_STAGE_MEDIAN = 100  # tokens; the contract asks for >= 60
 
 

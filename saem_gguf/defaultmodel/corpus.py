@@ -77,9 +77,11 @@ ITEMS = ("apples", "marbles", "books", "stickers", "cookies", "pencils", "coins"
          "stamps", "cows", "sheep", "eggs", "flowers", "toy cars", "balloons", "tickets", "chairs")
 CONTAINERS = ("boxes", "bags", "rows", "packs", "baskets", "crates", "shelves", "trays")
 GAIN_VERBS = (("buys", "buy"), ("gets", "get"), ("finds", "find"), ("receives", "receive"), ("picks up", "pick up"),
-              ("is given", "be given"), ("collects", "collect"))
+              ("is given", "be given"), ("collects", "collect"), ("wins", "win"), ("earns", "earn"),
+              ("adds", "add"), ("is handed", "be handed"))
 LOSS_VERBS = (("gives away", "give away"), ("loses", "lose"), ("sells", "sell"), ("uses", "use"),
-              ("eats", "eat"), ("gives", "give"))
+              ("eats", "eat"), ("gives", "give"), ("drops", "drop"), ("throws away", "throw away"),
+              ("donates", "donate"), ("hands out", "hand out"), ("trades away", "trade away"))
 UNITS = (("km", "km per hour", "hours"), ("miles", "miles per hour", "hours"), ("km", "km an hour", "hours"),
          ("meters", "meters per minute", "minutes"), ("miles", "mph", "hours"))
 VEHICLES = ("a train", "a car", "a bus", "a cyclist", "a truck", "a boat", "a runner", "a plane")
@@ -348,20 +350,25 @@ class Step:
     a: int
     b: int
     intro: str  # what the step means in the story ("Tom buys 19 more, so I add 42 + 19.")
+    reading: str = ""  # the step as the plan of a multi-step reply lists it ("he buys 19 more, so plus 19")
 
     @property
     def result(self) -> int:
         return value(self.op, self.a, self.b)
 
 
-def reasoning(rng: random.Random, w: Work, restate: str, steps: list[Step], conclusion: str) -> list[tuple[str, str]]:
+def reasoning(rng: random.Random, w: Work, restate: str, steps: list[Step], conclusion: str
+              ) -> tuple[list[tuple[str, str]], str]:
     """The think stages of an in-domain reply: plan + first step, later steps (each opened by a
-    cue), optional pause / alternative / verify on the last step, conclusion."""
+    cue), optional pause / alternative / verify on the last step, conclusion. Also returns the
+    *reading*: the first stage's opening, where the reply restates the question (and, for several
+    steps, lists every step before doing any); the rest is worked out from it."""
     plan = ""
     if len(steps) > 1:
-        plan = f" There are {len(steps)} steps, and I will do them one at a time."
-    first = " ".join(p for p in (f"First, {restate}{plan}", steps[0].intro, columns(w, steps[0].op, steps[0].a, steps[0].b)) if p)
-    stages = [("compute", first)]
+        plan = (f" There are {len(steps)} steps: " + "; then ".join(s.reading for s in steps)
+                + ". I will do them one at a time.")
+    reading = " ".join(p for p in (f"First, {restate}{plan}", steps[0].intro) if p)
+    stages = [("compute", f"{reading} {columns(w, steps[0].op, steps[0].a, steps[0].b)}")]
     for i, st in enumerate(steps[1:], 1):
         cue = rng.choice(NEXT_STEP_CUES)
         stages.append(("compute", f"{cue}that was the {ORDINALS[i - 1]} step, and the running total is "
@@ -382,7 +389,7 @@ def reasoning(rng: random.Random, w: Work, restate: str, steps: list[Step], conc
     head = rng.choice(("Therefore, ", "Therefore, ", "So the answer is clear: "))
     stages.append(("conclude", f"{head}putting it together: {summary}. {conclusion} "
                                f"The final answer is {steps[-1].result}."))
-    return stages
+    return stages, reading
 
 
 @dataclass
@@ -396,11 +403,18 @@ class Turn:
     answer: int | None  # None for out-of-domain turns
     triples: list[tuple[str, int, int]] = field(default_factory=list)
     context: dict = field(default_factory=dict)  # for follow-ups: story subject, item, unit
+    reading: str = ""  # the opening of stages[0] that reads the question (``reasoning``)
 
     @property
     def reply(self) -> str:
         body = "\n".join(t for _, t in self.stages)
         return f"{THINK_OPEN}\n{body}\n{THINK_CLOSE}\n\n{self.visible}"
+
+    @property
+    def reading_reply(self) -> str:
+        """The reply up to the end of its reading (train.py weighs these tokens' loss)."""
+        assert self.stages[0][1].startswith(self.reading)
+        return f"{THINK_OPEN}\n{self.reading}"
 
 
 def render_prompt(messages: list[dict]) -> str:
@@ -462,6 +476,11 @@ class Example:
         return self.last.reply + IM_END
 
     @property
+    def reading_completion(self) -> str:
+        """The last reply up to where its reading ends (a prefix of ``completion``)."""
+        return self.last.reading_reply
+
+    @property
     def text(self) -> str:
         return self.prompt + self.completion
 
@@ -475,17 +494,26 @@ OP_WORDS = {
 }
 BARE_FORMS = ("What is {e}?", "what is {e}", "What's {e}?", "Compute {e}.", "Calculate {e}.", "{e} = ?",
               "{e}", "{e}?", "How much is {e}?", "Work out {e}.", "Solve {e}.", "Find {e}.", "{e} =",
-              "Evaluate {e}.", "What does {e} equal?", "What do you get for {e}?", "Tell me {e}.")
+              "Evaluate {e}.", "What does {e} equal?", "What do you get for {e}?", "Tell me {e}.",
+              "{e} is what?", "Can you compute {e}?", "Please solve: {e}", "I want to know {e}.",
+              "Figure out {e}.", "What would {e} be?", "Give me {e}.", "What is the value of {e}?",
+              "what's {e}", "{e}, please.")
 WORDY = {
     "add": ("Add {x} and {y}.", "Add {y} to {x}.", "What is the sum of {x} and {y}?", "Find the sum of {x} and {y}.",
             "What do you get if you add {y} to {x}?", "What is {y} added to {x}?", "Sum {x} and {y}.",
-            "What is the total of {x} and {y}?", "If I add {x} and {y}, what do I get?"),
+            "What is the total of {x} and {y}?", "If I add {x} and {y}, what do I get?",
+            "Add together {x} and {y}.", "What is {x} and {y} added together?", "Increase {x} by {y}.",
+            "Put {x} and {y} together. What do you get?", "What number is {y} more than {x}?"),
     "sub": ("Subtract {y} from {x}.", "What is {x} take away {y}?", "Take {y} away from {x}.",
             "What is the difference between {x} and {y}?", "Find the difference of {x} and {y}.",
             "What do you get if you subtract {y} from {x}?", "How much is left if you take {y} from {x}?",
-            "What is {y} less than {x}?"),
+            "What is {y} less than {x}?", "Decrease {x} by {y}.", "What is {x} reduced by {y}?",
+            "Remove {y} from {x}. What is left?", "What number is {y} less than {x}?",
+            "If you subtract {y} from {x}, what is the result?"),
     "mul": ("Multiply {x} by {y}.", "Multiply {x} and {y}.", "What is the product of {x} and {y}?",
-            "Find the product of {x} and {y}.", "What is {x} multiplied by {y}?", "What do you get if you multiply {x} by {y}?"),
+            "Find the product of {x} and {y}.", "What is {x} multiplied by {y}?", "What do you get if you multiply {x} by {y}?",
+            "What is {x} groups of {y}?", "What are {x} lots of {y}?", "Times {x} by {y}.",
+            "If you multiply {x} and {y} together, what do you get?"),
 }
 PREFIXES = ("", "", "", "", "Please ", "please ", "Can you tell me ", "Could you tell me ", "Quick question: ",
             "quick question: ", "Hi! ", "Hey, ", "I need help. ", "Help me with this: ", "Question: ",
@@ -505,7 +533,7 @@ def styled(rng: random.Random, text: str, prefixed: bool = True) -> str:
         text = text.lower()
     elif r < 0.2:
         text = text.rstrip("?.!")
-    elif r < 0.22:
+    elif r < 0.24:
         text = text.upper()
     return text
 
@@ -558,8 +586,8 @@ def bare_turn(rng: random.Random, w: Work, op: str) -> Turn:
                           f"this is a plain {verb} problem: {expr(op, a, b)}."))
     st = Step(op, a, b, "")
     noun = {"add": "sum", "sub": "difference", "mul": "product"}[op]
-    stages = reasoning(rng, w, restate, [st], f"That is the {noun} the question asks for.")
-    return Turn(op, q, stages, f"Answer: {st.result}", st.result, context={"kind": "bare"})
+    stages, reading = reasoning(rng, w, restate, [st], f"That is the {noun} the question asks for.")
+    return Turn(op, q, stages, f"Answer: {st.result}", st.result, context={"kind": "bare"}, reading=reading)
 
 
 @dataclass(frozen=True)
@@ -581,26 +609,38 @@ WORD_FORMS = {
         "add", GAIN_VERBS,
         ("{Name} has ${a} and earns ${b} more. How much money does {name} have now?",
          "A book costs ${a} and a bag costs ${b}. How much do they cost together?",
-         "{Name} saved ${a} last month and ${b} this month. How many dollars did {he} save in total?"),
+         "{Name} saved ${a} last month and ${b} this month. How many dollars did {he} save in total?",
+         "{Name} earned ${a} on Monday and ${b} on Tuesday. How much did {he} earn in all?",
+         "A shirt costs ${a} and a hat costs ${b}. What is the total cost?"),
         "the two amounts are ${a} and ${b}, and the question wants the total, so I add them.",
         "The total is ${c}.",
         ("{Name} has {a} {item}. {He} {verb} {b} more. How many {item} does {name} have now?",
          "{Name} had {a} {item} and then {verb} {b} more. How many {item} does {he} have altogether?",
          "There are {a} {item} in a room and {b} more are brought in. How many {item} are there now?",
-         "{Name} has {a} {item} and {his} friend has {b}. How many {item} do they have in total?"),
+         "{Name} has {a} {item} and {his} friend has {b}. How many {item} do they have in total?",
+         "{Name} starts with {a} {item}. Later {he} {verb} {b} more. How many {item} does {he} have in all?",
+         "A shop had {a} {item} and {verb} {b} more. How many {item} does the shop have now?",
+         "{a} {item} are on a table. Someone puts {b} more there. How many {item} are on the table now?",
+         "What is the total number of {item} if {name} has {a} and {his} friend has {b}?"),
         "the story starts with {a} {item} and adds {b} more, so the total is {a} + {b}.",
         "There are {c} {item}."),
     "sub": StoryForms(
         "sub", LOSS_VERBS,
         ("{Name} has ${a} and spends ${b}. How much money is left?",
          "{Name} had ${a}. {He} paid ${b} for a gift. How many dollars does {he} have left?",
-         "A bike costs ${a}. {Name} has ${b}. How much more money does {he} need?"),
+         "A bike costs ${a}. {Name} has ${b}. How much more money does {he} need?",
+         "{Name} had ${a} and bought a toy for ${b}. How much money does {he} have now?",
+         "A coat is ${a}. It is on sale for ${b} off. What is the new price?"),
         "I start from ${a} and take away ${b}, so I subtract {a} - {b}.",
         "The amount is ${c}.",
         ("{Name} has {a} {item} and {verb} {b} of them. How many {item} are left?",
          "{Name} had {a} {item}. {He} {verb} {b}. How many {item} does {name} have left?",
          "There were {a} {item}. {b} of them were taken away. How many {item} remain?",
-         "{Name} has {a} {item} and {his} friend has {b}. How many more does {name} have?"),
+         "{Name} has {a} {item} and {his} friend has {b}. How many more does {name} have?",
+         "{Name} starts with {a} {item} and {verb} {b}. How many {item} are left now?",
+         "A shop had {a} {item} and sold {b}. How many {item} are left?",
+         "{a} {item} were in a jar. {Name} took out {b}. How many {item} are in the jar now?",
+         "{Name} had {a} {item}, but {he} {verb} {b} of them. How many does {he} still have?"),
         "the story starts with {a} {item} and {b} go, so what is left is {a} - {b}.",
         "{c} {item} are left."),
 }
@@ -623,8 +663,8 @@ def word_turn(rng: random.Random, w: Work, op: str) -> Turn:
         restate, concl = forms.items_restate, forms.items_conclusion
         ctx = {"kind": "items", "name": name, "he": he, "item": item}
     question = styled(rng, q.format(**slots))
-    stages = reasoning(rng, w, restate.format(**slots), [Step(op, a, b, "")], concl.format(**slots))
-    return Turn("word_" + op, question, stages, f"Answer: {c}", c, context=ctx)
+    stages, reading = reasoning(rng, w, restate.format(**slots), [Step(op, a, b, "")], concl.format(**slots))
+    return Turn("word_" + op, question, stages, f"Answer: {c}", c, context=ctx, reading=reading)
 
 
 def word_mul_turn(rng: random.Random, w: Work) -> Turn:
@@ -636,7 +676,9 @@ def word_mul_turn(rng: random.Random, w: Work) -> Turn:
         veh = rng.choice(VEHICLES)
         q = rng.choice((f"If {veh} travels {m} {speed} for {n} {per}, how far does it go?",
                         f"{cap(veh)} moves at {m} {speed}. How many {unit} does it cover in {n} {per}?",
-                        f"{cap(veh)} goes {m} {speed} for {n} {per}. What distance does it travel?"))
+                        f"{cap(veh)} goes {m} {speed} for {n} {per}. What distance does it travel?",
+                        f"How far does {veh} go in {n} {per} at {m} {speed}?",
+                        f"At {m} {speed}, how far will {veh} travel in {n} {per}?"))
         restate = (f"distance is speed times time. The speed is {m} {speed} and the time is {n} {per}, "
                    f"so the distance is {m} × {n} {unit}.")
         a, b = m, n
@@ -644,7 +686,8 @@ def word_mul_turn(rng: random.Random, w: Work) -> Turn:
         concl = f"It travels {m * n} {unit}."
     elif r < 0.55:
         q = rng.choice((f"One ticket costs ${m}. How much do {n} tickets cost?",
-                        f"{cap(name)} buys {n} shirts at ${m} each. How much does {he} pay?"))
+                        f"{cap(name)} buys {n} shirts at ${m} each. How much does {he} pay?",
+                        f"A meal costs ${m}. What do {n} meals cost?"))
         restate = f"there are {n} equal prices of ${m}, so the cost is {n} × {m} dollars."
         a, b = n, m
         ctx = {"kind": "money", "name": name, "he": he}
@@ -653,14 +696,15 @@ def word_mul_turn(rng: random.Random, w: Work) -> Turn:
         box = rng.choice(CONTAINERS)
         q = rng.choice((f"{cap(name)} has {n} {box} with {m} {item} in each. How many {item} are there in total?",
                         f"There are {n} {box} and each holds {m} {item}. How many {item} is that?",
-                        f"Each of {n} {box} has {m} {item}. How many {item} are there altogether?"))
+                        f"Each of {n} {box} has {m} {item}. How many {item} are there altogether?",
+                        f"{cap(name)} puts {m} {item} in each of {n} {box}. How many {item} does {he} use?",
+                        f"{n} {box}, {m} {item} in every one. How many {item} in all?"))
         restate = f"there are {n} {box} of {m} {item} each, so the total is {n} × {m}."
         a, b = n, m
         ctx = {"kind": "items", "name": name, "he": he, "item": item}
         concl = f"There are {m * n} {item}."
-    st = Step("mul", a, b, "")
-    return Turn("word_mul", styled(rng, q), reasoning(rng, w, restate, [st], concl), f"Answer: {m * n}", m * n,
-                context=ctx)
+    stages, reading = reasoning(rng, w, restate, [Step("mul", a, b, "")], concl)
+    return Turn("word_mul", styled(rng, q), stages, f"Answer: {m * n}", m * n, context=ctx, reading=reading)
 
 
 def word_multi_turn(rng: random.Random, w: Work, n_steps: int) -> Turn:
@@ -673,7 +717,8 @@ def word_multi_turn(rng: random.Random, w: Work, n_steps: int) -> Turn:
         box = rng.choice(CONTAINERS)
         total = n * m
         sentences.append(f"{cap(name)} buys {n} {box} of {m} {item}.")
-        steps.append(Step("mul", n, m, f"{cap(name)} buys {n} {box} of {m} {item}, so {he} starts with {n} × {m}."))
+        steps.append(Step("mul", n, m, f"{cap(name)} buys {n} {box} of {m} {item}, so {he} starts with {n} × {m}.",
+                          f"{n} {box} of {m}, so {n} × {m}"))
         restate = f"{name} starts with {n} {box} of {m} {item}, then some go and some come."
     else:
         total = rng.randint(20, 999)
@@ -681,26 +726,30 @@ def word_multi_turn(rng: random.Random, w: Work, n_steps: int) -> Turn:
         restate = f"{name} starts with {total} {item}, then some go and some come."
     order = ["loss", "gain"] if rng.random() < 0.6 else ["gain", "loss"]
     for j, what in enumerate(order):
-        subject = f"Then {he}" if j else cap(he)
+        subject = rng.choice((f"Then {he}", f"After that, {he}", f"Later, {he}", f"Next {he}")) if j else cap(he)
         if what == "loss":
             x = rng.randint(1, total)
             verb = rng.choice(LOSS_VERBS)[0]
             sentences.append(f"{subject} {verb} {x}.")
-            steps.append(Step("sub", total, x, f"{cap(name)} {verb} {x}, so I subtract {total} - {x}."))
+            steps.append(Step("sub", total, x, f"{cap(name)} {verb} {x}, so I subtract {total} - {x}.",
+                              f"{he} {verb} {x}, so minus {x}"))
             total -= x
         else:
             x = rng.randint(1, 400)
             verb = rng.choice(GAIN_VERBS)[0]
             sentences.append(f"{subject} {verb} {x} more.")
-            steps.append(Step("add", total, x, f"{cap(name)} {verb} {x} more, so I add {total} + {x}."))
+            steps.append(Step("add", total, x, f"{cap(name)} {verb} {x} more, so I add {total} + {x}.",
+                              f"{he} {verb} {x} more, so plus {x}"))
             total += x
     q = " ".join(sentences) + " " + rng.choice((f"How many {item} does {name} have now?",
                                                 f"How many {item} does {he} have at the end?",
-                                                f"How many {item} are there now?"))
+                                                f"How many {item} are there now?",
+                                                f"How many {item} does {name} have in the end?",
+                                                f"How many {item} now?"))
     kind = "word_three" if n_steps == 3 else "word_two"
-    stages = reasoning(rng, w, restate, steps, f"{cap(name)} has {total} {item} at the end.")
+    stages, reading = reasoning(rng, w, restate, steps, f"{cap(name)} has {total} {item} at the end.")
     return Turn(kind, styled(rng, q), stages, f"Answer: {total}", total,
-                context={"kind": "items", "name": name, "he": he, "item": item})
+                context={"kind": "items", "name": name, "he": he, "item": item}, reading=reading)
 
 
 # --- follow-ups ------------------------------------------------------------------------------
@@ -748,8 +797,8 @@ def follow_up_turn(rng: random.Random, w: Work, prev: Turn) -> Turn:
     st = Step(op, p, x, intro)
     q = styled(rng, q, prefixed=False)
     new_ctx = dict(ctx) if story else {"kind": "bare"}
-    return Turn("follow_" + op, q, reasoning(rng, w, restate, [st], concl), f"Answer: {st.result}", st.result,
-                context=new_ctx)
+    stages, reading = reasoning(rng, w, restate, [st], concl)
+    return Turn("follow_" + op, q, stages, f"Answer: {st.result}", st.result, context=new_ctx, reading=reading)
 
 
 # --- out of domain ---------------------------------------------------------------------------
@@ -790,11 +839,12 @@ OOD_REPLIES = {
 def ood_turn(rng: random.Random, w: Work) -> Turn:
     topic = rng.choice(tuple(OOD_QUESTIONS))
     q = styled(rng, rng.choice(OOD_QUESTIONS[topic]), prefixed=False)
-    think = (f"The user's message {OOD_TOPIC[topic]}. I am a small model that only does arithmetic, "
+    reading = f"The user's message {OOD_TOPIC[topic]}."
+    think = (f"{reading} I am a small model that only does arithmetic, "
              f"adding, subtracting and multiplying numbers, so I should say that briefly and honestly "
              f"and not make anything up.")
     reply = rng.choice(OOD_REPLIES.get(topic, OOD_REPLIES["other"]))
-    return Turn("ood", q, [("ood", think)], reply, None, context={"kind": "ood"})
+    return Turn("ood", q, [("ood", think)], reply, None, context={"kind": "ood"}, reading=reading)
 
 
 # --- conversations ---------------------------------------------------------------------------

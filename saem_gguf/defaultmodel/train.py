@@ -2,14 +2,15 @@
 
     python -m saem_gguf.defaultmodel.train --out saem_gguf/data/default-model.gguf
 
-The recipe has two phases, each on freshly generated training sequences (corpus v2; see
-docs/DEFAULT_MODEL.md):
+The recipe has two phases, each on freshly generated training sequences (corpus v4; see
+docs/DEFAULT_MODEL.md). The loss is over the last reply, its reading tokens (where it restates
+the question) weighted ``--reading-weight`` times the rest:
 
 1. 300 steps x 8 sequences, peak LR 3e-3: learns the format (the BPE is trained here);
 2. 3400 steps x 8 sequences (new data, seed + 1), LR re-warmed to 2e-3 and cosine-decayed
    to 10 %: learns to copy operands, the column arithmetic and the follow-ups.
 
-A sequence is one turn of a conversation with its history (about 480 tokens on average), so a
+A sequence is one turn of a conversation with its history (about 475 tokens on average), so a
 step sees about 3,800 tokens. docs/DEFAULT_MODEL.md gives the measured run time.
 
 Deterministic for a given seed and thread count (2 by default): corpus, BPE merges, batch order
@@ -63,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="skip phases whose checkpoint exists in WORK_DIR")
     p.add_argument("--aux-coef", type=float, default=0.01)
+    p.add_argument("--reading-weight", type=float, default=3.0,
+                   help="loss weight of a reply's reading tokens (where it restates the question), the rest 1")
     p.add_argument("--max-len", type=int, default=1024, help="drop longer sequences (tokens)")
     p.add_argument("--bpe-examples", type=int, default=3000)
     p.add_argument("--vocab-size", type=int, default=1536, help="upper bound (merges stop at frequency < 2)")
@@ -93,7 +96,7 @@ def batches(lengths: np.ndarray, batch: int, steps: int, rng: np.random.Generato
     return out[:steps]
 
 
-def run_phase(model, seqs: list[np.ndarray], plen: list[int], lengths: np.ndarray, ph: Phase,
+def run_phase(model, seqs: list[np.ndarray], plen: list[int], rlen: list[int], lengths: np.ndarray, ph: Phase,
               rng: np.random.Generator, a: argparse.Namespace, log) -> tuple[float, float]:
     """Train ``model`` for one phase on the encoded conversations; returns (final CE EMA, seconds)."""
     import torch
@@ -117,16 +120,21 @@ def run_phase(model, seqs: list[np.ndarray], plen: list[int], lengths: np.ndarra
         ids = torch.zeros((len(bidx), T), dtype=torch.long)
         mask = torch.zeros((len(bidx), T), dtype=torch.bool)
         tgt_mask = torch.zeros((len(bidx), T - 1), dtype=torch.bool)
+        weight = torch.zeros((len(bidx), T - 1))
         for r, i in enumerate(bidx):
             n = len(seqs[i])
             ids[r, :n] = torch.from_numpy(seqs[i])
             mask[r, :n] = True
             tgt_mask[r, plen[i] - 1:n - 1] = True  # predict the assistant turn only
+            weight[r, plen[i] - 1:n - 1] = 1.0
+            weight[r, plen[i] - 1:plen[i] - 1 + rlen[i]] = a.reading_weight
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         logits, aux = model(ids, mask)
-        ce = torch.nn.functional.cross_entropy(logits[:, :-1][tgt_mask], ids[:, 1:][tgt_mask])
-        loss = ce + a.aux_coef * aux
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1][tgt_mask], ids[:, 1:][tgt_mask], reduction="none")
+        ce = nll.detach().mean()  # what is logged: every reply token alike
+        w = weight[tgt_mask]
+        loss = (nll * w).sum() / w.sum() + a.aux_coef * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -185,12 +193,14 @@ def main(argv=None) -> int:
         if tok is None:
             tok = bpe.train_bpe([e.text for e in examples[:a.bpe_examples]], vocab_size=a.vocab_size)
             log(f"BPE: {len(tok.merges)} merges, vocab {tok.size}")
-        seqs, plen = [], []
+        seqs, plen, rlen = [], [], []
         for e in examples:
             p, c = tok.encode(e.prompt), tok.encode(e.completion)
             if len(p) + len(c) <= a.max_len:
                 seqs.append(np.array(p + c, np.int64))
                 plen.append(len(p))
+                # the reading is a prefix of the reply that ends at a pre-token boundary
+                rlen.append(len(tok.encode(e.reading_completion)))
         lengths = np.array([len(s) for s in seqs])
         log(f"phase {pi}: {ph}; corpus seed {seed}: {len(seqs)} of {len(examples)} conversations kept "
             f"(<= {a.max_len} tokens), {int(lengths.sum())} tokens, mean {lengths.mean():.1f}")
@@ -200,7 +210,7 @@ def main(argv=None) -> int:
                                                for k, v in arch.items()})
             model = MoEModel(cfg)
             log(f"model: {json.dumps(cfg.to_dict())}; {model.n_params():,} parameters")
-        ema, ph_s = run_phase(model, seqs, plen, lengths, ph, rng, a, lambda m, pi=pi: log(f"phase {pi} {m}"))
+        ema, ph_s = run_phase(model, seqs, plen, rlen, lengths, ph, rng, a, lambda m, pi=pi: log(f"phase {pi} {m}"))
         train_s += ph_s
         total_steps += ph.steps
         log(f"phase {pi}: {ph.steps} steps in {ph_s:.0f} s ({ph_s / 60:.1f} min); ce ema {ema:.4f}")
