@@ -507,9 +507,17 @@ SIGNAL_CASES = [
 
 @pytest.mark.parametrize("case", SIGNAL_CASES, ids=[c.id for c in SIGNAL_CASES])
 def test_signal(case: SignalCase, bad: BadInputs, tmp_path: Path) -> None:
+    # The child starts with the signals at their defaults, as a command typed at a terminal does:
+    # pytest launched in the background (nohup, `&` in a script, some CI runners) ignores SIGINT
+    # and SIGHUP, the child would inherit that, and Python installs no KeyboardInterrupt handler
+    # for an ignored SIGINT (the command honours the ignore, as any Unix program does).
+    def default_signals() -> None:
+        for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+
     proc = subprocess.Popen([sys.executable, "-m", "saem_gguf", *case.argv(bad, tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=default_signals)
     assert proc.stderr is not None
     fd = proc.stderr.fileno()
     seen = b""
