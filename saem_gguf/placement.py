@@ -28,8 +28,7 @@ from saem_gguf.link_budget import LinkMeter
 from saem_gguf.policies import make_policy
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import (
-    OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, active_rows, record_decision,
-    resident_uses,
+    OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, record_decision, step_uses,
 )
 from saem_gguf.stage.detector import StageDetector, StageEvent
 from saem_gguf.stage.pair import DetectorPair
@@ -175,8 +174,9 @@ class Placement:
         if self.record:
             self.trace_experts.append(routing)
         # hits against the maps in force for this decode (the policy's books before it observes)
-        self.stats.hits += resident_uses(routing, self._native)
-        self.stats.accesses += active_rows(routing) * routing.shape[1] * routing.shape[2]
+        hits, uses = step_uses(routing, self._native)
+        self.stats.hits += hits
+        self.stats.accesses += uses
         slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
         if self.pair is not None:
             events, combined = self.pair.feed(slots, pieces, routing)

@@ -38,7 +38,7 @@ from saem_gguf.placement import ENGINE_VARIANT
 from saem_gguf.policies import make_policy
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import (
-    CacheState, RoutingBlock, StepEvents, active_rows, resident_uses, used_experts,
+    CacheState, RoutingBlock, StepEvents, step_uses, used_experts,
 )
 
 PREFETCH_METHODS = {"madvise": na.SAEM_RAM_PREFETCH_MADVISE, "thread": na.SAEM_RAM_PREFETCH_THREAD}
@@ -227,8 +227,9 @@ class RamTier:
         stage events the VRAM policy observed with it): count the step's hits against the resident
         set it ran with, let the tier's policy observe it, then prefetch what became resident and
         release what left or was used only in passing."""
-        self.stats.hits += resident_uses(routing, self.state.slot_of)
-        self.stats.accesses += active_rows(routing) * routing.shape[1] * routing.shape[2]
+        hits, uses = step_uses(routing, self.state.slot_of)
+        self.stats.hits += hits
+        self.stats.accesses += uses
         self.policy.observe(routing, events)
         self._realise(self.state.slot_of >= 0, used=used_experts(routing, self._resident.shape[1]))
         self.stats.route_prefetched = na.saem_ram_route_prefetched(self.ctx) - self._route_base

@@ -31,7 +31,7 @@ from saem_gguf.policies import DEFAULT_POLICIES, make_policy
 from saem_gguf.policies.base import Policy, PolicyContext, budget_slots
 from saem_gguf.policies.cue_profiles import cue_stage_counts, detected_cues, detected_events
 from saem_gguf.policies.state import (
-    Decision, RoutingBlock, active_rows, record_decision, resident_uses, used_experts,
+    Decision, RoutingBlock, record_decision, step_uses, used_experts,
 )
 from saem_gguf.pricing import price_placement, price_steps
 from saem_gguf.stage.coherence import stage_histogram
@@ -369,8 +369,9 @@ class RamTierReplay:
 
     def on_step(self, rows: np.ndarray, events, vram_slot_of: np.ndarray) -> None:
         ram_slot_of = self.state.slot_of
-        self.hits += resident_uses(rows, ram_slot_of)
-        self.accesses += active_rows(rows) * rows.shape[1] * rows.shape[2]
+        hits, uses = step_uses(rows, ram_slot_of)
+        self.hits += hits
+        self.accesses += uses
         used = used_experts(rows, ram_slot_of.shape[1])
         read = used & (vram_slot_of < 0) & (ram_slot_of < 0)
         self.demand_reads += int(np.count_nonzero(read))

@@ -197,3 +197,17 @@ def adaptive_step_gain(rows: np.ndarray, before: np.ndarray, after: np.ndarray, 
             total += cost[C_SYNC] / one
         total -= copy_cost * int(np.count_nonzero(after[l] & ~before[l]))
     return total
+
+
+def step_uses(rows: np.ndarray, slot_of: np.ndarray) -> tuple[int, int]:
+    """(hits, uses) of one step: every (row, layer, k) of a row that has a token is a use, a hit
+    when its expert holds a slot."""
+    hits = uses = 0
+    for row in rows.tolist():
+        if row[0][0] < 0:
+            continue
+        for layer, experts in enumerate(row):
+            for e in experts:
+                uses += 1
+                hits += slot_of[layer][e] >= 0
+    return hits, uses

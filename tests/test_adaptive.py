@@ -59,7 +59,7 @@ def test_shadow_candidates_are_the_baselines_rules(candidate, baseline):
     pol = AdaptiveSaemPolicy(candidates=("stage", candidate))
     _replay(pol, _ctx(L, E, K, S, calib), blk)
     for l in range(L):
-        assert set(np.flatnonzero(pol._c_slot[1, l] >= 0)) == set(np.flatnonzero(base_state.slot_of[l] >= 0))
+        assert set(np.flatnonzero(pol._c_slot[l, :, 1] >= 0)) == set(np.flatnonzero(base_state.slot_of[l] >= 0))
 
 
 def test_follows_the_rule_that_serves_and_beats_the_rule_that_does_not():
@@ -127,7 +127,7 @@ def test_link_budget_defers_the_followers_copies_and_they_catch_up():
     assert np.array_equal(none[1].state.slot_of, AdaptiveSaemPolicy().start(ctx).slot_of)
     # the drift settles for 150 steps before the end: the deferred copies have caught up by then
     lead = int(one[1]._ctl[CTL_LEADER])
-    assert np.array_equal(one[1].state.slot_of >= 0, one[1]._c_slot[lead] >= 0)
+    assert np.array_equal(one[1].state.slot_of >= 0, one[1]._c_slot[:, :, lead] >= 0)
 
 
 def test_link_meter_budget_hand_computed():

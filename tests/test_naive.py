@@ -12,7 +12,7 @@ from saem_gguf.accounting import A_ACCESS, A_ASYNC, A_HIT, A_STALL, A_TEMP, Acco
 from saem_gguf.policies.base import MISS_CPU, MISS_RULE, PolicyContext
 from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.adaptive import CTL_ALPHA, CTL_COPY_COST, AdaptiveSaemPolicy
-from saem_gguf.policies.state import CacheState, RoutingBlock, StepEvents
+from saem_gguf.policies.state import CacheState, RoutingBlock, StepEvents, step_uses
 from saem_gguf.pricing import price_steps
 from saem_gguf.simulator import replay
 
@@ -42,6 +42,15 @@ def _random_state(rng, L, E):
             st.owner[l, s] = e
     st.check()
     return st
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_step_uses_equals_naive(seed):
+    rng = np.random.default_rng(seed)
+    L, E, K, B = int(rng.integers(1, 5)), int(rng.integers(4, 16)), 2, int(rng.integers(1, 5))
+    st = _random_state(rng, L, E)
+    rows = _routing(rng, 3, B, L, E, K)[int(rng.integers(0, 3))]
+    assert step_uses(rows, st.slot_of) == naive.step_uses(rows, st.slot_of)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -130,6 +139,6 @@ def test_adaptive_scores_equal_naive(seed, batch):
         scored += 1
         w = max(pol._ctl[CTL_ALPHA], 1.0 / scored)
         for c in range(len(pol.candidates)):
-            gain = naive.adaptive_step_gain(routing[s], before[c], after[c], n_slots, cost, pol._ctl[CTL_COPY_COST])
+            gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after[:, :, c], n_slots, cost, pol._ctl[CTL_COPY_COST])
             expect[c] += w * (gain - expect[c])
         np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)

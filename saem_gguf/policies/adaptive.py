@@ -143,7 +143,7 @@ def _set_diff(c_slot, slot_of, c):
     n = 0
     for l in range(L):
         for e in range(E):
-            if c_slot[c, l, e] >= 0 and slot_of[l, e] < 0:
+            if c_slot[l, e, c] >= 0 and slot_of[l, e] < 0:
                 n += 1
     return n
 
@@ -171,19 +171,21 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
 
     rows int16 [B, L, K]: the step's routing (-1 rows: no token); g: global step;
     slot_of/owner/n_slots: the real CacheState, updated in place; cand float64 [C, N_CAND]:
-    each candidate's CAND_* parameters; c_slot int32 [C, L, E] / c_owner int32 [C, L, Smax]:
-    each candidate's expert->slot and slot->expert maps; c_key float64 [C, L, E]: their
-    priority keys (caching.py); c_floor float64 [C, L]: for a cache candidate, a lower bound
-    of its layer's resident keys (-inf: none known; see below); stamp int64 [L, E]: last step
-    each expert was used; score float64 [C]: averaged net gain per step, in one-token hits; led float64 [C]: steps each
-    candidate led; ctl: CTL_*; behind uint8 [L]: 1 where the real layer may differ from the
-    leader's (a switch, the leader's own loads, a stage re-rank, copies the budget deferred, a
-    cache leader's entrants not used yet: only those layers are compared); budget: copies the
-    link budget allows this step (the real cache's; shadow caches copy nothing); gain_of float64
-    [>= B + 1]: what a held expert used by c tokens of the step earns (``hit_gains``); cnt int32
-    [E] (zeros) / uniq / miss / entrants int32 [E] / admitted int32 [E, 3]: scratch; ops int32
-    [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order, per layer each entrant (best
-    first) after the eviction that frees its slot (OP_AFTER_USE for one the step used,
+    each candidate's CAND_* parameters; c_slot int32 [L, E, C] / c_owner int32 [C, L, Smax]:
+    each candidate's expert->slot and slot->expert maps; c_key float64 [L, E, C]: their
+    priority keys (caching.py; an expert's entries of all candidates share a cache line, as a
+    step reads them together: after a decode each line is a cache miss); c_floor float64 [C, L]:
+    for a cache candidate, a lower bound of its layer's resident keys (-inf: none known; see
+    below); stamp int64 [L, E]: last step each expert was used; score float64 [C]: averaged net
+    gain per step, in one-token hits; led float64 [C]: steps each candidate led; ctl: CTL_*;
+    behind uint8 [L]: 1 where the real layer may differ from the leader's (a switch, the
+    leader's own loads, a stage re-rank, copies the budget deferred, a cache leader's entrants
+    not used yet: only those layers are compared); budget: copies the link budget allows this
+    step (the real cache's; shadow caches copy nothing); gain_of float64 [>= B + 1]: what a
+    held expert used by c tokens of the step earns (``hit_gains``); cnt int32 [E] (zeros) /
+    uniq / miss / entrants int32 [E] / admitted int32 [E, 3]: scratch; ops int32 [>= 2 L E, 4]:
+    (layer, expert, slot, OP_*) rows in issue order, per layer each entrant (best first) after
+    the eviction that frees its slot (OP_AFTER_USE for one the step used,
     OP_PREFETCH otherwise)."""
     L = slot_of.shape[0]
     C = cand.shape[0]
@@ -209,8 +211,10 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
         if int(cand[c, CAND_KIND]) == KIND_DECAY:
             scale[c] = np.exp(cand[c, CAND_LAM] * (g - cand[c, CAND_REF]))
             if scale[c] > RESCALE_AT:
-                c_key[c] /= scale[c]
-                c_floor[c] /= scale[c]
+                for l in range(L):
+                    c_floor[c, l] /= scale[c]
+                    for e in range(c_key.shape[1]):
+                        c_key[l, e, c] /= scale[c]
                 cand[c, CAND_REF] = g
                 scale[c] = 1.0
     net = np.zeros(C, np.float64)  # this step's gains minus priced copies, per candidate
@@ -223,7 +227,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             n_miss = 0
             for i in range(n):
                 e = uniq[i]
-                if c_slot[c, l, e] >= 0:
+                if c_slot[l, e, c] >= 0:
                     net[c] += gain_of[cnt[e]]
                 else:
                     miss[n_miss] = e
@@ -233,7 +237,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             kind = int(cand[c, CAND_KIND])
             if kind == KIND_FIXED:
                 continue
-            key = c_key[c]
+            key = c_key[:, :, c]
             for i in range(n):
                 e = uniq[i]
                 if kind == KIND_DECAY:
@@ -254,7 +258,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 top = max(top, key[l, miss[i]])
             n_in = 0
             if n_miss > 0 and top > c_floor[c, l]:
-                n_in = admit_after_use(key, l, g, c_owner[c], c_slot[c], n_slots, stamp, miss, n_miss, admitted)
+                n_in = admit_after_use(key, l, g, c_owner[c], c_slot[:, :, c], n_slots, stamp, miss, n_miss, admitted)
                 c_floor[c, l] = _resident_floor(key, l, c_owner[c], n_slots)
             net[c] -= kappa * n_in
             if n_in > 0 and c == lead:
@@ -284,7 +288,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 waiting += 1
                 continue
             j = n_new
-            while j > 0 and c_key[lead, l, entrants[j - 1]] < c_key[lead, l, e]:
+            while j > 0 and c_key[l, entrants[j - 1], lead] < c_key[l, e, lead]:
                 entrants[j] = entrants[j - 1]
                 j -= 1
             entrants[j] = e
@@ -300,7 +304,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 if o < 0:
                     free = sl
                     break
-                if c_slot[lead, l, o] < 0 and (free < 0 or c_key[lead, l, o] < c_key[lead, l, owner[l, free]]):
+                if c_slot[l, o, lead] < 0 and (free < 0 or c_key[l, o, lead] < c_key[l, owner[l, free], lead]):
                     free = sl
             o = owner[l, free]
             if o >= 0:
@@ -381,17 +385,17 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         state = super().start(ctx)
         C = len(self.candidates)
         self._cand = np.zeros((C, N_CAND))
-        self._c_slot = np.repeat(state.slot_of[None], C, axis=0)
+        self._c_slot = np.repeat(state.slot_of[:, :, None], C, axis=2)
         self._c_owner = np.repeat(state.owner[None], C, axis=0)
-        self._c_key = np.zeros((C,) + state.slot_of.shape)
+        self._c_key = np.zeros(state.slot_of.shape + (C,))
         for c, (_, kind, lam) in enumerate(self.candidates):
             self._cand[c, CAND_KIND] = kind
             self._cand[c, CAND_LAM] = lam
             if kind != KIND_FIXED:  # KIND_DECAY starts from the prior as evidence at step 0, unscaled
-                self._c_key[c] = initial_keys(KIND_LFU if kind == KIND_DECAY else kind, ctx.calib, ctx.top_k,
-                                              self.adaptive.prior_tokens, state.slot_of)
+                self._c_key[:, :, c] = initial_keys(KIND_LFU if kind == KIND_DECAY else kind, ctx.calib,
+                                                    ctx.top_k, self.adaptive.prior_tokens, state.slot_of)
             else:  # a fixed set's key is the score it was ranked by: the real cache copies its best first
-                self._c_key[c] = ctx.calib
+                self._c_key[:, :, c] = ctx.calib
         self._c_floor = np.full((C, ctx.n_layer), -np.inf)  # nothing known: the first miss searches
         self._stamp = np.full(state.slot_of.shape, -1, np.int64)
         self._score = np.zeros(C)
@@ -413,7 +417,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ops = op_buffer(ctx.n_layer, E)
         self._copy_bytes = link_bytes_per_copy(ctx.cost.array)
         # the stage candidate's shadow cache, ranked like SAEM's cache at a boundary
-        self._stage_shadow = CacheState(slot_of=self._c_slot[0], owner=self._c_owner[0], n_slots=state.n_slots)
+        self._stage_shadow = CacheState(slot_of=self._c_slot[:, :, 0], owner=self._c_owner[0], n_slots=state.n_slots)
         return state
 
     @property
@@ -445,7 +449,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         shadow = self._stage_shadow
         plan = plan_from_scores(shadow, scores, reason=reason)
         shadow.place(plan)
-        self._c_key[0] = scores
+        self._c_key[:, :, 0] = scores
         self._behind[plan.copies[:, 0]] = 1
         self._behind[plan.evictions[:, 0]] = 1
         self._placed(reason)

@@ -329,15 +329,19 @@ def used_experts(rows: np.ndarray, n_expert: int) -> np.ndarray:
 
 
 @njit(cache=True)
-def resident_uses(rows, slot_of):
-    """How many (row, layer, k) uses of one step's ``rows`` int16 [B, L, K] (-1 rows: no token)
-    were of experts resident in ``slot_of`` int32 [L, E]: the step's hits under that map."""
+def step_uses(rows, slot_of):
+    """(hits, uses) of one step's ``rows`` int16 [B, L, K] (-1 rows: no token) under
+    ``slot_of`` int32 [L, E]: the (row, layer, k) uses of resident experts, and all uses. One
+    kernel for both: between two decodes every distinct call costs its own cold start (about 10
+    us each on the development machine; docs/POLICIES.md, per-token cost)."""
+    hits = 0
     n = 0
     for b in range(rows.shape[0]):
         if rows[b, 0, 0] < 0:
             continue
+        n += 1
         for l in range(rows.shape[1]):
             for k in range(rows.shape[2]):
                 if slot_of[l, rows[b, l, k]] >= 0:
-                    n += 1
-    return n
+                    hits += 1
+    return hits, n * rows.shape[1] * rows.shape[2]
