@@ -331,9 +331,8 @@ def used_experts(rows: np.ndarray, n_expert: int) -> np.ndarray:
 @njit(cache=True)
 def step_uses(rows, slot_of):
     """(hits, uses) of one step's ``rows`` int16 [B, L, K] (-1 rows: no token) under
-    ``slot_of`` int32 [L, E]: the (row, layer, k) uses of resident experts, and all uses. One
-    kernel for both: between two decodes every distinct call costs its own cold start (about 10
-    us each on the development machine; docs/POLICIES.md, per-token cost)."""
+    ``slot_of`` int32 [L, E]: the (row, layer, k) uses of resident experts, and all uses (the
+    engine, the simulator and the RAM tier count both at every step: one pass)."""
     hits = 0
     n = 0
     for b in range(rows.shape[0]):
