@@ -497,15 +497,26 @@ class LastRoutingReader:
         self._sizes = (ctypes.c_int32(0), ctypes.c_int32(0), ctypes.c_int32(0))
         self._refs = tuple(ctypes.byref(x) for x in self._sizes)
         self._f = _fn("saem_moe_get_last_routing")
+        # the buffer as one token's [1, n_moe_layers, n_used], made at the first such read: a
+        # decode step's read is then one copy of it (after a decode has emptied the caches every
+        # NumPy call costs microseconds: docs/POLICIES.md, per-token cost). A context's MoE layers
+        # and n_used are fixed, so a one-token read of that size has that shape.
+        self._one: np.ndarray | None = None
 
     def read(self) -> np.ndarray:
         need = self._f(self._ctx, self._ptr, self._buf.size, *self._refs)
+        one = self._one
+        if one is not None and need == one.size and self._sizes[0].value == 1:
+            return one.copy()
         if need < 0 or need > self._buf.size:
             if need < 0:
                 _check("saem_moe_get_last_routing", need)
             return saem_moe_get_last_routing(self._ctx_arg, need)
         nt, nl, nu = self._sizes
-        return self._buf[:need].reshape(nt.value, nl.value, nu.value).copy()
+        view = self._buf[:need].reshape(nt.value, nl.value, nu.value)
+        if nt.value == 1:
+            self._one = view
+        return view.copy()
 
 
 def saem_moe_set_stock_min_batch(ctx: Any, n: int) -> None:

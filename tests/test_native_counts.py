@@ -73,6 +73,15 @@ def _check_all_layers(ctx, infos, last_per_layer: list[np.ndarray]) -> None:
         got = na.saem_moe_get_last_routing(ctx, cap)
         assert got.dtype == np.int16 and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+    # the engine's reader: the same rows at every read (a one-token read copies a kept view),
+    # each read a new array of its own
+    for cap in (1, want.size, want.size + 100):
+        reader = na.LastRoutingReader(ctx, cap)
+        reads = [reader.read() for _ in range(3)]
+        reads[1][...] = 99  # must touch neither the other reads nor the reader's buffer
+        for got in (reads[0], reads[2]):
+            assert got.dtype == np.int16 and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
 
 
 def test_counting_does_not_change_logits_and_can_be_switched_off():
