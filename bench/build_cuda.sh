@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the CUDA variant of the patched llama.cpp (+ native/) for one architecture (sm_90 by
 # default) with the project's builder, then link-check it. Long on a small machine (17-50 min on
-# 2 cores from scratch, measured idle and loaded, docs/NATIVE.md; the CMake tree persists under ~/.cache/saem_gguf/work/, so a later change
-# recompiles only what it touched). Run it niced, in the background:
+# 2 cores from scratch, measured idle and loaded, docs/NATIVE.md; the CMake tree persists under
+# ~/.cache/saem_gguf/work/, so a later change recompiles only what it touched). Run it niced, in
+# the background:
 #   nice -n 19 bash bench/build_cuda.sh > /tmp/cuda-build.log 2>&1 &
 #
 #   bash bench/build_cuda.sh [--arch 90] [-j N] [--fa]

@@ -1,8 +1,7 @@
 """The training model's MoE layer (grouped matmuls over expert-sorted rows) against a slow,
 obvious reference: every token through its k experts one at a time. Outputs, expert ids, the
 load-balancing loss and every gradient agree on random inputs (float32: grouped_mm takes no
-float64). Skipped where torch is not
-installed (CI installs only what inference needs)."""
+float64). Skipped where torch is not installed (CI installs only what inference needs)."""
 
 from __future__ import annotations
 
