@@ -228,7 +228,7 @@ class Placement:
                 self.stats.copies += 1
                 self.stats.bytes_moved += self.expert_nbytes[l]
         for l in np.unique(ops[:, 0]).tolist():
-            na.saem_moe_set_slot_map(self.ctx, self.moe_layers[l], target[l].tolist())
+            na.saem_moe_set_slot_map(self.ctx, self.moe_layers[l], target[l])
             self._native[l] = target[l]
         self.stats.plans += 1
 
@@ -239,7 +239,7 @@ class Placement:
             il = self.moe_layers[l]
             for e in np.nonzero(target[l] >= 0)[0]:
                 na.saem_moe_copy_expert_async(self.ctx, il, int(e), int(target[l, e]), False)
-            na.saem_moe_set_slot_map(self.ctx, il, target[l].tolist())
+            na.saem_moe_set_slot_map(self.ctx, il, target[l])
             self._native[l] = target[l]
 
     @property

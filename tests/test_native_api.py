@@ -3,6 +3,9 @@ NativeError subclass (a SaemError) with a message instead of crashing the proces
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pytest
 
 from native_helpers import Runner, layer_infos, spec
@@ -98,6 +101,25 @@ def test_bad_arguments_raise(runner):
         assert na.saem_moe_get_layer_info(ctx, 0).n_resident == 2
         assert na.saem_moe_copy_query(ctx)
         na.saem_moe_copy_sync(ctx)
+        # a map from NumPy: an int32 row is passed as its own memory (what the engine does), any
+        # other array through a list; all set the same map, and a bad entry is refused the same
+        want = [-1, -1, -1, 2, -1, -1, 3, -1]
+        row = np.array(want, np.int32)
+        strided = np.stack([row, row], axis=1)[:, 0]  # int32, not contiguous
+        assert not strided.flags.c_contiguous
+        # the row's own memory is what the call reads (no list, no copy)
+        arg = na._i32_array(row, "expert_to_slot")._as_parameter_
+        assert ctypes.cast(arg, ctypes.c_void_p).value == row.ctypes.data
+        for m in (row, row.astype(np.int64), strided):
+            na.saem_moe_set_slot_map(ctx, 0, np.full(8, -1, np.int32))
+            assert na.saem_moe_get_slot_map(ctx, 0) == [-1] * 8
+            na.saem_moe_set_slot_map(ctx, 0, m)
+            assert na.saem_moe_get_slot_map(ctx, 0) == want
+        with pytest.raises(na.NativeArgumentError, match="7 entries, expected 8"):
+            na.saem_moe_set_slot_map(ctx, 0, np.full(7, -1, np.int32))
+        with pytest.raises(na.NativeArgumentError, match="out of range"):
+            na.saem_moe_set_slot_map(ctx, 0, np.array([4] + [-1] * 7, np.int32))
+        assert na.saem_moe_get_slot_map(ctx, 0) == want  # a refused map changes nothing
         # the context still decodes after all the failures
         runner.reset()
         runner.decode(runner.tokenize("hello world"))
