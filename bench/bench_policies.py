@@ -18,6 +18,10 @@ calibration sequences from another seed):
   token noise;
 * ``cued-drift``: cued stages whose hot set drifts every 24 tokens (keeping 85 %), flatter
   routing (skew 1.0);
+* ``fastdrift-nocue``: cue-less stages whose hot set moves every 4 tokens (keeping 60 %);
+* ``fastdrift-skewed``: cued stages, skewed routing (1.5) whose hot set moves every 8 tokens
+  (keeping 50 %);
+* ``short-nocue``: very short cue-less stages (x0.05) sharing little (coherence 0.5);
 * ``model``: ``--trace`` (e.g. the embedded model's 60 held-out questions recorded with
   ``trace``, as bench_default_model.py does), the last 25 % calibrating, the stage detector on
   ``--cues`` (qwen3: the set the engine's detector uses on a qwen3moe model).
@@ -58,6 +62,14 @@ SYNTHETIC = {
     "short-kinds-noise": SyntheticConfig(n_kinds=6, cue_prob=0.3, stage_len_scale=0.25, token_noise=0.3),
     # long stages whose hot set drifts fast, cues at every boundary
     "cued-drift": SyntheticConfig(coherence=0.7, drift_every=24, drift_keep=0.85, skew=1.0),
+    # three more written to break the default (2026-12-02): where temporal-cpu's rule is best
+    # from the first token, any lag in following it shows. A hot set that moves every 4 tokens
+    # (keeping 60 %) in cue-less stages
+    "fastdrift-nocue": SyntheticConfig(cue_prob=0.0, drift_every=4, drift_keep=0.6, coherence=0.9),
+    # cued stages, skewed routing whose hot set moves every 8 tokens keeping half
+    "fastdrift-skewed": SyntheticConfig(drift_every=8, drift_keep=0.5, skew=1.5),
+    # very short cue-less stages (x0.05) that share little (coherence 0.5): recency is all there is
+    "short-nocue": SyntheticConfig(cue_prob=0.0, stage_len_scale=0.05, coherence=0.5),
 }
 
 

@@ -176,3 +176,34 @@ def test_hit_gains_are_the_cost_models_savings():
     assert gain[8] == pytest.approx((t_cpu(8, cost) - t_gpu(8, cost)) / one)
     assert 1.0 < gain[8] < 4.0 and np.all(np.diff(gain[1:]) >= 0)
     assert sync == pytest.approx(cost[C_SYNC] / one) and 0.5 < sync < 1.0
+
+
+def test_leader_at_start_and_no_switch_in_the_first_steps():
+    """The real cache starts following lrfu-16 (temporal-cpu's rule; the stage rule when lrfu-16
+    is not a candidate) and keeps it for ``first_switch`` steps: on drifting routing the first
+    steps' scores, which charge a cache's copies before the hits they buy, would otherwise hand
+    the lead to a set that loads nothing and back."""
+    rng = np.random.default_rng(4)
+    L, E, K, S = 3, 32, 4, 8
+    calib = rng.random((L, E))
+    routing = _drifting_routing(rng, 60, L, E, K, 10)
+
+    def leaders(**kw):
+        pol = AdaptiveSaemPolicy(**kw)
+        pol.start(_ctx(L, E, K, S, calib))
+        out = []
+        for s in range(routing.shape[0]):
+            out.append(pol.leader)
+            pol.observe(routing[s], StepEvents())
+        return out, pol
+
+    free, _ = leaders(first_switch=0)
+    held, pol = leaders()
+    assert free[0] == held[0] == "lrfu-16"
+    assert pol.adaptive.first_switch == 8
+    assert any(x != "lrfu-16" for x in free[:9]), free[:9]  # with no hold it switches at once
+    assert held[:9] == ["lrfu-16"] * 9  # the first 8 steps scored: no switch
+    assert leaders(candidates=("stage", "static", "lfu"))[0][0] == "stage"
+    assert leaders(start_leader="static")[0][0] == "static"
+    with pytest.raises(ValueError, match="leader at start"):
+        AdaptiveSaemPolicy(start_leader="lru")

@@ -58,6 +58,22 @@ def test_small_experts_flat_routing_get_whole_layers_large_experts_skewed_routin
     assert large.tolist() == budget.tolist() and t_large == t_uniform_large
 
 
+def test_resident_layers_must_save_the_margin():
+    """A layout with resident layers is kept only when its estimate beats the uniform one by
+    ``min_gain`` (the estimate is pessimistic for the uniform cache): just above its gain, the
+    uniform layout; just below, the same layout as with no margin."""
+    L, E, K = 4, 32, 4
+    calib = _skewed_calib(L, E, K, skew=0.3)
+    budget = np.full(L, 16, np.int32)
+    free, t_free, t_uniform = choose_layout(calib, K, budget, 1, SMALL.array, min_gain=0.0)
+    gain = 1.0 - t_free / t_uniform
+    assert int((free == E).sum()) >= 1 and gain > 0
+    kept, t_kept, _ = choose_layout(calib, K, budget, 1, SMALL.array, min_gain=gain * 0.99)
+    assert kept.tolist() == free.tolist() and t_kept == t_free
+    uniform, t_u, _ = choose_layout(calib, K, budget, 1, SMALL.array, min_gain=gain * 1.01)
+    assert uniform.tolist() == budget.tolist() and t_u == t_uniform
+
+
 @pytest.mark.parametrize("total", [0, 1, 7, 33, 64, 128])
 def test_layouts_spend_at_most_the_budget(total):
     L, E, K = 4, 32, 4

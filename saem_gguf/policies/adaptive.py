@@ -28,9 +28,10 @@ weight read. The real cache follows the leader's set: after each layer runs, the
 new residents are copied in best first, each replacing a resident that left the leader's set,
 as far as the step's link budget allows (``observe``'s ``link_budget``; the rest follow at later
 steps); a cache leader's new residents only once a step uses them (its own loads come at once:
-they are what the step used), a fixed set's (stage, static) at once. The leader changes when
-another candidate's score beats it by more than the copies a switch costs, spread over the
-horizon.
+they are what the step used), a fixed set's (stage, static) at once. The leader at start is
+``lrfu-16`` (``DEFAULT_START_LEADER``); it changes when another candidate's score beats it by
+more than the copies a switch costs, spread over the horizon, and not in the first
+``first_switch`` steps.
 ``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
 experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
 1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
@@ -88,10 +89,18 @@ CTL_SWITCH_COST = 5  # what one copy of a leader switch must be outweighed by, i
 CTL_SCORED = 6  # steps scored so far: the first horizon's averages are plain means (no lag from 0)
 CTL_WARM = 7  # 1: the first steps are averaged as plain means; 0: all with weight 1 / horizon
 CTL_SYNC_GAIN = 8  # a layer step with every used expert held skips the CPU round trip: its gain, in hits
-N_CTL = 9
+CTL_FIRST_SWITCH = 9  # steps scored before the leader may change
+N_CTL = 10
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
+# The leader at start, when a candidate (else the stage rule). Until the stage rule's first
+# boundary (SAEM's warm-up) its set is the calibrated one, static's; a cache that loads the
+# misses it ran on the CPU is the better start wherever routing moves, and where it does not
+# the stage rule takes over at its first placement. Starting from the stage rule, a trace whose
+# best rule is temporal-cpu's lost 0.1-0.5 % to it (the follower re-missing what the cache
+# loaded while it did not lead; docs/POLICIES.md).
+DEFAULT_START_LEADER = "lrfu-16"
 
 
 def candidate_kind(name: str) -> tuple[int, float]:
@@ -134,6 +143,11 @@ class AdaptiveConfig:
     # "auto": split the slot budget over the layers by pricing layouts (layout.py: from uniform to
     # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer
     layout: str = "auto"
+    # the candidate the real cache follows at start (None: DEFAULT_START_LEADER when a candidate)
+    start_leader: str | None = None
+    # steps scored before the leader may change: the first steps' scores are means of a few
+    # noisy steps, and a cache's copies are charged when made, before the hits they buy
+    first_switch: int = 8
 
 
 @njit(cache=True)
@@ -200,7 +214,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             best = c
     gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
     sw = ctl[CTL_SWITCH_COST]
-    if best != lead and gain > sw and gain > sw * _set_diff(c_slot, slot_of, best):
+    if best != lead and ctl[CTL_SCORED] >= ctl[CTL_FIRST_SWITCH] and gain > sw \
+            and gain > sw * _set_diff(c_slot, slot_of, best):
         lead = best
         ctl[CTL_LEADER] = best
         ctl[CTL_SWITCHES] += 1
@@ -362,17 +377,23 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
     def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
                  copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
-                 **overrides) -> None:
+                 start_leader: str | None = None, first_switch: int = 8, **overrides) -> None:
         super().__init__(config, **overrides)
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
-                                       copy_cost=copy_cost, copy_price=float(copy_price), layout=layout)
+                                       copy_cost=copy_cost, copy_price=float(copy_price), layout=layout,
+                                       start_leader=start_leader, first_switch=int(first_switch))
         if layout not in ("auto", "uniform"):
             raise ValueError("layout must be 'auto' or 'uniform'")
         if not candidates or candidates[0] != "stage":
-            raise ValueError("the stage rule must be the first candidate (the leader at start)")
+            raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
+        if start_leader is None:
+            start_leader = DEFAULT_START_LEADER if DEFAULT_START_LEADER in candidates else "stage"
+        if start_leader not in candidates:
+            raise ValueError(f"the leader at start ({start_leader!r}) must be a candidate")
+        self._start_leader = list(candidates).index(start_leader)
 
     def slots_for(self, ctx: PolicyContext) -> np.ndarray:
         """The budget's bytes split over the layers as the cost model prices best (layout.py)."""
@@ -401,7 +422,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._score = np.zeros(C)
         self._led = np.zeros(C)
         self._ctl = np.zeros(N_CTL)
-        self._ctl[CTL_LEADER] = 0  # the stage rule until the routing says otherwise
+        self._ctl[CTL_LEADER] = self._start_leader  # until the routing says otherwise
+        self._ctl[CTL_FIRST_SWITCH] = self.adaptive.first_switch
         self._ctl[CTL_ALPHA] = 1.0 / self.adaptive.horizon_steps
         self._ctl[CTL_COPY_COST] = self.adaptive.copy_price * copy_cost_in_hits(ctx.cost.array) \
             if self.adaptive.copy_cost is None else self.adaptive.copy_cost
