@@ -97,8 +97,8 @@ DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrf
 # The leader at start, when a candidate (else the stage rule). Until the stage rule's first
 # boundary (SAEM's warm-up) its set is the calibrated one, static's; a cache that loads the
 # misses it ran on the CPU is the better start wherever routing moves, and where it does not
-# the stage rule takes over at its first placement. Starting from the stage rule, a trace whose
-# best rule is temporal-cpu's lost 0.1-0.5 % to it (the follower re-missing what the cache
+# the stage rule takes over at its first placement. Starting from the stage rule, traces whose
+# best rule is temporal-cpu's lost up to 0.14 % to it (the follower re-missing what the cache
 # loaded while it did not lead; docs/POLICIES.md).
 DEFAULT_START_LEADER = "lrfu-16"
 

@@ -19,9 +19,9 @@ resident layers (the uniform layout, whose cache can follow the routing).
 
 Because the estimate is pessimistic for the uniform layout's cache, a layout with resident
 layers must beat it by ``MIN_GAIN`` of the step's expert time. Measured with ``saem``
-(bench_policies' families and three drifting ones, docs/POLICIES.md): where resident layers
-were estimated to save 0.08-0.09 %, they lost 0.4-0.5 % against the uniform cache; every
-estimate of 0.6 % or more was a real gain (up to 10 %).
+on bench_policies' twelve families (docs/POLICIES.md): layouts estimated to save under 0.1 %
+were 0.02-0.5 % slower than the uniform one; every estimate of 0.6 % or more was faster (by
+0.16-10.5 %).
 """
 
 from __future__ import annotations
