@@ -273,8 +273,8 @@ class _Int32Buffer:
 
 def _i32_array(values: Sequence[int] | np.ndarray, what: str) -> ctypes.Array | _Int32Buffer:
     """``values`` as a C int32 array argument. A contiguous 1-D int32 NumPy array is passed as
-    its own memory: building a ctypes array from a list is 20 us for 128 entries, the engine sets
-    a layer's 128-entry slot map from one at most decode steps."""
+    its own memory: building a ctypes array from a list is 20 us for 128 entries, and the engine
+    sets slot maps from its int32 rows, up to one per layer in a token that changes residency."""
     if isinstance(values, np.ndarray) and values.dtype == np.int32 and values.ndim == 1 \
             and values.flags.c_contiguous:
         return _Int32Buffer(values)

@@ -143,8 +143,9 @@ class AdaptiveConfig:
     # "auto": split the slot budget over the layers by pricing layouts (layout.py: from uniform to
     # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer
     layout: str = "auto"
-    # the candidate the real cache follows at start (None: DEFAULT_START_LEADER when a candidate)
-    start_leader: str | None = None
+    # the candidate the real cache follows at start (the policy's default: DEFAULT_START_LEADER
+    # when it is a candidate, else the stage rule)
+    start_leader: str = DEFAULT_START_LEADER
     # steps scored before the leader may change: the first steps' scores are means of a few
     # noisy steps, and a cache's copies are charged when made, before the hits they buy
     first_switch: int = 8
@@ -379,6 +380,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
                  start_leader: str | None = None, first_switch: int = 8, **overrides) -> None:
         super().__init__(config, **overrides)
+        if start_leader is None:
+            start_leader = DEFAULT_START_LEADER if DEFAULT_START_LEADER in candidates else "stage"
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
@@ -389,11 +392,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
-        if start_leader is None:
-            start_leader = DEFAULT_START_LEADER if DEFAULT_START_LEADER in candidates else "stage"
         if start_leader not in candidates:
             raise ValueError(f"the leader at start ({start_leader!r}) must be a candidate")
-        self._start_leader = list(candidates).index(start_leader)
 
     def slots_for(self, ctx: PolicyContext) -> np.ndarray:
         """The budget's bytes split over the layers as the cost model prices best (layout.py)."""
@@ -422,7 +422,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._score = np.zeros(C)
         self._led = np.zeros(C)
         self._ctl = np.zeros(N_CTL)
-        self._ctl[CTL_LEADER] = self._start_leader  # until the routing says otherwise
+        # the leader at start, until the routing says otherwise
+        self._ctl[CTL_LEADER] = self.adaptive.candidates.index(self.adaptive.start_leader)
         self._ctl[CTL_FIRST_SWITCH] = self.adaptive.first_switch
         self._ctl[CTL_ALPHA] = 1.0 / self.adaptive.horizon_steps
         self._ctl[CTL_COPY_COST] = self.adaptive.copy_price * copy_cost_in_hits(ctx.cost.array) \
