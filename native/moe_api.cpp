@@ -188,6 +188,40 @@ int32_t saem_moe_copy_expert_async(struct llama_context * ctx, int32_t il, int32
     return copy_impl(__func__, ctx, il, expert, slot, update_map, true);
 }
 
+int32_t saem_moe_copy_experts_async(struct llama_context * ctx, const int32_t * copies, int32_t n) {
+    return saem_guarded(__func__, [&]() -> int32_t {
+        CHECK_CTX(ctx);
+        if (n < 0) {
+            throw saem_error(SAEM_E_INVALID_ARG, "n < 0");
+        }
+        saem_moe_cache & c = need_cache(ctx);
+        if (n > 0) {
+            CHECK_PTR(copies);
+            c.copy_experts_async(copies, n);
+        }
+        return SAEM_OK;
+    });
+}
+
+int32_t saem_moe_set_slot_maps(struct llama_context * ctx, const int32_t * layers, const int32_t * expert_to_slot, int32_t n, int32_t n_expert) {
+    return saem_guarded(__func__, [&]() -> int32_t {
+        CHECK_CTX(ctx);
+        if (n < 0 || n_expert < 0) {
+            throw saem_error(SAEM_E_INVALID_ARG, n < 0 ? "n < 0" : "n_expert < 0");
+        }
+        saem_moe_cache & c = need_cache(ctx);
+        if (n > 0) {
+            CHECK_PTR(layers);
+            CHECK_PTR(expert_to_slot);
+            for (int32_t i = 0; i < n; i++) {
+                moe_layer(c, layers[i]);
+            }
+            c.set_maps(layers, expert_to_slot, n, n_expert);
+        }
+        return SAEM_OK;
+    });
+}
+
 int32_t saem_moe_copy_query(struct llama_context * ctx) {
     return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
@@ -267,6 +301,7 @@ int32_t saem_moe_reset_counts(struct llama_context * ctx) {
                 std::fill(L.cnt_last .begin(), L.cnt_last .end(), 0);
                 L.last_ids.clear();
                 L.last_n_tokens = 0;
+                L.last_slot_uses = 0;
             }
             c->counted_tokens = 0;
         }
@@ -314,11 +349,13 @@ int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int3
     });
 }
 
-int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used) {
+int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used,
+        int64_t * n_slot_uses) {
     return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         const saem_moe_cache * c = ids_cache(ctx, cap);
         int32_t nt = 0, nl = 0, nu = 0;
+        int64_t slot_uses = 0;
         for (const saem_layer & L : c->layers) {
             if (L.n_expert == 0) {
                 continue;
@@ -330,8 +367,10 @@ int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * ou
             nu = std::max(nu, L.n_used);
             if (!L.last_ids.empty()) {
                 nt = std::max(nt, L.last_n_tokens);
+                slot_uses += L.last_slot_uses;
             }
         }
+        if (n_slot_uses) { *n_slot_uses = slot_uses; }
         if (nl == 0) {
             throw saem_error(SAEM_E_NOT_MOE, "the model has no expert layers");
         }

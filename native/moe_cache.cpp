@@ -505,29 +505,21 @@ static void check_slot_args(const saem_moe_cache & c, const saem_layer & L, int 
     }
 }
 
-void saem_moe_cache::copy_expert(int il, int e, int s, bool update_map, bool async) {
-    saem_layer & L = layer(il);
-    check_slot_args(*this, L, e, s);
-    saem_device & d = devs[L.dev_idx];
-
-    const saem_layer_mode old_mode = L.mode;
-
-    // whoever is mapped to the slot goes back to the host now: its weights are being replaced
-    for (int e2 = 0; e2 < L.n_expert; ++e2) {
-        if (L.slot_of[e2] == s) {
-            L.slot_of[e2] = -1;
-        }
-    }
-
+// Move expert e's weights from the host into slot s of L; nothing else changes. Returns true when
+// the copy was queued on the device's copy stream (the caller records the copy event). Before the
+// first queued copy of a batch (wait_compute) the stream waits for the last submitted compute,
+// which may still read the slot.
+static bool move_expert(saem_moe_cache & c, saem_layer & L, saem_device & d, int e, int s, bool async, bool wait_compute) {
     if (d.is_host) {
         // CPU slots: decode is synchronous on the CPU, nothing can be reading the slot now
         for (int k = 0; k < L.n_mats; ++k) {
             const ggml_tensor * h = L.h_mat[k];
             ggml_backend_tensor_set(L.d_mat[k], (const char *) h->data + (size_t) e * h->nb[2], (size_t) s * h->nb[2], h->nb[2]);
         }
-    } else if (async && d.copy_backend) {
-        // do not overwrite the slot while the last submitted graph may still read it
-        if (d.ev_compute_valid) {
+        return false;
+    }
+    if (async && d.copy_backend) {
+        if (wait_compute && d.ev_compute_valid) {
             ggml_backend_event_wait(d.copy_backend, d.ev_compute);
         }
         for (int k = 0; k < L.n_mats; ++k) {
@@ -535,25 +527,51 @@ void saem_moe_cache::copy_expert(int il, int e, int s, bool update_map, bool asy
             ggml_backend_tensor_set_async(d.copy_backend, L.d_mat[k], (const char *) h->data + (size_t) e * h->nb[2],
                     (size_t) s * h->nb[2], h->nb[2]);
         }
-        ggml_backend_event_record(d.ev_copy, d.copy_backend);
-        d.copy_pending  = true;
-        d.copy_unsynced = true;
-    } else {
-        // synchronous: wait for in-flight graphs and async copies, then copy
-        ggml_backend_t cb = saem_ctx_access::backend_for(*lctx, d.dev);
-        if (cb) {
-            ggml_backend_synchronize(cb);
-        }
-        if (d.copy_backend) {
-            ggml_backend_synchronize(d.copy_backend);
-            d.copy_unsynced = false;
-        }
-        for (int k = 0; k < L.n_mats; ++k) {
-            const ggml_tensor * h = L.h_mat[k];
-            ggml_backend_tensor_set(L.d_mat[k], (const char *) h->data + (size_t) e * h->nb[2], (size_t) s * h->nb[2], h->nb[2]);
+        return true;
+    }
+    // synchronous: wait for in-flight graphs and async copies, then copy
+    ggml_backend_t cb = saem_ctx_access::backend_for(*c.lctx, d.dev);
+    if (cb) {
+        ggml_backend_synchronize(cb);
+    }
+    if (d.copy_backend) {
+        ggml_backend_synchronize(d.copy_backend);
+        d.copy_unsynced = false;
+    }
+    for (int k = 0; k < L.n_mats; ++k) {
+        const ggml_tensor * h = L.h_mat[k];
+        ggml_backend_tensor_set(L.d_mat[k], (const char *) h->data + (size_t) e * h->nb[2], (size_t) s * h->nb[2], h->nb[2]);
+    }
+    return false;
+}
+
+// The copy stream of d has queued copies: the next decode waits for them on the device.
+static void queued_copies(saem_device & d) {
+    ggml_backend_event_record(d.ev_copy, d.copy_backend);
+    d.copy_pending  = true;
+    d.copy_unsynced = true;
+}
+
+// Whoever is mapped to slot s of L goes back to the host: its weights are being replaced (before
+// the data moves, so a failed copy leaves no map entry on the slot).
+static void unmap_slot(saem_layer & L, int s) {
+    for (int e2 = 0; e2 < L.n_expert; ++e2) {
+        if (L.slot_of[e2] == s) {
+            L.slot_of[e2] = -1;
         }
     }
+}
 
+void saem_moe_cache::copy_expert(int il, int e, int s, bool update_map, bool async) {
+    saem_layer & L = layer(il);
+    check_slot_args(*this, L, e, s);
+    saem_device & d = devs[L.dev_idx];
+
+    const saem_layer_mode old_mode = L.mode;
+    unmap_slot(L, s);
+    if (move_expert(*this, L, d, e, s, async, true)) {
+        queued_copies(d);
+    }
     L.owner[s] = e;
     if (update_map) {
         L.slot_of[e] = s;
@@ -561,6 +579,47 @@ void saem_moe_cache::copy_expert(int il, int e, int s, bool update_map, bool asy
     L.rebuild_maps();
     fill_input_maps(L, d.zero_slot);
     if (L.mode != old_mode) {
+        layer_modes_changed();
+    }
+}
+
+void saem_moe_cache::copy_experts_async(const int32_t * copies, int32_t n) {
+    // every entry is checked before anything moves: a bad one leaves the cache as it was
+    for (int32_t i = 0; i < n; ++i) {
+        check_slot_args(*this, layer(copies[3 * i]), copies[3 * i + 1], copies[3 * i + 2]);
+    }
+    std::vector<char> dev_queued(devs.size(), 0);
+    std::vector<int> touched;                       // layers, in first-touch order
+    std::vector<saem_layer_mode> old_mode;
+    for (int32_t i = 0; i < n; ++i) {
+        saem_layer & L = layer(copies[3 * i]);
+        const int e = copies[3 * i + 1];
+        const int s = copies[3 * i + 2];
+        if (std::find(touched.begin(), touched.end(), L.il) == touched.end()) {
+            touched.push_back(L.il);
+            old_mode.push_back(L.mode);
+        }
+        unmap_slot(L, s);
+        // one wait for the last compute and one copy event per device for the whole batch: the
+        // stream runs its copies in order, so the event after the last covers them all
+        if (move_expert(*this, L, devs[L.dev_idx], e, s, true, !dev_queued[L.dev_idx])) {
+            dev_queued[L.dev_idx] = 1;
+        }
+        L.owner[s] = e;
+    }
+    for (size_t di = 0; di < devs.size(); ++di) {
+        if (dev_queued[di]) {
+            queued_copies(devs[di]);
+        }
+    }
+    bool changed = false;
+    for (size_t j = 0; j < touched.size(); ++j) {
+        saem_layer & L = layer(touched[j]);
+        L.rebuild_maps();
+        fill_input_maps(L, devs[L.dev_idx].zero_slot);
+        changed = changed || L.mode != old_mode[j];
+    }
+    if (changed) {
         layer_modes_changed();
     }
 }
@@ -588,14 +647,16 @@ void saem_moe_cache::copy_sync() {
     }
 }
 
-void saem_moe_cache::set_map(int il, const int32_t * e2s) {
-    saem_layer & L = layer(il);
-    if (!initialised) {
+// Throws unless e2s (n_expert entries) is a valid map for L: each slot at most once, and only for
+// the expert it holds.
+static void check_map(const saem_moe_cache & c, const saem_layer & L, const int32_t * e2s) {
+    if (!c.initialised) {
         throw saem_error(SAEM_E_NO_CACHE, "the expert cache is not initialised (saem_moe_cache_init)");
     }
     if (L.n_expert == 0) {
-        throw saem_error(SAEM_E_NOT_MOE, "layer " + std::to_string(il) + " has no experts");
+        throw saem_error(SAEM_E_NOT_MOE, "layer " + std::to_string(L.il) + " has no experts");
     }
+    const int il = L.il;
     std::vector<int32_t> used(L.n_slots, -1);
     for (int e = 0; e < L.n_expert; ++e) {
         const int32_t s = e2s[e];
@@ -616,11 +677,45 @@ void saem_moe_cache::set_map(int il, const int32_t * e2s) {
         }
         used[s] = e;
     }
+}
+
+// Put a checked map in force; returns whether the layer's mode changed.
+static bool apply_map(const saem_moe_cache & c, saem_layer & L, const int32_t * e2s) {
     const saem_layer_mode old_mode = L.mode;
     std::copy(e2s, e2s + L.n_expert, L.slot_of.begin());
     L.rebuild_maps();
-    fill_input_maps(L, L.dev_idx >= 0 && devs[L.dev_idx].zero_slot);
-    if (L.mode != old_mode) {
+    fill_input_maps(L, L.dev_idx >= 0 && c.devs[L.dev_idx].zero_slot);
+    return L.mode != old_mode;
+}
+
+void saem_moe_cache::set_map(int il, const int32_t * e2s) {
+    saem_layer & L = layer(il);
+    check_map(*this, L, e2s);
+    if (apply_map(*this, L, e2s)) {
+        layer_modes_changed();
+    }
+}
+
+void saem_moe_cache::set_maps(const int32_t * ils, const int32_t * e2s, int32_t n, int32_t n_expert) {
+    // every map is checked before any is set: a bad one leaves every map as it was
+    for (int32_t i = 0; i < n; ++i) {
+        const saem_layer & L = layer(ils[i]);
+        if (L.n_expert != 0 && L.n_expert != n_expert) {
+            throw saem_error(SAEM_E_INVALID_ARG, "expert_to_slot has " + std::to_string(n_expert) +
+                    " entries per layer, layer " + std::to_string(L.il) + " has " + std::to_string(L.n_expert) + " experts");
+        }
+        check_map(*this, L, e2s + (size_t) i * n_expert);
+        for (int32_t j = 0; j < i; ++j) {
+            if (ils[j] == ils[i]) {
+                throw saem_error(SAEM_E_INVALID_ARG, "layer " + std::to_string(ils[i]) + " given twice");
+            }
+        }
+    }
+    bool changed = false;
+    for (int32_t i = 0; i < n; ++i) {
+        changed = apply_map(*this, layer(ils[i]), e2s + (size_t) i * n_expert) || changed;
+    }
+    if (changed) {
         layer_modes_changed();
     }
 }

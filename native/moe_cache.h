@@ -94,6 +94,7 @@ struct saem_layer {
     std::vector<int64_t> cnt_total;
     std::vector<int32_t> last_ids;  // [n_tokens][n_used]
     int last_n_tokens = 0;
+    int64_t last_slot_uses = 0;     // of the last ubatch's (token, k) uses, those a slot served
 
     // RAM tier: routed experts the graph's prefetch op advised (one task per layer, so no race)
     uint64_t ram_route_prefetched = 0;
@@ -122,9 +123,11 @@ struct saem_moe_cache {
     void free_slots();                                     // drop devices/buffers, keep counters
     void init(const int32_t * n_slots, int32_t n_layers);  // throws saem_error
     void copy_expert(int il, int e, int s, bool update_map, bool async);
+    void copy_experts_async(const int32_t * copies, int32_t n);   // [n][il, expert, slot], all checked first
     bool copy_query();
     void copy_sync();
     void set_map(int il, const int32_t * e2s);
+    void set_maps(const int32_t * ils, const int32_t * e2s, int32_t n, int32_t n_expert);  // all checked first
     void layer_modes_changed();
     void wait_copies_on_compute();                         // before graph compute
     void record_compute();                                 // after graph compute

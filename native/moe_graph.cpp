@@ -246,12 +246,18 @@ void saem_moe_after_compute(saem_moe_cache * c, llm_graph_result * res) {
         buf.resize(n_used * n_tokens);
         ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
         std::fill(L.cnt_last.begin(), L.cnt_last.end(), 0);
+        // the uses a slot served: only a layer whose graph read the maps (t_map_dev), under the map
+        // it read (no map changes between a compute and this)
+        const bool slots_served = inp->t_map_dev[il] != nullptr;
+        int64_t slot_uses = 0;
         for (int32_t e : buf) {
             if (e >= 0 && e < L.n_expert) {
                 L.cnt_last[e]++;
                 L.cnt_total[e]++;
+                slot_uses += slots_served && L.slot_of[e] >= 0;
             }
         }
+        L.last_slot_uses = slot_uses;
         if (c->counting == SAEM_COUNT_IDS) {
             L.last_ids = buf;
         } else {

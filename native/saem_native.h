@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define SAEM_NATIVE_ABI_VERSION 4
+#define SAEM_NATIVE_ABI_VERSION 5
 
 #if defined(_WIN32)
 #    define SAEM_API __declspec(dllexport)
@@ -125,6 +125,18 @@ SAEM_API int32_t saem_moe_get_slot_owner(const struct llama_context * ctx, int32
 SAEM_API int32_t saem_moe_copy_expert      (struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t update_map);
 SAEM_API int32_t saem_moe_copy_expert_async(struct llama_context * ctx, int32_t il, int32_t expert, int32_t slot, int32_t update_map);
 
+// n async copies in one call, in order: copies[3 i], copies[3 i + 1], copies[3 i + 2] = il, expert,
+// slot of copy i, each as saem_moe_copy_expert_async(ctx, il, expert, slot, 0). Every entry is
+// checked before any copy starts (an error leaves the cache as it was); on a device the batch waits
+// once for the last submitted decode and records one copy event. One call for a decode step's
+// decisions instead of one per copy.
+SAEM_API int32_t saem_moe_copy_experts_async(struct llama_context * ctx, const int32_t * copies, int32_t n);
+
+// Set the maps of n layers in one call: layers[i] gets expert_to_slot[i * n_expert ...] (n_expert
+// entries each, the layers' expert count), each as saem_moe_set_slot_map. Every map is checked
+// before any is set (an error leaves every map as it was); a layer may appear once.
+SAEM_API int32_t saem_moe_set_slot_maps(struct llama_context * ctx, const int32_t * layers, const int32_t * expert_to_slot, int32_t n, int32_t n_expert);
+
 // 1 if all async copies issued so far have completed, 0 if some are in flight.
 SAEM_API int32_t saem_moe_copy_query(struct llama_context * ctx);
 
@@ -162,7 +174,11 @@ SAEM_API int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t
 // ubatch's last rows; every other entry is -1. Sets *n_tokens, *n_layers, *n_used (may be NULL)
 // and returns the number of int16 the array needs; writes it only when cap >= that number (call
 // with cap 0 to size the buffer). One call per decoded token instead of one per layer.
-SAEM_API int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used);
+// *n_slot_uses (may be NULL): how many of those (token, layer, k) uses a slot served, under the
+// maps that ubatch ran with (0 for a layer on the stock graph), so a caller need not look the ids
+// up in its own copy of the maps.
+SAEM_API int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used,
+                                           int64_t * n_slot_uses);
 
 // Ubatches with n_tokens >= n use the stock graph (no cache; on a GPU build llama.cpp then uploads
 // the used experts itself, op offload). Default 32 (GGML_OP_OFFLOAD_MIN_BATCH). n >= 1.

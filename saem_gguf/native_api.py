@@ -23,7 +23,7 @@ import numpy as np
 from saem_gguf.errors import BuildError, SaemError
 from saem_gguf.llama_lib import load_llama_cpp
 
-ABI_VERSION = 4  # SAEM_NATIVE_ABI_VERSION
+ABI_VERSION = 5  # SAEM_NATIVE_ABI_VERSION
 
 # status codes (saem_native.h)
 SAEM_OK = 0
@@ -191,6 +191,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "saem_moe_copy_expert": ([_CTX, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
     "saem_moe_copy_expert_async": ([_CTX, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
                                    ctypes.c_int32),
+    "saem_moe_copy_experts_async": ([_CTX, _P_I32, ctypes.c_int32], ctypes.c_int32),
+    "saem_moe_set_slot_maps": ([_CTX, _P_I32, _P_I32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32),
     "saem_moe_copy_query": ([_CTX], ctypes.c_int32),
     "saem_moe_copy_sync": ([_CTX], ctypes.c_int32),
     "saem_moe_set_counting": ([_CTX, ctypes.c_int32], ctypes.c_int32),
@@ -199,7 +201,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "saem_moe_reset_counts": ([_CTX], ctypes.c_int32),
     "saem_moe_counted_tokens": ([_CTX], ctypes.c_int64),
     "saem_moe_get_last_ids": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, _P_I32, _P_I32], ctypes.c_int32),
-    "saem_moe_get_last_routing": ([_CTX, _P_I16, ctypes.c_int32, _P_I32, _P_I32, _P_I32], ctypes.c_int32),
+    "saem_moe_get_last_routing": ([_CTX, _P_I16, ctypes.c_int32, _P_I32, _P_I32, _P_I32, _P_I64], ctypes.c_int32),
     "saem_moe_set_stock_min_batch": ([_CTX, ctypes.c_int32], ctypes.c_int32),
     "saem_moe_get_stock_min_batch": ([_CTX], ctypes.c_int32),
     "saem_ram_experts_mapped": ([_CTX], ctypes.c_int32),
@@ -284,6 +286,30 @@ def _i32_array(values: Sequence[int] | np.ndarray, what: str) -> ctypes.Array | 
         return (ctypes.c_int32 * len(values))(*[int(v) for v in values])
     except (TypeError, ValueError, OverflowError) as e:
         raise NativeArgumentError(SAEM_E_INVALID_ARG, what, f"{what}: {e}") from e
+
+
+def _i32_rows(values: Sequence[Sequence[int]] | np.ndarray, width: int | None, what: str,
+              ndim: int = 2) -> np.ndarray:
+    """``values`` as a C-contiguous int32 array [n, width] (``width`` None: any, n >= 0 rows of
+    one width; ``ndim`` 1: a vector [n]). A C-contiguous int32 array of that shape, what the
+    engine passes, is used as it is, with no NumPy call: after a decode has emptied the caches
+    each one costs microseconds."""
+    if type(values) is np.ndarray and values.dtype == np.int32 and values.ndim == ndim \
+            and values.flags.c_contiguous and (ndim == 1 or width is None or values.shape[1] == width):
+        return values
+    if ndim == 1:
+        return _i32_rows(np.reshape(values, (-1, 1)) if len(values) else np.zeros((0, 1), np.int32),
+                         1, what).reshape(-1)
+    try:
+        arr = np.ascontiguousarray(values, np.int32)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise NativeArgumentError(SAEM_E_INVALID_ARG, what, f"{what}: {e}") from e
+    if arr.size == 0:
+        arr = arr.reshape(0, width or 0)
+    if arr.ndim != 2 or (width is not None and arr.shape[1] != width):
+        shape = "n x " + str(width) if width is not None else "2-D"
+        raise NativeArgumentError(SAEM_E_INVALID_ARG, what, f"{what}: shape {arr.shape}, expected {shape}")
+    return arr
 
 
 def _call(name: str, *args: Any) -> int:
@@ -423,6 +449,27 @@ def saem_moe_copy_expert_async(ctx: Any, il: int, expert: int, slot: int, update
     _call("saem_moe_copy_expert_async", _ctx(ctx), int(il), int(expert), int(slot), 1 if update_map else 0)
 
 
+def saem_moe_copy_experts_async(ctx: Any, copies: Sequence[Sequence[int]] | np.ndarray) -> None:
+    """int32_t saem_moe_copy_experts_async(struct llama_context * ctx, const int32_t * copies,
+    int32_t n);   -- ``copies`` [n, 3]: (il, expert, slot) rows, in order; all checked first"""
+    arr = _i32_rows(copies, 3, "copies")
+    _call("saem_moe_copy_experts_async", _ctx(ctx), arr.ctypes.data_as(_P_I32), arr.shape[0])
+
+
+def saem_moe_set_slot_maps(ctx: Any, layers: Sequence[int] | np.ndarray,
+                           expert_to_slot: Sequence[Sequence[int]] | np.ndarray) -> None:
+    """int32_t saem_moe_set_slot_maps(struct llama_context * ctx, const int32_t * layers,
+    const int32_t * expert_to_slot, int32_t n, int32_t n_expert);   -- ``expert_to_slot`` [n,
+    n_expert]: row i is layer ``layers[i]``'s map; all checked first"""
+    ils = _i32_rows(layers, None, "layers", ndim=1)
+    maps = _i32_rows(expert_to_slot, None, "expert_to_slot")
+    if maps.shape[0] != ils.shape[0]:
+        raise NativeArgumentError(SAEM_E_INVALID_ARG, "expert_to_slot",
+                                  f"expert_to_slot has {maps.shape[0]} rows for {ils.shape[0]} layers")
+    _call("saem_moe_set_slot_maps", _ctx(ctx), ils.ctypes.data_as(_P_I32), maps.ctypes.data_as(_P_I32),
+          ils.shape[0], maps.shape[1])
+
+
 def saem_moe_copy_query(ctx: Any) -> bool:
     """int32_t saem_moe_copy_query(struct llama_context * ctx);   -- True when all copies are done"""
     return bool(_call("saem_moe_copy_query", _ctx(ctx)))
@@ -483,22 +530,23 @@ def saem_moe_get_last_ids(ctx: Any, il: int) -> list[list[int]]:
 
 def saem_moe_get_last_routing(ctx: Any, cap: int = 0) -> np.ndarray:
     """int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out,
-    int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used);
+    int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used, int64_t * n_slot_uses);
 
     Returns the last ubatch's top-k expert ids of every MoE layer as a new int16 array
     [n_tokens, n_moe_layers, n_used] (-1 where a layer computed fewer tokens). ``cap`` is a size
     guess (entries): when it is large enough this is one C call, otherwise a second one fetches
-    the ids into a buffer of the size the first reported."""
+    the ids into a buffer of the size the first reported. ``n_slot_uses`` is not asked for here;
+    :class:`LastRoutingReader` reads it."""
     c = _ctx(ctx)
     nt, nl, nu = ctypes.c_int32(0), ctypes.c_int32(0), ctypes.c_int32(0)
     buf = np.empty(max(int(cap), 0), np.int16)
     ptr = buf.ctypes.data_as(_P_I16) if buf.size else None
     need = _call("saem_moe_get_last_routing", c, ptr, buf.size, ctypes.byref(nt), ctypes.byref(nl),
-                 ctypes.byref(nu))
+                 ctypes.byref(nu), None)
     if need > buf.size:
         buf = np.empty(need, np.int16)
         _call("saem_moe_get_last_routing", c, buf.ctypes.data_as(_P_I16), need, ctypes.byref(nt),
-              ctypes.byref(nl), ctypes.byref(nu))
+              ctypes.byref(nl), ctypes.byref(nu), None)
     return buf[:need].reshape(nt.value, nl.value, nu.value)
 
 
@@ -509,7 +557,8 @@ class LastRoutingReader:
     context pointer at each call (several microseconds of ctypes work, more than the C call);
     this makes them once for ``cap`` entries and calls the same C function. ``read()`` returns a
     new int16 array [n_tokens, n_moe_layers, n_used] as the wrapper does (the wrapper is used
-    when the ubatch needs more than ``cap`` entries)."""
+    when the ubatch needs more than ``cap`` entries), and ``slot_uses`` is then how many of its
+    uses a slot served (``n_slot_uses``)."""
 
     def __init__(self, ctx: Any, cap: int) -> None:
         self._ctx_arg = ctx
@@ -517,7 +566,8 @@ class LastRoutingReader:
         self._buf = np.empty(max(int(cap), 1), np.int16)
         self._ptr = self._buf.ctypes.data_as(_P_I16)
         self._sizes = (ctypes.c_int32(0), ctypes.c_int32(0), ctypes.c_int32(0))
-        self._refs = tuple(ctypes.byref(x) for x in self._sizes)
+        self._slot_uses = ctypes.c_int64(0)
+        self._refs = tuple(ctypes.byref(x) for x in self._sizes) + (ctypes.byref(self._slot_uses),)
         self._f = _fn("saem_moe_get_last_routing")
         # the buffer as one token's [1, n_moe_layers, n_used], made at the first such read: a
         # decode step's read is then one copy of it (after a decode has emptied the caches every
@@ -539,6 +589,12 @@ class LastRoutingReader:
         if nt.value == 1:
             self._one = view
         return view.copy()
+
+    @property
+    def slot_uses(self) -> int:
+        """Of the last ``read()``'s (token, layer, k) uses, those a slot served under the maps
+        that ubatch ran with (counted natively when the decode ran)."""
+        return self._slot_uses.value
 
 
 def saem_moe_set_stock_min_batch(ctx: Any, n: int) -> None:

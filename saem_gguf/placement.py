@@ -84,7 +84,11 @@ class Placement:
         first = infos[self.moe_layers[0]]
         self.n_expert, self.top_k = first.n_expert, first.n_expert_used
         self.expert_nbytes = [int(infos[il].expert_nbytes) for il in self.moe_layers]
+        # the same two as arrays, indexed by a decision's MoE layer index
+        self._moe_layer_ids = np.array(self.moe_layers, np.int32)
+        self._expert_nbytes = np.array(self.expert_nbytes, np.int64)
         L = len(self.moe_layers)
+        self._uses_per_row = L * self.top_k  # (layer, k) uses of one token
         n_slots = np.zeros(n_layers, np.int32)
         n_slots[self.moe_layers] = slots_per_layer
         self.policy = make_policy(ENGINE_VARIANT.get(policy_name, policy_name), **(policy_args or {}))
@@ -156,10 +160,17 @@ class Placement:
             tier.begin_group(block)
 
     def on_token(self, piece: bytes) -> list[StageEvent]:
-        """After decoding one token (sequence 0) whose text is ``piece``: ``on_step`` of one row."""
-        return self.on_step(self.last_routing(), [piece], _SEQ0)
+        """After decoding one token (sequence 0) whose text is ``piece``: ``on_step`` of one row,
+        its hits as the native layer counted them when the decode ran."""
+        reader = self._routing_reader
+        routing = reader.read()
+        # a decoded token's row routes in every layer (a scalar read: after a decode has emptied
+        # the caches a NumPy reduction costs more than the lookups it replaces)
+        uses = self._uses_per_row if routing.item(0) >= 0 else 0
+        return self.on_step(routing, [piece], _SEQ0, (reader.slot_uses, uses))
 
-    def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int]) -> list[StageEvent]:
+    def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int],
+                counted: tuple[int, int] | None = None) -> list[StageEvent]:
         """After one decode step of ``len(seqs)`` sequences: ``routing`` int16 [B, L, K] holds one
         row per sequence (row b is the token of detector slot ``seqs[b]`` whose text is
         ``pieces[b]``). Hits are counted per row against the maps in force; the stage detector runs
@@ -167,14 +178,18 @@ class Placement:
         (saem_gguf.simulator.build_blocks, RoutingBlock.events_after): an event of any row is a
         boundary, its cues are those of the rows that raised it (saem-cue blends them by their
         share of the B rows; B counts the sequences of this step, where the simulator's lockstep
-        batch also counts rows whose sequence has ended). Its decisions are put in force natively."""
+        batch also counts rows whose sequence has ended). Its decisions are put in force natively.
+        ``counted``: the step's (hits, uses) when the native layer counted the hits for this
+        routing (one decode, read by ``last_routing``); else they are looked up in the maps in
+        force."""
         B = len(seqs)
         if routing.shape[0] != B or len(pieces) != B:
             raise SaemError(f"on_step: {routing.shape[0]} routing rows, {len(pieces)} pieces, {B} sequences")
         if self.record:
             self.trace_experts.append(routing)
         # hits against the maps in force for this decode (the policy's books before it observes)
-        hits, uses = step_uses(routing, self._native)
+        # the same count either way; the native one spares a pass over the maps after the decode
+        hits, uses = step_uses(routing, self._native) if counted is None else counted
         self.stats.hits += hits
         self.stats.accesses += uses
         slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
@@ -222,25 +237,30 @@ class Placement:
         ops, target = change.ops, change.target
         if ops.shape[0] == 0:
             return
-        for l, e, slot, kind in ops.tolist():
-            if kind != OP_EVICT and target[l, e] == slot:
-                na.saem_moe_copy_expert_async(self.ctx, self.moe_layers[l], e, slot, False)
-                self.stats.copies += 1
-                self.stats.bytes_moved += self.expert_nbytes[l]
-        for l in np.unique(ops[:, 0]).tolist():
-            na.saem_moe_set_slot_map(self.ctx, self.moe_layers[l], target[l])
-            self._native[l] = target[l]
+        # one native call for the copies and one for the maps (a burst is up to a few hundred
+        # copies; one call each cost about 4 us of ctypes work)
+        l, e = ops[:, 0], ops[:, 1]
+        copied = (ops[:, 3] != OP_EVICT) & (target[l, e] == ops[:, 2])
+        if copied.any():
+            lc = l[copied]
+            na.saem_moe_copy_experts_async(self.ctx, np.stack([self._moe_layer_ids[lc], e[copied], ops[copied, 2]], 1))
+            self.stats.copies += int(lc.shape[0])
+            self.stats.bytes_moved += int(self._expert_nbytes[lc].sum())
+        touched = np.unique(l)
+        na.saem_moe_set_slot_maps(self.ctx, self._moe_layer_ids[touched], target[touched])
+        self._native[touched] = target[touched]
         self.stats.plans += 1
 
     def _put_initial(self, target: np.ndarray) -> None:
         """Load the policy's starting map ``target`` (int32 [L, E], expert -> slot or -1) into the
         empty native cache (not counted: no decode has run yet)."""
-        for l in np.flatnonzero((target >= 0).any(axis=1)).tolist():
-            il = self.moe_layers[l]
-            for e in np.nonzero(target[l] >= 0)[0]:
-                na.saem_moe_copy_expert_async(self.ctx, il, int(e), int(target[l, e]), False)
-            na.saem_moe_set_slot_map(self.ctx, il, target[l])
-            self._native[l] = target[l]
+        l, e = np.nonzero(target >= 0)
+        if l.shape[0] == 0:
+            return
+        na.saem_moe_copy_experts_async(self.ctx, np.stack([self._moe_layer_ids[l], e, target[l, e]], 1))
+        touched = np.unique(l)
+        na.saem_moe_set_slot_maps(self.ctx, self._moe_layer_ids[touched], target[touched])
+        self._native[touched] = target[touched]
 
     @property
     def _has_twin(self) -> bool:

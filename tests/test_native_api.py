@@ -130,6 +130,84 @@ def test_bad_arguments_raise(runner):
         na.saem_moe_get_slot_map(ctx, 0)
 
 
+def _books(ctx) -> tuple[list, list]:
+    """Every MoE layer's slot map and slot owners."""
+    infos = [i for i in layer_infos(ctx) if i.n_expert > 0]
+    return ([na.saem_moe_get_slot_map(ctx, i.il) for i in infos],
+            [na.saem_moe_get_slot_owner(ctx, i.il) for i in infos])
+
+
+def test_batched_copies_and_maps_equal_one_call_each(runner):
+    """saem_moe_copy_experts_async and saem_moe_set_slot_maps (the engine's calls: one each per
+    decision) leave the books one call per copy and per map leaves, move the weights (greedy
+    logits with every slot mapped equal the run without a cache, bit for bit on the CPU), and
+    check every entry before changing anything."""
+    ctx = runner.ctx
+    prompt = runner.tokenize("the quick brown fox")
+    runner.reset()
+    want = runner.decode(prompt)
+    # in order: slot 0 of layer 0 is written twice (the second copy wins and unmaps nothing new)
+    copies = np.array([[0, 3, 0], [1, 6, 1], [0, 5, 1], [0, 7, 0], [1, 2, 0], [0, 1, 3]], np.int32)
+    one_by_one = None
+    for batched in (False, True):
+        na.saem_moe_cache_init(ctx, [0, 0])
+        na.saem_moe_cache_init(ctx, [4, 2])
+        try:
+            if batched:
+                na.saem_moe_copy_experts_async(ctx, copies)
+            else:
+                for il, e, s in copies.tolist():
+                    na.saem_moe_copy_expert_async(ctx, il, e, s, False)
+            books = _books(ctx)
+            assert books[1] == [[7, 5, -1, 1], [2, 6]]
+            assert books[0] == [[-1] * 8, [-1] * 8]
+            maps = np.full((2, 8), -1, np.int32)
+            for l, owners in enumerate(books[1]):
+                for s, e in enumerate(owners):
+                    if e >= 0:
+                        maps[l, e] = s
+            if batched:
+                na.saem_moe_set_slot_maps(ctx, np.array([1, 0], np.int32), maps[[1, 0]])
+            else:
+                for l in (1, 0):
+                    na.saem_moe_set_slot_map(ctx, l, maps[l])
+            books = _books(ctx)
+            if one_by_one is None:
+                one_by_one = books
+            assert books == one_by_one
+            assert [na.saem_moe_get_layer_info(ctx, il).n_resident for il in (0, 1)] == [3, 2]
+            runner.reset()
+            np.testing.assert_array_equal(runner.decode(prompt), want)
+
+            # a bad entry anywhere in a batch: refused before anything changed
+            for bad, exc, msg in (
+                    ([[0, 2, 2], [1, 8, 0]], na.NativeArgumentError, "expert 8 out of range"),
+                    ([[0, 2, 2], [1, 0, 2]], na.NativeArgumentError, "slot 2 out of range"),
+                    ([[0, 2, 2], [5, 0, 0]], na.NativeArgumentError, "layer 5 out of range"),
+                    ([[0, 2]], na.NativeArgumentError, "shape"),
+                    ([["x", 0, 0]], na.NativeArgumentError, "copies")):
+                with pytest.raises(exc, match=msg):
+                    na.saem_moe_copy_experts_async(ctx, bad)
+                assert _books(ctx) == one_by_one
+            bad_map = maps[1].copy()
+            bad_map[0] = 1  # slot 1 of layer 1 holds expert 6, not 0
+            empty = np.full(8, -1, np.int32)
+            for layers, rows, msg in (
+                    ([0, 1], [empty, bad_map], "holds expert 6, not 0"),
+                    ([0, 0], [empty, empty], "layer 0 given twice"),
+                    ([0, 1], [empty[:7], empty[:7]], "7 entries per layer, layer 0 has 8"),
+                    ([0], [empty, empty], "2 rows for 1 layers"),
+                    ([2], [empty], "layer 2 out of range")):
+                with pytest.raises(na.NativeArgumentError, match=msg):
+                    na.saem_moe_set_slot_maps(ctx, layers, np.array(rows))
+                assert _books(ctx) == one_by_one  # the first, good map was not set either
+            na.saem_moe_copy_experts_async(ctx, np.zeros((0, 3), np.int32))  # nothing to do
+            na.saem_moe_set_slot_maps(ctx, [], np.zeros((0, 8), np.int32))
+            assert _books(ctx) == one_by_one
+        finally:
+            na.saem_moe_cache_init(ctx, [0, 0])
+
+
 def test_dense_model_is_not_moe():
     with Runner(ensure_model(ModelSpec(arch="llama", dense=True, expert_type="q8_0"))) as r:
         assert all(i.n_expert == 0 for i in layer_infos(r.ctx))

@@ -11,6 +11,7 @@ import pytest
 from native_helpers import (NATIVE_ARCHS, PROMPT, Runner, TopkObserver, layer_infos, random_fill,
                             spec)
 from saem_gguf import native_api as na
+from saem_gguf.policies.state import step_uses
 from saem_gguf.testmodels import ensure_model
 
 
@@ -82,6 +83,48 @@ def _check_all_layers(ctx, infos, last_per_layer: list[np.ndarray]) -> None:
         for got in (reads[0], reads[2]):
             assert got.dtype == np.int16 and got.shape == want.shape
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("arch", NATIVE_ARCHS + ("deepseek2", "gpt-oss"))
+def test_slot_uses_are_the_hits_under_the_maps_the_decode_ran_with(arch):
+    """get_last_routing's n_slot_uses (what the engine counts hits with) = the (token, layer, k)
+    uses whose expert the layer's map sent to a slot during that decode, as step_uses counts them
+    on the maps read back; maps changed after the decode do not change it; 0 on the stock graph
+    (a ubatch of stock_min_batch tokens or more) and with no cache."""
+    path = ensure_model(spec(arch, "q8_0", n_expert=16, n_expert_used=4, n_layer=3))
+    rng = random.Random(11)
+    with Runner(path, n_ubatch=8, n_batch=64) as r:
+        ctx = r.ctx
+        moe = [i for i in layer_infos(ctx) if i.n_expert > 0]
+        na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
+        reader = na.LastRoutingReader(ctx, 8 * len(moe) * moe[0].n_expert_used)
+        prompt = r.tokenize(PROMPT) * 3
+        assert len(prompt) >= 26
+        r.reset()
+        r.decode(prompt[:6])
+        reader.read()
+        assert reader.slot_uses == 0  # no cache
+        slots = [i.n_expert // 2 if i.n_expert else 0 for i in layer_infos(ctx)]
+        na.saem_moe_cache_init(ctx, slots)
+        seen = []
+        for t in prompt[6:14]:
+            random_fill(ctx, rng, slots, p_map=rng.choice((0.3, 0.8, 1.0)))
+            maps = np.array([na.saem_moe_get_slot_map(ctx, i.il) for i in moe], np.int32)
+            r.decode([t])
+            random_fill(ctx, rng, slots, p_map=0.5)  # after the decode: not what it ran with
+            routing = reader.read()
+            want, _ = step_uses(routing, maps)
+            assert reader.slot_uses == want
+            seen.append(want)
+        assert len(set(seen)) > 2 and max(seen) > 0  # the maps made a difference
+        r.decode(prompt[14:20])  # 6 tokens, under the cache graph
+        maps = np.array([na.saem_moe_get_slot_map(ctx, i.il) for i in moe], np.int32)
+        routing = reader.read()
+        assert reader.slot_uses == sum(step_uses(routing[t:t + 1], maps)[0] for t in range(routing.shape[0]))
+        na.saem_moe_set_stock_min_batch(ctx, 4)
+        r.decode(prompt[20:26])  # 6 tokens >= 4: the stock graph, no slot served
+        reader.read()
+        assert reader.slot_uses == 0
 
 
 def test_counting_does_not_change_logits_and_can_be_switched_off():
