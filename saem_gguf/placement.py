@@ -166,7 +166,7 @@ class Placement:
         routing = reader.read()
         # a decoded token's row routes in every layer (a scalar read: after a decode has emptied
         # the caches a NumPy reduction costs more than the lookups it replaces)
-        uses = self._uses_per_row if routing.item(0) >= 0 else 0
+        uses = self._uses_per_row if routing.size and routing.item(0) >= 0 else 0  # empty: on_step refuses it
         return self.on_step(routing, [piece], _SEQ0, (reader.slot_uses, uses))
 
     def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int],
