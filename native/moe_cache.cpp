@@ -562,12 +562,20 @@ static void unmap_slot(saem_layer & L, int s) {
     }
 }
 
+// The graph's input maps of L from its slot_of; returns whether the layer's mode changed (only
+// rebuild_maps sets the mode, so the mode before this call is the one the last graph was built for).
+static bool refresh_maps(const saem_moe_cache & c, saem_layer & L) {
+    const saem_layer_mode old_mode = L.mode;
+    L.rebuild_maps();
+    fill_input_maps(L, L.dev_idx >= 0 && c.devs[L.dev_idx].zero_slot);
+    return L.mode != old_mode;
+}
+
 void saem_moe_cache::copy_expert(int il, int e, int s, bool update_map, bool async) {
     saem_layer & L = layer(il);
     check_slot_args(*this, L, e, s);
     saem_device & d = devs[L.dev_idx];
 
-    const saem_layer_mode old_mode = L.mode;
     unmap_slot(L, s);
     if (move_expert(*this, L, d, e, s, async, true)) {
         queued_copies(d);
@@ -576,9 +584,7 @@ void saem_moe_cache::copy_expert(int il, int e, int s, bool update_map, bool asy
     if (update_map) {
         L.slot_of[e] = s;
     }
-    L.rebuild_maps();
-    fill_input_maps(L, d.zero_slot);
-    if (L.mode != old_mode) {
+    if (refresh_maps(*this, L)) {
         layer_modes_changed();
     }
 }
@@ -590,14 +596,12 @@ void saem_moe_cache::copy_experts_async(const int32_t * copies, int32_t n) {
     }
     std::vector<char> dev_queued(devs.size(), 0);
     std::vector<int> touched;                       // layers, in first-touch order
-    std::vector<saem_layer_mode> old_mode;
     for (int32_t i = 0; i < n; ++i) {
         saem_layer & L = layer(copies[3 * i]);
         const int e = copies[3 * i + 1];
         const int s = copies[3 * i + 2];
         if (std::find(touched.begin(), touched.end(), L.il) == touched.end()) {
             touched.push_back(L.il);
-            old_mode.push_back(L.mode);
         }
         unmap_slot(L, s);
         // one wait for the last compute and one copy event per device for the whole batch: the
@@ -613,11 +617,8 @@ void saem_moe_cache::copy_experts_async(const int32_t * copies, int32_t n) {
         }
     }
     bool changed = false;
-    for (size_t j = 0; j < touched.size(); ++j) {
-        saem_layer & L = layer(touched[j]);
-        L.rebuild_maps();
-        fill_input_maps(L, devs[L.dev_idx].zero_slot);
-        changed = changed || L.mode != old_mode[j];
+    for (const int il : touched) {
+        changed = refresh_maps(*this, layer(il)) || changed;
     }
     if (changed) {
         layer_modes_changed();
@@ -681,11 +682,8 @@ static void check_map(const saem_moe_cache & c, const saem_layer & L, const int3
 
 // Put a checked map in force; returns whether the layer's mode changed.
 static bool apply_map(const saem_moe_cache & c, saem_layer & L, const int32_t * e2s) {
-    const saem_layer_mode old_mode = L.mode;
     std::copy(e2s, e2s + L.n_expert, L.slot_of.begin());
-    L.rebuild_maps();
-    fill_input_maps(L, L.dev_idx >= 0 && c.devs[L.dev_idx].zero_slot);
-    return L.mode != old_mode;
+    return refresh_maps(c, L);
 }
 
 void saem_moe_cache::set_map(int il, const int32_t * e2s) {

@@ -288,18 +288,13 @@ def _i32_array(values: Sequence[int] | np.ndarray, what: str) -> ctypes.Array | 
         raise NativeArgumentError(SAEM_E_INVALID_ARG, what, f"{what}: {e}") from e
 
 
-def _i32_rows(values: Sequence[Sequence[int]] | np.ndarray, width: int | None, what: str,
-              ndim: int = 2) -> np.ndarray:
+def _i32_rows(values: Sequence[Sequence[int]] | np.ndarray, width: int | None, what: str) -> np.ndarray:
     """``values`` as a C-contiguous int32 array [n, width] (``width`` None: any, n >= 0 rows of
-    one width; ``ndim`` 1: a vector [n]). A C-contiguous int32 array of that shape, what the
-    engine passes, is used as it is, with no NumPy call: after a decode has emptied the caches
-    each one costs microseconds."""
-    if type(values) is np.ndarray and values.dtype == np.int32 and values.ndim == ndim \
-            and values.flags.c_contiguous and (ndim == 1 or width is None or values.shape[1] == width):
+    one width). A C-contiguous int32 array of that shape, what the engine passes, is used as it
+    is, with no NumPy call: after a decode has emptied the caches each one costs microseconds."""
+    if type(values) is np.ndarray and values.dtype == np.int32 and values.ndim == 2 \
+            and values.flags.c_contiguous and (width is None or values.shape[1] == width):
         return values
-    if ndim == 1:
-        return _i32_rows(np.reshape(values, (-1, 1)) if len(values) else np.zeros((0, 1), np.int32),
-                         1, what).reshape(-1)
     try:
         arr = np.ascontiguousarray(values, np.int32)
     except (TypeError, ValueError, OverflowError) as e:
@@ -461,13 +456,12 @@ def saem_moe_set_slot_maps(ctx: Any, layers: Sequence[int] | np.ndarray,
     """int32_t saem_moe_set_slot_maps(struct llama_context * ctx, const int32_t * layers,
     const int32_t * expert_to_slot, int32_t n, int32_t n_expert);   -- ``expert_to_slot`` [n,
     n_expert]: row i is layer ``layers[i]``'s map; all checked first"""
-    ils = _i32_rows(layers, None, "layers", ndim=1)
+    ils = _i32_array(layers, "layers")
     maps = _i32_rows(expert_to_slot, None, "expert_to_slot")
-    if maps.shape[0] != ils.shape[0]:
+    if maps.shape[0] != len(ils):
         raise NativeArgumentError(SAEM_E_INVALID_ARG, "expert_to_slot",
-                                  f"expert_to_slot has {maps.shape[0]} rows for {ils.shape[0]} layers")
-    _call("saem_moe_set_slot_maps", _ctx(ctx), ils.ctypes.data_as(_P_I32), maps.ctypes.data_as(_P_I32),
-          ils.shape[0], maps.shape[1])
+                                  f"expert_to_slot has {maps.shape[0]} rows for {len(ils)} layers")
+    _call("saem_moe_set_slot_maps", _ctx(ctx), ils, maps.ctypes.data_as(_P_I32), len(ils), maps.shape[1])
 
 
 def saem_moe_copy_query(ctx: Any) -> bool:

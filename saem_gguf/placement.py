@@ -83,10 +83,9 @@ class Placement:
             raise SaemError("the model has no MoE layers")
         first = infos[self.moe_layers[0]]
         self.n_expert, self.top_k = first.n_expert, first.n_expert_used
-        self.expert_nbytes = [int(infos[il].expert_nbytes) for il in self.moe_layers]
-        # the same two as arrays, indexed by a decision's MoE layer index
+        # indexed by a decision's MoE layer index: the model layer, the bytes one copy moves
         self._moe_layer_ids = np.array(self.moe_layers, np.int32)
-        self._expert_nbytes = np.array(self.expert_nbytes, np.int64)
+        self._expert_nbytes = np.array([infos[il].expert_nbytes for il in self.moe_layers], np.int64)
         L = len(self.moe_layers)
         self._uses_per_row = L * self.top_k  # (layer, k) uses of one token
         n_slots = np.zeros(n_layers, np.int32)
@@ -237,28 +236,28 @@ class Placement:
         ops, target = change.ops, change.target
         if ops.shape[0] == 0:
             return
-        # one native call for the copies and one for the maps (a burst is up to a few hundred
-        # copies; one call each cost about 4 us of ctypes work)
         l, e = ops[:, 0], ops[:, 1]
         copied = (ops[:, 3] != OP_EVICT) & (target[l, e] == ops[:, 2])
-        if copied.any():
-            lc = l[copied]
-            na.saem_moe_copy_experts_async(self.ctx, np.stack([self._moe_layer_ids[lc], e[copied], ops[copied, 2]], 1))
-            self.stats.copies += int(lc.shape[0])
-            self.stats.bytes_moved += int(self._expert_nbytes[lc].sum())
-        touched = np.unique(l)
-        na.saem_moe_set_slot_maps(self.ctx, self._moe_layer_ids[touched], target[touched])
-        self._native[touched] = target[touched]
+        lc = l[copied]
+        self._send(lc, e[copied], ops[copied, 2], np.unique(l), target)
+        self.stats.copies += int(lc.shape[0])
+        self.stats.bytes_moved += int(self._expert_nbytes[lc].sum())
         self.stats.plans += 1
 
     def _put_initial(self, target: np.ndarray) -> None:
         """Load the policy's starting map ``target`` (int32 [L, E], expert -> slot or -1) into the
         empty native cache (not counted: no decode has run yet)."""
         l, e = np.nonzero(target >= 0)
-        if l.shape[0] == 0:
-            return
-        na.saem_moe_copy_experts_async(self.ctx, np.stack([self._moe_layer_ids[l], e, target[l, e]], 1))
-        touched = np.unique(l)
+        if l.shape[0]:
+            self._send(l, e, target[l, e], np.unique(l), target)
+
+    def _send(self, l: np.ndarray, e: np.ndarray, slot: np.ndarray, touched: np.ndarray,
+              target: np.ndarray) -> None:
+        """Copy expert ``e[i]`` of MoE layer ``l[i]`` into ``slot[i]``, in order, then put the
+        ``touched`` layers' rows of ``target`` in force: one native call each (a burst is up to
+        a few hundred copies; one call per copy cost about 4 us of ctypes work)."""
+        if l.shape[0]:
+            na.saem_moe_copy_experts_async(self.ctx, np.stack([self._moe_layer_ids[l], e, slot], 1))
         na.saem_moe_set_slot_maps(self.ctx, self._moe_layer_ids[touched], target[touched])
         self._native[touched] = target[touched]
 
