@@ -304,6 +304,7 @@ int32_t saem_moe_reset_counts(struct llama_context * ctx) {
                 L.last_slot_uses = 0;
             }
             c->counted_tokens = 0;
+            c->publish_routing();
         }
         return SAEM_OK;
     });
@@ -332,6 +333,21 @@ static const saem_moe_cache * ids_cache(const llama_context * ctx, int32_t cap) 
     return c;
 }
 
+// The routing's shape (routing_shape) with what a caller of the int16 readers cannot be given refused.
+static int64_t routing_fits(const saem_moe_cache & c, int32_t & nt, int32_t & nl, int32_t & nu, int64_t & slot_uses, int32_t & max_expert) {
+    const int64_t need = c.routing_shape(nt, nl, nu, slot_uses, max_expert);
+    if (nl == 0) {
+        throw saem_error(SAEM_E_NOT_MOE, "the model has no expert layers");
+    }
+    if (max_expert > INT16_MAX) {
+        throw saem_error(SAEM_E_UNSUPPORTED, "expert ids do not fit int16");
+    }
+    if (need > INT32_MAX) {
+        throw saem_error(SAEM_E_INVALID_ARG, "the routing of this ubatch does not fit one call");
+    }
+    return need;
+}
+
 int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t il, int32_t * ids, int32_t cap, int32_t * n_tokens, int32_t * n_used) {
     return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
@@ -354,30 +370,10 @@ int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * ou
     return saem_guarded(__func__, [&]() -> int32_t {
         CHECK_CTX(ctx);
         const saem_moe_cache * c = ids_cache(ctx, cap);
-        int32_t nt = 0, nl = 0, nu = 0;
-        int64_t slot_uses = 0;
-        for (const saem_layer & L : c->layers) {
-            if (L.n_expert == 0) {
-                continue;
-            }
-            if (L.n_expert > INT16_MAX) {
-                throw saem_error(SAEM_E_UNSUPPORTED, "expert ids do not fit int16");
-            }
-            nl++;
-            nu = std::max(nu, L.n_used);
-            if (!L.last_ids.empty()) {
-                nt = std::max(nt, L.last_n_tokens);
-                slot_uses += L.last_slot_uses;
-            }
-        }
+        int32_t nt, nl, nu, max_expert;
+        int64_t slot_uses;
+        const int64_t need = routing_fits(*c, nt, nl, nu, slot_uses, max_expert);
         if (n_slot_uses) { *n_slot_uses = slot_uses; }
-        if (nl == 0) {
-            throw saem_error(SAEM_E_NOT_MOE, "the model has no expert layers");
-        }
-        const int64_t need = (int64_t) nt * nl * nu;
-        if (need > INT32_MAX) {
-            throw saem_error(SAEM_E_INVALID_ARG, "the routing of this ubatch does not fit one call");
-        }
         if (n_tokens) { *n_tokens = nt; }
         if (n_layers) { *n_layers = nl; }
         if (n_used)   { *n_used   = nu; }
@@ -385,25 +381,39 @@ int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * ou
             return (int32_t) need;  // sizing call, or a buffer too small: nothing written
         }
         CHECK_PTR(out);
-        std::fill(out, out + need, (int16_t) -1);
-        int32_t l = 0;
-        for (const saem_layer & L : c->layers) {
-            if (L.n_expert == 0) {
-                continue;
-            }
-            const int32_t lt = L.last_ids.empty() ? 0 : L.last_n_tokens;
-            const int32_t lu = lt > 0 ? (int32_t) L.last_ids.size() / lt : 0;
-            for (int32_t t = 0; t < lt; t++) {
-                // a layer that computed fewer tokens (the last one: only rows whose logits are
-                // wanted) fills the ubatch's last rows
-                int16_t * row = out + ((int64_t) (nt - lt + t) * nl + l) * nu;
-                for (int32_t k = 0; k < lu; k++) {
-                    row[k] = (int16_t) L.last_ids[(size_t) t * lu + k];
-                }
-            }
-            l++;
-        }
+        c->write_routing(out, nt, nl, nu);
         return (int32_t) need;
+    });
+}
+
+int32_t saem_moe_routing_sink(struct llama_context * ctx, int32_t cap, int64_t ** header, int16_t ** ids) {
+    return saem_guarded(__func__, [&]() -> int32_t {
+        CHECK_CTX(ctx);
+        CHECK_PTR(header);
+        CHECK_PTR(ids);
+        saem_moe_cache * c = const_cast<saem_moe_cache *>(ids_cache(ctx, cap));
+        if (cap == 0) {
+            c->sink_header.clear();
+            c->sink_header.shrink_to_fit();
+            c->sink_ids.clear();
+            c->sink_ids.shrink_to_fit();
+            *header = nullptr;
+            *ids = nullptr;
+            return SAEM_OK;
+        }
+        int32_t nt, nl, nu, max_expert;
+        int64_t slot_uses;
+        routing_fits(*c, nt, nl, nu, slot_uses, max_expert);  // refuses what the sink could not hold
+        if (c->sink_header.empty()) {
+            c->sink_header.assign(SAEM_SINK_HEADER, 0);
+        }
+        if ((int32_t) c->sink_ids.size() < cap) {
+            c->sink_ids.assign(cap, (int16_t) -1);
+        }
+        c->publish_routing();
+        *header = c->sink_header.data();
+        *ids = c->sink_ids.data();
+        return (int32_t) c->sink_ids.size();
     });
 }
 

@@ -745,6 +745,69 @@ void saem_moe_cache::record_compute() {
 }
 
 //
+// the last ubatch's routing: every MoE layer's last top-k ids, token-major [n_tokens][n_layers][n_used]
+//
+
+int64_t saem_moe_cache::routing_shape(int32_t & nt, int32_t & nl, int32_t & nu, int64_t & slot_uses, int32_t & max_expert) const {
+    nt = nl = nu = max_expert = 0;
+    slot_uses = 0;
+    for (const saem_layer & L : layers) {
+        if (L.n_expert == 0) {
+            continue;
+        }
+        nl++;
+        nu = std::max(nu, L.n_used);
+        max_expert = std::max(max_expert, L.n_expert);
+        if (!L.last_ids.empty()) {
+            nt = std::max(nt, L.last_n_tokens);
+            slot_uses += L.last_slot_uses;
+        }
+    }
+    return (int64_t) nt * nl * nu;
+}
+
+void saem_moe_cache::write_routing(int16_t * out, int32_t nt, int32_t nl, int32_t nu) const {
+    std::fill(out, out + (int64_t) nt * nl * nu, (int16_t) -1);
+    int32_t l = 0;
+    for (const saem_layer & L : layers) {
+        if (L.n_expert == 0) {
+            continue;
+        }
+        const int32_t lt = L.last_ids.empty() ? 0 : L.last_n_tokens;
+        const int32_t lu = lt > 0 ? (int32_t) L.last_ids.size() / lt : 0;
+        for (int32_t t = 0; t < lt; t++) {
+            // a layer that computed fewer tokens (the last one: only rows whose logits are
+            // wanted) fills the ubatch's last rows
+            int16_t * row = out + ((int64_t) (nt - lt + t) * nl + l) * nu;
+            for (int32_t k = 0; k < lu; k++) {
+                row[k] = (int16_t) L.last_ids[(size_t) t * lu + k];
+            }
+        }
+        l++;
+    }
+}
+
+void saem_moe_cache::publish_routing() {
+    if (sink_header.empty()) {
+        return;
+    }
+    int32_t nt, nl, nu, max_expert;
+    int64_t slot_uses;
+    const int64_t need = routing_shape(nt, nl, nu, slot_uses, max_expert);
+    int64_t * h = sink_header.data();
+    h[SAEM_SINK_NEED]        = need;
+    h[SAEM_SINK_N_TOKENS]    = nt;
+    h[SAEM_SINK_N_LAYERS]    = nl;
+    h[SAEM_SINK_N_USED]      = nu;
+    h[SAEM_SINK_N_SLOT_USES] = slot_uses;
+    // ids that do not fit int16 were refused when the sink was made
+    if (need > 0 && need <= (int64_t) sink_ids.size()) {
+        write_routing(sink_ids.data(), nt, nl, nu);
+    }
+    h[SAEM_SINK_SERIAL]++;
+}
+
+//
 // hooks called by the patched llama_context
 //
 

@@ -114,6 +114,8 @@ struct saem_moe_cache {
     int64_t  counted_tokens  = 0;
     int32_t  stock_min_batch = 32;
     uint64_t topo_version    = 1;     // bumped on any topology change (sig)
+    std::vector<int64_t> sink_header;    // saem_moe_routing_sink: SAEM_SINK_HEADER entries, empty when off
+    std::vector<int16_t> sink_ids;       // its cap entries
     std::shared_ptr<saem_ram_state> ram;  // RAM tier state, made on first use (ram_tier.cpp)
     bool     ram_route_prefetch = false;  // graph op: madvise(WILLNEED) the routed experts before their matmuls
 
@@ -131,6 +133,10 @@ struct saem_moe_cache {
     void layer_modes_changed();
     void wait_copies_on_compute();                         // before graph compute
     void record_compute();                                 // after graph compute
+    // the last ubatch's routing as saem_moe_get_last_routing returns it (moe_cache.cpp)
+    int64_t routing_shape(int32_t & nt, int32_t & nl, int32_t & nu, int64_t & slot_uses, int32_t & max_expert) const;
+    void    write_routing(int16_t * out, int32_t nt, int32_t nl, int32_t nu) const;  // nt * nl * nu entries
+    void    publish_routing();                             // into the sink, if on (throws nothing)
 
     saem_layer & layer(int il);                            // throws SAEM_E_LAYER
     const saem_layer & layer(int il) const;

@@ -269,4 +269,5 @@ void saem_moe_after_compute(saem_moe_cache * c, llm_graph_result * res) {
     if (n_tokens_ub > 0) {
         c->counted_tokens += n_tokens_ub;
     }
+    c->publish_routing();
 }

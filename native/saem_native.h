@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define SAEM_NATIVE_ABI_VERSION 5
+#define SAEM_NATIVE_ABI_VERSION 6
 
 #if defined(_WIN32)
 #    define SAEM_API __declspec(dllexport)
@@ -179,6 +179,25 @@ SAEM_API int32_t saem_moe_get_last_ids(const struct llama_context * ctx, int32_t
 // up in its own copy of the maps.
 SAEM_API int32_t saem_moe_get_last_routing(const struct llama_context * ctx, int16_t * out, int32_t cap, int32_t * n_tokens, int32_t * n_layers, int32_t * n_used,
                                            int64_t * n_slot_uses);
+
+// The same routing without a call per decoded token (mode SAEM_COUNT_IDS): a buffer the native
+// layer owns, where after every compute that counts (and after saem_moe_reset_counts) it writes
+// what saem_moe_get_last_routing would return at that moment. *header -> int64_t[SAEM_SINK_HEADER]
+// (the SAEM_SINK_* fields below), *ids -> int16_t[capacity], written only when the ubatch's
+// routing fits (need <= capacity; else read it with saem_moe_get_last_routing). Returns the
+// capacity: at least cap (a sink already that large is kept, so its pointers stay the same; a
+// larger cap moves it, and pointers from earlier calls are then invalid). The header is filled at
+// once with the current routing. cap 0 turns the sink off (both pointers NULL, returns 0). The
+// pointers stay valid until then or until the context is freed. Why: from Python every call costs
+// tens of microseconds after a decode (docs/POLICIES.md, per-token cost); reading memory does not.
+#define SAEM_SINK_SERIAL      0  // +1 at every write (a reader can tell a new ubatch from the last)
+#define SAEM_SINK_NEED        1  // int16 entries the routing needs: n_tokens * n_layers * n_used
+#define SAEM_SINK_N_TOKENS    2
+#define SAEM_SINK_N_LAYERS    3
+#define SAEM_SINK_N_USED      4
+#define SAEM_SINK_N_SLOT_USES 5
+#define SAEM_SINK_HEADER      6
+SAEM_API int32_t saem_moe_routing_sink(struct llama_context * ctx, int32_t cap, int64_t ** header, int16_t ** ids);
 
 // Ubatches with n_tokens >= n use the stock graph (no cache; on a GPU build llama.cpp then uploads
 // the used experts itself, op offload). Default 32 (GGML_OP_OFFLOAD_MIN_BATCH). n >= 1.

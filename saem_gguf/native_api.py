@@ -23,7 +23,7 @@ import numpy as np
 from saem_gguf.errors import BuildError, SaemError
 from saem_gguf.llama_lib import load_llama_cpp
 
-ABI_VERSION = 5  # SAEM_NATIVE_ABI_VERSION
+ABI_VERSION = 6  # SAEM_NATIVE_ABI_VERSION
 
 # status codes (saem_native.h)
 SAEM_OK = 0
@@ -202,6 +202,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "saem_moe_counted_tokens": ([_CTX], ctypes.c_int64),
     "saem_moe_get_last_ids": ([_CTX, ctypes.c_int32, _P_I32, ctypes.c_int32, _P_I32, _P_I32], ctypes.c_int32),
     "saem_moe_get_last_routing": ([_CTX, _P_I16, ctypes.c_int32, _P_I32, _P_I32, _P_I32, _P_I64], ctypes.c_int32),
+    "saem_moe_routing_sink": ([_CTX, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)],
+                              ctypes.c_int32),
     "saem_moe_set_stock_min_batch": ([_CTX, ctypes.c_int32], ctypes.c_int32),
     "saem_moe_get_stock_min_batch": ([_CTX], ctypes.c_int32),
     "saem_ram_experts_mapped": ([_CTX], ctypes.c_int32),
@@ -529,8 +531,8 @@ def saem_moe_get_last_routing(ctx: Any, cap: int = 0) -> np.ndarray:
     Returns the last ubatch's top-k expert ids of every MoE layer as a new int16 array
     [n_tokens, n_moe_layers, n_used] (-1 where a layer computed fewer tokens). ``cap`` is a size
     guess (entries): when it is large enough this is one C call, otherwise a second one fetches
-    the ids into a buffer of the size the first reported. ``n_slot_uses`` is not asked for here;
-    :class:`LastRoutingReader` reads it."""
+    the ids into a buffer of the size the first reported. ``n_slot_uses`` is not asked for here
+    (:class:`LastRoutingReader` reads it from the routing sink)."""
     c = _ctx(ctx)
     nt, nl, nu = ctypes.c_int32(0), ctypes.c_int32(0), ctypes.c_int32(0)
     buf = np.empty(max(int(cap), 0), np.int16)
@@ -544,51 +546,77 @@ def saem_moe_get_last_routing(ctx: Any, cap: int = 0) -> np.ndarray:
     return buf[:need].reshape(nt.value, nl.value, nu.value)
 
 
-class LastRoutingReader:
-    """``saem_moe_get_last_routing`` for one context, at the rate of one call per decoded token.
+# the routing sink's header fields (SAEM_SINK_*)
+SAEM_SINK_SERIAL = 0
+SAEM_SINK_NEED = 1
+SAEM_SINK_N_TOKENS = 2
+SAEM_SINK_N_LAYERS = 3
+SAEM_SINK_N_USED = 4
+SAEM_SINK_N_SLOT_USES = 5
+SAEM_SINK_HEADER = 6
 
-    The plain wrapper above builds its buffer, its pointer, the three size outputs and the
-    context pointer at each call (several microseconds of ctypes work, more than the C call);
-    this makes them once for ``cap`` entries and calls the same C function. ``read()`` returns a
-    new int16 array [n_tokens, n_moe_layers, n_used] as the wrapper does (the wrapper is used
-    when the ubatch needs more than ``cap`` entries), and ``slot_uses`` is then how many of its
-    uses a slot served (``n_slot_uses``)."""
+
+def saem_moe_routing_sink(ctx: Any, cap: int) -> tuple[int, int, int]:
+    """int32_t saem_moe_routing_sink(struct llama_context * ctx, int32_t cap, int64_t ** header,
+    int16_t ** ids);
+
+    Returns (capacity, header address, ids address): the native buffer into which every compute
+    writes the last ubatch's routing (int64 header[SAEM_SINK_HEADER], int16 ids[capacity]); (0, 0,
+    0) for cap 0, which turns it off. :class:`LastRoutingReader` reads it."""
+    header, ids = ctypes.c_void_p(), ctypes.c_void_p()
+    n = _call("saem_moe_routing_sink", _ctx(ctx), int(cap), ctypes.byref(header), ctypes.byref(ids))
+    return n, header.value or 0, ids.value or 0
+
+
+class LastRoutingReader:
+    """The last ubatch's routing of one context, at the rate of one read per decoded token.
+
+    It reads the native routing sink (``saem_moe_routing_sink``), which every decode fills, so a
+    read makes no native call: after a decode has emptied the caches a ctypes call costs tens of
+    microseconds (docs/POLICIES.md, per-token cost), reading memory next to nothing. A ubatch whose
+    routing exceeds ``cap`` entries is read with ``saem_moe_get_last_routing``. One reader per
+    context: a later sink with a larger cap moves the buffer under an earlier reader."""
 
     def __init__(self, ctx: Any, cap: int) -> None:
         self._ctx_arg = ctx
-        self._ctx = _ctx(ctx)
-        self._buf = np.empty(max(int(cap), 1), np.int16)
-        self._ptr = self._buf.ctypes.data_as(_P_I16)
-        self._sizes = (ctypes.c_int32(0), ctypes.c_int32(0), ctypes.c_int32(0))
-        self._slot_uses = ctypes.c_int64(0)
-        self._refs = tuple(ctypes.byref(x) for x in self._sizes) + (ctypes.byref(self._slot_uses),)
-        self._f = _fn("saem_moe_get_last_routing")
-        # the buffer as one token's [1, n_moe_layers, n_used], made at the first such read: a
-        # decode step's read is then one copy of it (after a decode has emptied the caches every
-        # NumPy call costs microseconds: docs/POLICIES.md, per-token cost). A context's MoE layers
-        # and n_used are fixed, so a one-token read of that size has that shape.
+        n, header, ids = saem_moe_routing_sink(ctx, max(int(cap), 1))
+        # memoryview indexing is plain Python (no NumPy call per field)
+        self._header = memoryview((ctypes.c_int64 * SAEM_SINK_HEADER).from_address(header)).cast("B").cast("q")
+        self._ids = np.ctypeslib.as_array((ctypes.c_int16 * n).from_address(ids))
+        # the sink as one token's [1, n_moe_layers, n_used], made at the first such read (a
+        # context's MoE layers and n_used are fixed, so every one-token ubatch has that shape)
         self._one: np.ndarray | None = None
 
-    def read(self) -> np.ndarray:
-        need = self._f(self._ctx, self._ptr, self._buf.size, *self._refs)
+    def view(self) -> np.ndarray:
+        """int16 [n_tokens, n_moe_layers, n_used], what ``saem_moe_get_last_routing`` returns, as
+        a view of the native buffer: valid only until the next decode (``read`` copies it)."""
+        h = self._header
+        n_tokens = h[SAEM_SINK_N_TOKENS]
         one = self._one
-        if one is not None and need == one.size and self._sizes[0].value == 1:
-            return one.copy()
-        if need < 0 or need > self._buf.size:
-            if need < 0:
-                _check("saem_moe_get_last_routing", need)
+        if n_tokens == 1 and one is not None:
+            return one
+        need = h[SAEM_SINK_NEED]
+        if need > self._ids.size:
             return saem_moe_get_last_routing(self._ctx_arg, need)
-        nt, nl, nu = self._sizes
-        view = self._buf[:need].reshape(nt.value, nl.value, nu.value)
-        if nt.value == 1:
+        view = self._ids[:need].reshape(n_tokens, h[SAEM_SINK_N_LAYERS], h[SAEM_SINK_N_USED])
+        if n_tokens == 1:
             self._one = view
-        return view.copy()
+        return view
+
+    def read(self) -> np.ndarray:
+        """The same routing as a new array."""
+        return np.array(self.view())
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the last ubatch (what ``view()`` returns rows for)."""
+        return self._header[SAEM_SINK_N_TOKENS]
 
     @property
     def slot_uses(self) -> int:
-        """Of the last ``read()``'s (token, layer, k) uses, those a slot served under the maps
-        that ubatch ran with (counted natively when the decode ran)."""
-        return self._slot_uses.value
+        """Of the last ubatch's (token, layer, k) uses, those a slot served under the maps that
+        ubatch ran with (counted natively when the decode ran)."""
+        return self._header[SAEM_SINK_N_SLOT_USES]
 
 
 def saem_moe_set_stock_min_batch(ctx: Any, n: int) -> None:

@@ -162,10 +162,11 @@ class Placement:
         """After decoding one token (sequence 0) whose text is ``piece``: ``on_step`` of one row,
         its hits as the native layer counted them when the decode ran."""
         reader = self._routing_reader
-        routing = reader.read()
-        # a decoded token's row routes in every layer (a scalar read: after a decode has emptied
-        # the caches a NumPy reduction costs more than the lookups it replaces)
-        uses = self._uses_per_row if routing.size and routing.item(0) >= 0 else 0  # empty: on_step refuses it
+        # a view of the native buffer (no call, no copy: after a decode has emptied the caches
+        # each costs tens of microseconds); on_step keeps nothing of it past this token
+        routing = reader.view()
+        # a decoded token's row routes in every layer; any other count reaches on_step's refusal
+        uses = self._uses_per_row if reader.n_tokens == 1 else 0
         return self.on_step(routing, [piece], _SEQ0, (reader.slot_uses, uses))
 
     def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int],
@@ -185,7 +186,7 @@ class Placement:
         if routing.shape[0] != B or len(pieces) != B:
             raise SaemError(f"on_step: {routing.shape[0]} routing rows, {len(pieces)} pieces, {B} sequences")
         if self.record:
-            self.trace_experts.append(routing)
+            self.trace_experts.append(np.array(routing))  # on_token's routing is a view of the native buffer
         # hits against the maps in force for this decode (the policy's books before it observes)
         # the same count either way; the native one spares a pass over the maps after the decode
         hits, uses = step_uses(routing, self._native) if counted is None else counted

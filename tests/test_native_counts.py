@@ -3,6 +3,7 @@ callback sees in the same run - with and without a cache, for prompt and decode 
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import numpy as np
@@ -83,6 +84,101 @@ def _check_all_layers(ctx, infos, last_per_layer: list[np.ndarray]) -> None:
         for got in (reads[0], reads[2]):
             assert got.dtype == np.int16 and got.shape == want.shape
             np.testing.assert_array_equal(got, want)
+
+
+def _sink_fields(header_addr: int) -> list[int]:
+    return list((ctypes.c_int64 * na.SAEM_SINK_HEADER).from_address(header_addr))
+
+
+@pytest.mark.parametrize("arch", NATIVE_ARCHS + ("deepseek2", "gpt-oss"))
+def test_routing_sink_holds_what_get_last_routing_returns(arch):
+    """After every compute (prompt ubatches, decode steps, a ubatch too large for the sink, the
+    stock graph) and after reset_counts the sink's header and ids equal saem_moe_get_last_routing
+    and its n_slot_uses at that moment; the serial counts the writes; a ubatch that does not fit
+    leaves the ids untouched; the same or a smaller cap keeps the buffer, a larger one moves it;
+    cap 0 turns it off; bad calls are refused with one line."""
+    path = ensure_model(spec(arch, "q8_0", n_expert=16, n_expert_used=4, n_layer=3))
+    with Runner(path, n_ubatch=8, n_batch=64) as r:
+        ctx = r.ctx
+        moe = [i for i in layer_infos(ctx) if i.n_expert > 0]
+        per_token = len(moe) * moe[0].n_expert_used
+        with pytest.raises(na.NativeArgumentError, match="SAEM_COUNT_IDS"):
+            na.saem_moe_routing_sink(ctx, 4)  # counting off
+        na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
+        with pytest.raises(na.NativeArgumentError, match="cap < 0"):
+            na.saem_moe_routing_sink(ctx, -1)
+        raw = na._fn("saem_moe_routing_sink")
+        assert raw(na._ctx(ctx), 4, None, None) == na.SAEM_E_INVALID_ARG
+        cap = 6 * per_token  # a 6-token ubatch fits, a full one of 8 does not
+        n, header, ids = na.saem_moe_routing_sink(ctx, cap)
+        assert n == cap and header and ids
+        sink = np.ctypeslib.as_array((ctypes.c_int16 * n).from_address(ids))
+        assert _sink_fields(header)[na.SAEM_SINK_NEED] == 0  # filled at once: nothing decoded yet
+
+        def same_as_call(expect_written: bool) -> None:
+            h = _sink_fields(header)
+            uses = ctypes.c_int64(-1)
+            want = na.saem_moe_get_last_routing(ctx, 10_000)
+            na._call("saem_moe_get_last_routing", na._ctx(ctx), None, 0, None, None, None, ctypes.byref(uses))
+            assert h[na.SAEM_SINK_NEED] == want.size
+            assert (h[na.SAEM_SINK_N_TOKENS], h[na.SAEM_SINK_N_LAYERS], h[na.SAEM_SINK_N_USED]) == want.shape
+            assert h[na.SAEM_SINK_N_SLOT_USES] == uses.value
+            if expect_written:
+                np.testing.assert_array_equal(sink[:want.size].reshape(want.shape), want)
+
+        prompt = r.tokenize(PROMPT) * 3
+        assert len(prompt) >= 40
+        r.reset()
+        serial = _sink_fields(header)[na.SAEM_SINK_SERIAL]
+        r.decode(prompt[:6])  # one ubatch of 6
+        assert _sink_fields(header)[na.SAEM_SINK_SERIAL] == serial + 1
+        same_as_call(True)
+        slots = [i.n_expert // 2 if i.n_expert else 0 for i in layer_infos(ctx)]
+        na.saem_moe_cache_init(ctx, slots)
+        rng = random.Random(3)
+        for t in prompt[6:12]:
+            random_fill(ctx, rng, slots, p_map=0.7)
+            r.decode([t])
+            same_as_call(True)
+        before = sink.copy()
+        serial = _sink_fields(header)[na.SAEM_SINK_SERIAL]
+        r.decode(prompt[12:28])  # two ubatches of 8: each needs more than the sink holds
+        assert _sink_fields(header)[na.SAEM_SINK_SERIAL] == serial + 2
+        same_as_call(False)
+        np.testing.assert_array_equal(sink, before)  # not written
+        reader = na.LastRoutingReader(ctx, cap)
+        np.testing.assert_array_equal(reader.view(), na.saem_moe_get_last_routing(ctx, 10_000))  # the call's path
+        na.saem_moe_set_stock_min_batch(ctx, 4)
+        r.decode(prompt[28:34])  # the stock graph
+        same_as_call(True)
+        na.saem_moe_reset_counts(ctx)
+        same_as_call(True)
+        assert _sink_fields(header)[na.SAEM_SINK_N_TOKENS] == 0
+
+        # the buffer stays where it is for the same or a smaller cap, moves for a larger one
+        assert na.saem_moe_routing_sink(ctx, cap) == (n, header, ids)
+        assert na.saem_moe_routing_sink(ctx, 1) == (n, header, ids)
+        n2, header2, _ = na.saem_moe_routing_sink(ctx, 4 * cap)
+        assert n2 == 4 * cap and header2 == header
+        assert na.saem_moe_routing_sink(ctx, 0) == (0, 0, 0)
+        r.decode(prompt[34:35])  # nothing to write into
+        n3, header3, ids3 = na.saem_moe_routing_sink(ctx, per_token)
+        assert n3 == per_token
+        sink3 = np.ctypeslib.as_array((ctypes.c_int16 * n3).from_address(ids3))
+        np.testing.assert_array_equal(sink3.reshape(1, len(moe), -1), na.saem_moe_get_last_routing(ctx, 10_000))
+
+        # the reader: a one-token view is the same object each time and follows the decodes; read copies
+        reader = na.LastRoutingReader(ctx, per_token)
+        r.decode(prompt[35:36])
+        v1 = reader.view()
+        r1 = reader.read()
+        np.testing.assert_array_equal(v1, na.saem_moe_get_last_routing(ctx, 10_000))
+        r.decode(prompt[36:37])
+        v2 = reader.view()
+        assert v2 is v1 and reader.n_tokens == 1
+        np.testing.assert_array_equal(v2, na.saem_moe_get_last_routing(ctx, 10_000))
+        r1[...] = 99  # read's array is its own
+        assert (reader.view() != 99).all()
 
 
 @pytest.mark.parametrize("arch", NATIVE_ARCHS + ("deepseek2", "gpt-oss"))
