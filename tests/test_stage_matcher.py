@@ -185,6 +185,31 @@ def test_batch_of_sequences_equals_one_at_a_time():
     assert len(solo) >= 8
 
 
+def test_one_piece_steps_equal_one_call_for_any_piece_length():
+    """A decode step feeds one piece (pack_pieces' table path, under 256 bytes; longer pieces take
+    the general path): feeding a text piece by piece finds what one call over all its pieces finds,
+    with pieces of 1 to 300 bytes; a piece that is text, not bytes, is refused either way."""
+    rng = np.random.default_rng(5)
+    text = ("Start here. " + "x" * 280 + ". Alternatively, try it. Wait, no.\nLet me verify: ok. " * 3).encode()
+    pieces, pos = [], 0
+    while pos < len(text):
+        k = int(rng.choice([1, 2, 7, 255, 256, 300]))
+        pieces.append(text[pos:pos + k])
+        pos += k
+    assert max(map(len, pieces)) >= 256 and min(map(len, pieces)) < 256
+    whole = CueMatcher(GENERAL, 1, min_stage_tokens=0).match_sequence(pieces).tuples()
+    m = CueMatcher(GENERAL, 1, min_stage_tokens=0)
+    m.reset(0)
+    got = []
+    for p in pieces:
+        got += m.feed(np.zeros(1, np.int64), [p]).tuples()
+    got += m.flush(0).tuples()
+    assert got == whole and len(whole) >= 6
+    for bad in (["text"], ["text", b"bytes"]):
+        with pytest.raises(SaemError, match="must be bytes"):
+            m.feed(np.zeros(len(bad), np.int64), bad)
+
+
 def test_reset_clears_a_partial_cue():
     m = CueMatcher(GENERAL, 2, start_is_boundary=False)
     m.feed([0, 1], [b"x.\nAltern", b"y.\nAltern"])

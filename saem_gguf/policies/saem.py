@@ -71,19 +71,17 @@ _MISS = {"rule": MISS_RULE, "cpu": MISS_CPU, "transfer": MISS_TRANSFER}
 # The built-in implicit-boundary detector's state (float64 array ``det``): the hit fraction's
 # moving average against its mean since the last placement (used when no stage detector's
 # routing-shift events are given: StepEvents.combined is None)
-D_ON = 0
-D_ALPHA = 1  # EWMA weight of the newest step's hit fraction
-D_DROP = 2  # fire when EWMA < (1 - drop) * mean since the last placement
-D_MIN_STEPS = 3  # steps after a placement before the detector may fire
-D_STEPS = 4
-D_MEAN = 5
-D_EWMA = 6
-N_DET = 7
+D_ALPHA = 0  # EWMA weight of the newest step's hit fraction
+D_DROP = 1  # fire when EWMA < (1 - drop) * mean since the last placement
+D_MIN_STEPS = 2  # steps after a placement before the detector may fire
+D_STEPS = 3
+D_MEAN = 4
+D_EWMA = 5
+N_DET = 6
 
 
-def new_detector(enabled: bool, alpha: float = 0.1, drop: float = 0.2, min_steps: int = 32) -> np.ndarray:
+def new_detector(alpha: float = 0.1, drop: float = 0.2, min_steps: int = 32) -> np.ndarray:
     d = np.zeros(N_DET, np.float64)
-    d[D_ON] = 1.0 if enabled else 0.0
     d[D_ALPHA] = alpha
     d[D_DROP] = drop
     d[D_MIN_STEPS] = min_steps
@@ -97,16 +95,17 @@ def reset_detector(det: np.ndarray) -> None:
 
 
 @njit(cache=True)
-def stage_books(rows, slot_of, counts, det, ring):
+def stage_books(rows, slot_of, counts, on, det, ring, pos):
     """SAEM's books for one decode step: add the routing of ``rows`` int16 [B, L, K] (-1 rows:
-    no token) to ``counts`` float64 [L, E]; with the built-in detector on (``det[D_ON]``), write
-    the step's counts to ``ring`` [L, E] and feed its hit fraction under ``slot_of`` (the
-    residency the step ran with) to ``det`` (D_*). Returns (decoded: whether any row had a
-    token, fired: whether the detector reports a drop)."""
+    no token) to ``counts`` float64 [L, E]; with the built-in detector ``on``, write the step's
+    counts to ``ring[pos]`` (ring float64 [W, L, E]) and feed its hit fraction under ``slot_of``
+    (the residency the step ran with) to ``det`` (D_*). Returns (decoded: whether any row had a
+    token, fired: whether the detector reports a drop). The ring and its position travel apart
+    so that the caller makes no view per step (after a decode each NumPy call costs
+    microseconds)."""
     L, E = counts.shape
-    on = det[D_ON] > 0
     if on:
-        ring[:] = 0.0
+        ring[pos] = 0.0
     decoded = False
     n_acc = 0.0
     n_hit = 0.0
@@ -119,7 +118,7 @@ def stage_books(rows, slot_of, counts, det, ring):
                 e = rows[b, l, k]
                 counts[l, e] += 1.0
                 if on:
-                    ring[l, e] += 1.0
+                    ring[pos, l, e] += 1.0
                     n_acc += 1.0
                     if slot_of[l, e] >= 0:
                         n_hit += 1.0
@@ -157,8 +156,7 @@ class SaemPolicy(Policy):
         self._warm_pending = False
         self._fired = False
         self._step = 0  # global index of the next decode step (one per observe)
-        self._det = new_detector(self.cfg.implicit, self.cfg.detector_alpha, self.cfg.detector_drop,
-                                 self.cfg.detector_min_steps)
+        self._det = new_detector(self.cfg.detector_alpha, self.cfg.detector_drop, self.cfg.detector_min_steps)
         W = max(1, self.cfg.implicit_window)
         # the built-in detector's window of per-step counts (the new stage's start)
         self._ring = np.zeros((W, ctx.n_layer, ctx.n_expert)) if self.cfg.implicit else np.zeros((1, 1, 1))
@@ -218,9 +216,8 @@ class SaemPolicy(Policy):
     def _count(self, routing_rows: np.ndarray, events: StepEvents) -> None:
         """The step's books: stage counts, the built-in detector, the schedule's clocks."""
         builtin = self._builtin_detector(events)
-        self._det[D_ON] = 1.0 if builtin else 0.0
-        decoded, fired = stage_books(routing_rows, self.state.slot_of, self._counts, self._det,
-                                     self._ring[self._ring_pos])
+        decoded, fired = stage_books(routing_rows, self.state.slot_of, self._counts, builtin, self._det, self._ring,
+                                     self._ring_pos)
         if builtin:
             self._ring_pos = (self._ring_pos + 1) % self._ring.shape[0]
         self._fired = self._fired or fired

@@ -22,6 +22,7 @@ from saem_gguf.errors import SaemError
 from saem_gguf.stage.cues import CueSet
 from saem_gguf.stage.implicit import ImplicitConfig, ImplicitDetector
 from saem_gguf.stage.matcher import CueMatcher
+from saem_gguf.stage.steps import routing_rows, step_slots
 
 if TYPE_CHECKING:
     from saem_gguf.stage.calibrate import Profile
@@ -47,28 +48,6 @@ class StageEvent(NamedTuple):
 
 
 NO_EVENTS: tuple[StageEvent, ...] = ()  # what feed returns for a step without a boundary
-
-
-def step_slots(seq_idx, distinct: bool = False) -> np.ndarray:
-    """``seq_idx`` as one step's int64 [B] sequence slots; ``distinct``: a slot twice is refused
-    (where cue and routing events are merged per slot, each slot must advance by one token)."""
-    if type(seq_idx) is not np.ndarray or seq_idx.dtype != np.int64 or seq_idx.ndim != 1:
-        seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
-    if distinct and seq_idx.shape[0] > 1 and len(set(seq_idx.tolist())) != seq_idx.shape[0]:
-        raise SaemError("feed: a sequence slot appears twice in one step")
-    return seq_idx
-
-
-def routing_rows(experts, B: int, shape: tuple[int, int, int]) -> np.ndarray:
-    """``experts`` checked as one step's int16 [B, L, K] routing (``shape`` = (L, E, K))."""
-    if experts is None:
-        raise SaemError("feed: this detector detects routing shifts and needs the experts [B, L, K]")
-    if type(experts) is not np.ndarray:
-        experts = np.asarray(experts)
-    if experts.shape != (B, shape[0], shape[2]):
-        raise SaemError(f"feed: experts must be [{B}, {shape[0]}, {shape[2]}], got {tuple(experts.shape)}")
-    return experts if experts.dtype == np.int16 else experts.astype(np.int16)
-
 
 class StageDetector:
     """Per-sequence stage detection for ``n_seq`` slots (one token per slot per ``feed``).
@@ -165,7 +144,9 @@ class StageDetector:
         if self.matcher is not None:
             if pieces is None:
                 raise SaemError("feed: this detector matches cues and needs the token pieces")
-            mev = self.matcher.feed(seq_idx, pieces)
+            if len(pieces) != B:
+                raise SaemError(f"feed: {B} sequence indices for {len(pieces)} pieces")
+            mev = self.matcher.feed_checked(seq_idx, pieces)
             if len(mev):
                 events = []
                 for s, c, t in mev.tuples():
@@ -173,7 +154,7 @@ class StageDetector:
                     self._boundary(s, t)
         if self.implicit is not None:
             experts = routing_rows(experts, B, self.shape)
-            iev = self.implicit.update(seq_idx, experts, self._scale)
+            iev = self.implicit.update_checked(seq_idx, experts, self._scale)
             if len(iev):
                 events = events if events is not None else []
                 for s, t, x in zip(iev.seq.tolist(), iev.token.tolist(), iev.score.tolist()):

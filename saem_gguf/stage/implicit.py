@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.errors import SaemError
+from saem_gguf.stage.steps import I16, step_slots
 
 # Per-sequence state columns (int64).
 I_NTOK, I_LAST, I_HEAD, I_NW, I_NR, I_ARMED, I_ABOVE, I_BASEN, I_ONSET = range(9)
@@ -415,13 +416,18 @@ class ImplicitDetector:
         """Consume one token per entry. ``scale`` multiplies both thresholds (StageDetector
         asks for a stronger shift when cues are also on). ``scores_out[j]`` (optional, float64
         [B]) receives the excess x after entry j (NaN while not yet defined)."""
-        if type(seq_idx) is not np.ndarray or seq_idx.dtype != np.int64 or seq_idx.ndim != 1:
-            seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
+        seq_idx = step_slots(seq_idx)
         B = seq_idx.shape[0]
         if experts.shape != (B, self.n_layer, self.top_k):
             raise SaemError(f"experts must be [{B}, {self.n_layer}, {self.top_k}], got {experts.shape}")
-        if experts.dtype != np.int16:
-            experts = experts.astype(np.int16)
+        return self.update_checked(seq_idx, experts if experts.dtype is I16 else experts.astype(np.int16), scale,
+                                   scores_out)
+
+    def update_checked(self, seq_idx: np.ndarray, experts: np.ndarray, scale: float = 1.0,
+                       scores_out: np.ndarray | None = None) -> ImplicitEvents:
+        """``update`` for slots and rows already checked (``step_slots``, ``routing_rows``): a
+        caller that checked them once for several detectors spares the checks here."""
+        B = seq_idx.shape[0]
         if scale != self._scale:
             self._set_params(scale)
         if self._ev.shape[1] < B:

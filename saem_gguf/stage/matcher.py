@@ -23,6 +23,7 @@ from numba import njit
 
 from saem_gguf.errors import SaemError
 from saem_gguf.stage.cues import BOUNDARY_MODES, MAX_CUE_BYTES, CueSet
+from saem_gguf.stage.steps import step_slots
 
 RING = 128  # > MAX_CUE_BYTES: the left context of a cue's first byte is still in the ring
 RING_MASK = RING - 1
@@ -361,10 +362,18 @@ def _frozen_empty() -> np.ndarray:
 _NO_EVENTS = MatchEvents(_frozen_empty(), _frozen_empty(), _frozen_empty())
 
 
+_ONE_LENGTH = tuple(bytes((n,)) for n in range(256))  # a one-piece step's lengths, made once
+
+
 def pack_pieces(pieces: Sequence[bytes]) -> tuple[bytes, bytes | np.ndarray]:
     """(all bytes, piece lengths) of a list of pieces. Lengths travel as a bytes object when
     every piece is shorter than 256 bytes (nearly always): building it is several times
-    cheaper than a NumPy array, which matters at one token per call."""
+    cheaper than a NumPy array, which matters at one token per call; a decode step's single
+    piece takes its lengths from a table."""
+    if len(pieces) == 1:
+        piece = pieces[0]
+        if type(piece) is bytes and len(piece) < 256:
+            return piece, _ONE_LENGTH[len(piece)]
     try:
         buf = b"".join(pieces)
     except TypeError as e:
@@ -429,10 +438,14 @@ class CueMatcher:
         self.state[seq, S_LAST] = token
 
     def feed(self, seq_idx, pieces: Sequence[bytes]) -> MatchEvents:
-        if type(seq_idx) is not np.ndarray or seq_idx.dtype != np.int64 or seq_idx.ndim != 1:
-            seq_idx = np.asarray(seq_idx, np.int64).reshape(-1)
+        seq_idx = step_slots(seq_idx)
         if seq_idx.shape[0] != len(pieces):
             raise SaemError(f"feed: {seq_idx.shape[0]} sequence indices for {len(pieces)} pieces")
+        return self.feed_checked(seq_idx, pieces)
+
+    def feed_checked(self, seq_idx: np.ndarray, pieces: Sequence[bytes]) -> MatchEvents:
+        """``feed`` for slots already int64 [len(pieces)] (``step_slots``): a caller that checked
+        them once for several detectors spares the checks here."""
         buf, lens = pack_pieces(pieces)
         # Each character completes at most one pending cue and one new cue.
         cap = 2 * len(buf) + 2

@@ -20,9 +20,10 @@ from dataclasses import replace
 import numpy as np
 
 from saem_gguf.errors import SaemError
-from saem_gguf.stage.detector import NO_EVENTS, StageDetector, StageEvent, routing_rows, step_slots
+from saem_gguf.stage.detector import NO_EVENTS, StageDetector, StageEvent
 from saem_gguf.stage.implicit import ImplicitDetector
 from saem_gguf.stage.matcher import CueMatcher
+from saem_gguf.stage.steps import routing_rows, step_slots
 
 
 class DetectorPair:
@@ -61,10 +62,12 @@ class DetectorPair:
         one)."""
         seq_idx = step_slots(seq_idx, distinct=True)
         B = seq_idx.shape[0]
+        if len(pieces) != B:
+            raise SaemError(f"feed: {B} sequence indices for {len(pieces)} pieces")
         experts = routing_rows(experts, B, self.shape)
         events: list[StageEvent] | None = None
         combined = False
-        candidates = self.matcher.feed(seq_idx, pieces)
+        candidates = self.matcher.feed_checked(seq_idx, pieces)
         if len(candidates):
             for s, c, t in candidates.tuples():
                 if t - self.cue_last[s] >= self.min_stage:
@@ -75,7 +78,7 @@ class DetectorPair:
                     self.twin_last[s] = t
                     combined = True
                     self.implicit.new_stage(s, t)  # a cue restarts the routing statistics too
-        shifts = self.implicit.update(seq_idx, experts, self.scale)
+        shifts = self.implicit.update_checked(seq_idx, experts, self.scale)
         if len(shifts):
             combined = True
             for s, t in zip(shifts.seq.tolist(), shifts.token.tolist()):
