@@ -163,14 +163,15 @@ class Placement:
         its hits as the native layer counted them when the decode ran."""
         reader = self._routing_reader
         # a view of the native buffer (no call, no copy: after a decode has emptied the caches
-        # each costs tens of microseconds); on_step keeps nothing of it past this token
+        # each costs tens of microseconds); nothing keeps it past this token
         routing = reader.view()
-        # a decoded token's row routes in every layer; any other count reaches on_step's refusal
-        uses = self._uses_per_row if reader.n_tokens == 1 else 0
-        return self.on_step(routing, [piece], _SEQ0, (reader.slot_uses, uses))
+        if reader.n_tokens != 1:
+            return self.on_step(routing, [piece], _SEQ0)  # refuses what is not one token's row
+        # one decoded token's row routes in every layer, and is int16 [1, L, K] by construction:
+        # the detectors' checks are spared
+        return self._observe_step(routing, [piece], _SEQ0, reader.slot_uses, self._uses_per_row, checked=True)
 
-    def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int],
-                counted: tuple[int, int] | None = None) -> list[StageEvent]:
+    def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int]) -> list[StageEvent]:
         """After one decode step of ``len(seqs)`` sequences: ``routing`` int16 [B, L, K] holds one
         row per sequence (row b is the token of detector slot ``seqs[b]`` whose text is
         ``pieces[b]``). Hits are counted per row against the maps in force; the stage detector runs
@@ -178,25 +179,30 @@ class Placement:
         (saem_gguf.simulator.build_blocks, RoutingBlock.events_after): an event of any row is a
         boundary, its cues are those of the rows that raised it (saem-cue blends them by their
         share of the B rows; B counts the sequences of this step, where the simulator's lockstep
-        batch also counts rows whose sequence has ended). Its decisions are put in force natively.
-        ``counted``: the step's (hits, uses) when the native layer counted the hits for this
-        routing (one decode, read by ``last_routing``); else they are looked up in the maps in
-        force."""
+        batch also counts rows whose sequence has ended). Its decisions are put in force natively."""
         B = len(seqs)
         if routing.shape[0] != B or len(pieces) != B:
             raise SaemError(f"on_step: {routing.shape[0]} routing rows, {len(pieces)} pieces, {B} sequences")
+        # hits against the maps in force for this decode (the policy's books before it observes)
+        hits, uses = step_uses(routing, self._native)
+        slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
+        return self._observe_step(routing, pieces, slots, hits, uses, checked=False)
+
+    def _observe_step(self, routing: np.ndarray, pieces: list[bytes], slots: np.ndarray, hits: int, uses: int,
+                      checked: bool) -> list[StageEvent]:
+        """``on_step`` once its step's hits are counted (``on_token``: natively, as the decode ran).
+        ``checked``: slots and rows are known to be what the detectors take (their checked entry
+        points run)."""
+        B = len(pieces)
         if self.record:
             self.trace_experts.append(np.array(routing))  # on_token's routing is a view of the native buffer
-        # hits against the maps in force for this decode (the policy's books before it observes)
-        # the same count either way; the native one spares a pass over the maps after the decode
-        hits, uses = step_uses(routing, self._native) if counted is None else counted
         self.stats.hits += hits
         self.stats.accesses += uses
-        slots = seqs if type(seqs) is np.ndarray else np.asarray(seqs, np.int64)  # once for both detectors
         if self.pair is not None:
-            events, combined = self.pair.feed(slots, pieces, routing)
+            events, combined = (self.pair.feed_checked if checked else self.pair.feed)(slots, pieces, routing)
         else:
-            events = self.detector.feed(slots, pieces, routing if self.detector.needs_routing else None)
+            feed = self.detector.feed_checked if checked else self.detector.feed
+            events = feed(slots, pieces, routing if self.detector.needs_routing else None)
             combined = bool(events) if self.twin_is_detector else None
         if events or combined:
             self.stats.events.extend(events)
@@ -207,7 +213,7 @@ class Placement:
             for e in events:
                 if not row_cue.get(e.seq):
                     row_cue[e.seq] = e.cue
-            row_of = {s: b for b, s in enumerate(seqs)}
+            row_of = {s: b for b, s in enumerate(slots.tolist())}
             seen = StepEvents(rows=tuple(row_of[s] for s in row_cue), cues=tuple(row_cue.values()), n_rows=B,
                               combined=bool(combined) if self._has_twin else None)
         else:

@@ -432,6 +432,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
         self._gain_of, self._ctl[CTL_SYNC_GAIN] = hit_gains(ctx.cost.array, max(int(ctx.batch), 1))
+        self._gain_rows = len(self._gain_of)  # a plain int: no NumPy attribute read per step
         self._behind = np.ones(ctx.n_layer, np.uint8)
         E = ctx.n_expert
         self._cnt = np.zeros(E, np.int32)
@@ -483,8 +484,9 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         st = self.state
         # copies the link can carry before the next step (math.inf: as many as the leader needs)
         copies = int(min(link_budget / self._copy_bytes, MAX_COPIES))
-        if routing_rows.shape[0] >= self._gain_of.shape[0]:  # a larger batch than the context said
-            self._gain_of, _ = hit_gains(self.ctx.cost.array, routing_rows.shape[0])
+        if len(routing_rows) >= self._gain_rows:  # a larger batch than the context said
+            self._gain_of, _ = hit_gains(self.ctx.cost.array, len(routing_rows))
+            self._gain_rows = len(self._gain_of)
         n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
                             self._c_owner, self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl,
                             self._behind, copies, self._gain_of, self._cnt, self._uniq, self._miss, self._admitted,

@@ -140,12 +140,22 @@ class StageDetector:
         B = seq_idx.shape[0]
         if B == 0:
             return NO_EVENTS
-        events: list[StageEvent] | None = None
         if self.matcher is not None:
             if pieces is None:
                 raise SaemError("feed: this detector matches cues and needs the token pieces")
             if len(pieces) != B:
                 raise SaemError(f"feed: {B} sequence indices for {len(pieces)} pieces")
+        if self.implicit is not None:
+            experts = routing_rows(experts, B, self.shape)
+        return self.feed_checked(seq_idx, pieces, experts)
+
+    def feed_checked(self, seq_idx: np.ndarray, pieces: Sequence[bytes] | None,
+                     experts: np.ndarray | None) -> Sequence[StageEvent]:
+        """``feed`` for a step already known to be what it takes (int64 [B] distinct slots, B >= 1,
+        B pieces, int16 [B, L, K] rows when the routing-shift detector runs): the engine's decode
+        step, whose row it read itself, spares the checks."""
+        events: list[StageEvent] | None = None
+        if self.matcher is not None:
             mev = self.matcher.feed_checked(seq_idx, pieces)
             if len(mev):
                 events = []
@@ -153,7 +163,6 @@ class StageDetector:
                     events.append(StageEvent(s, t, "cue", c, self.cues[c].text, 0.0))
                     self._boundary(s, t)
         if self.implicit is not None:
-            experts = routing_rows(experts, B, self.shape)
             iev = self.implicit.update_checked(seq_idx, experts, self._scale)
             if len(iev):
                 events = events if events is not None else []

@@ -318,7 +318,7 @@ class ImplicitEvents:
     score: np.ndarray  # float64 [n]: excess x when the boundary fired
 
     def __len__(self) -> int:
-        return int(self.seq.shape[0])
+        return len(self.seq)  # not .shape[0]: no tuple made per quiet step
 
 
 def _frozen(dtype) -> np.ndarray:

@@ -346,7 +346,7 @@ class MatchEvents:
     token: np.ndarray  # int64 [n]
 
     def __len__(self) -> int:
-        return int(self.seq.shape[0])
+        return len(self.seq)  # not .shape[0]: no tuple made per quiet step
 
     def tuples(self) -> list[tuple[int, int, int]]:
         return list(zip(self.seq.tolist(), self.cue.tolist(), self.token.tolist()))

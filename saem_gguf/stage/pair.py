@@ -64,7 +64,13 @@ class DetectorPair:
         B = seq_idx.shape[0]
         if len(pieces) != B:
             raise SaemError(f"feed: {B} sequence indices for {len(pieces)} pieces")
-        experts = routing_rows(experts, B, self.shape)
+        return self.feed_checked(seq_idx, pieces, routing_rows(experts, B, self.shape))
+
+    def feed_checked(self, seq_idx: np.ndarray, pieces: Sequence[bytes],
+                     experts: np.ndarray) -> tuple[Sequence[StageEvent], bool]:
+        """``feed`` for a step already known to be what it takes (int64 [B] distinct slots, B
+        pieces, int16 [B, L, K] rows): the engine's decode step, whose row it read itself, spares
+        the checks."""
         events: list[StageEvent] | None = None
         combined = False
         candidates = self.matcher.feed_checked(seq_idx, pieces)
