@@ -6,7 +6,7 @@ every policy at 48 layers x 128 experts x top-8).
 
 One process, one generated model of that routing shape (tiny matrices, so llama.cpp's decode is
 cheap and the placement's share is visible). For each policy the engine decodes ``-n`` tokens
-and ``Placement.on_token`` (read the routing back, count hits, feed the stage detector(s), run
+and ``Placement.on_token`` (read the routing from the native sink, count hits, feed the stage detector(s), run
 the policy's one-step entry point, sync the native slot maps and issue copies) is timed around
 each call, in wall time and in the calling thread's CPU time (on a loaded machine the wall time
 also counts waiting for a core). ``--reps`` repetitions run every policy in turn, so a change of
@@ -20,7 +20,11 @@ its recorded prefill routing, then the recorded tokens' routing and text through
 read and ``Placement.on_step`` each, back to back, with no decode between them (``replayed
 median``; the same decisions, tests/test_bench_placement_cost.py). The two medians differ only
 in what the decode between two tokens leaves behind; the replayed one is the placement's own
-work.
+work. A third replay waits a token's median time, idle, before each token (``after an idle
+token``): it tells the decode's memory traffic from the time passing (on the 2-core development
+machine, a virtual machine, idling alone costs as much as a decode: docs/POLICIES.md, per-token
+cost). Each policy's median is also given as a share of the whole token (llama.cpp's decode,
+sampling, detokenizing and the placement, from one on_token call to the next, in the same run).
 """
 
 from __future__ import annotations
@@ -48,11 +52,15 @@ ENGINE_POLICIES = ("cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "
                    "saem-stage", "saem-strict", "saem-implicit", "saem-cue", "saem-nocpu", "gpu-all")
 
 
-def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[float], list[tuple]]:
+def timed_tokens(eng: Engine, prompt: str, n: int,
+                 periods: list[float] | None = None) -> tuple[list[float], list[float], list[tuple]]:
     """Decode ``n`` tokens; the wall time and this thread's CPU time of each Placement.on_token
     call, in microseconds (on a shared machine the wall time also counts waiting for a core),
     and what ``replayed_tokens`` replays: each prefill ubatch ("prompt", n_tokens, routing) and
-    each token ("token", routing, piece), in order."""
+    each token ("token", routing, piece), in order. ``periods`` (optional) receives the wall
+    time from each on_token call's start to the next one's, the whole token (llama.cpp's
+    decode, sampling, detokenizing and the placement) in microseconds: the baseline the
+    placement's share is measured against in the same run."""
     pl = eng.placement
     inner = pl.on_token
     inner_prompt = pl.on_prompt
@@ -64,8 +72,13 @@ def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[fl
         inner_prompt(n_tokens)
         seen.append(("prompt", n_tokens, pl.last_routing()))
 
+    last = [0.0]
+
     def on_token(piece: bytes):
         t, c = time.perf_counter(), time.thread_time()
+        if periods is not None and last[0]:
+            periods.append((t - last[0]) * 1e6)
+        last[0] = t
         out = inner(piece)
         cpu.append((time.thread_time() - c) * 1e6)
         wall.append((time.perf_counter() - t) * 1e6)
@@ -80,12 +93,15 @@ def timed_tokens(eng: Engine, prompt: str, n: int) -> tuple[list[float], list[fl
     return wall, cpu, seen
 
 
-def replayed_tokens(eng: Engine, seen: list[tuple]) -> list[float]:
-    """The same tokens' placement on a fresh placement of the same policy, back to back with no
-    decode between them: one routing read and ``Placement.on_step`` with the recorded routing,
-    wall microseconds each (native copies and slot maps are real; the prompt's placement is
-    replayed first, untimed). The gap to ``timed_tokens`` is what running between two decodes
-    costs the same work (what the decode left cold), not the policy's own work."""
+def replayed_tokens(eng: Engine, seen: list[tuple], idle_us: float = 0.0) -> list[float]:
+    """The same tokens' placement on a fresh placement of the same policy, with no decode
+    between them: one routing read and ``Placement.on_step`` with the recorded routing, wall
+    microseconds each (native copies and slot maps are real; the prompt's placement is replayed
+    first, untimed). Back to back (``idle_us`` 0) the gap to ``timed_tokens`` is what running
+    between two decodes costs the same work, not the policy's own work. ``idle_us`` > 0 waits
+    that long before each token, spinning on the clock (touching no memory): where that alone
+    brings the cost back to the live one, it is the passing time, not the decode's memory
+    traffic, that leaves the caches cold (a virtual machine sharing its cores does that)."""
     pl = eng.placement
     seq0 = np.zeros(1, np.int64)
     wall: list[float] = []
@@ -93,6 +109,10 @@ def replayed_tokens(eng: Engine, seen: list[tuple]) -> list[float]:
         if what == "prompt":
             pl.on_prompt(a, b)
             continue
+        if idle_us > 0:
+            until = time.perf_counter() + idle_us * 1e-6
+            while time.perf_counter() < until:
+                pass
         t = time.perf_counter()
         pl.last_routing()
         pl.on_step(a, [b], seq0)
@@ -129,10 +149,14 @@ def main(argv=None) -> int:
                 name, _, layout = pol.partition(":")
                 args = {"layout": layout} if layout else None
                 eng.set_placement(name, int(slots), args)
-                wall, cpu, seen = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n)
+                periods: list[float] = []
+                wall, cpu, seen = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n, periods)
                 eng.set_placement(name, int(slots), args)
                 replay = replayed_tokens(eng, seen)
+                eng.set_placement(name, int(slots), args)
+                idle = replayed_tokens(eng, seen, statistics.median(periods))
                 runs[pol].append({"wall": wall[a.skip:], "cpu": cpu[a.skip:], "replay": replay[a.skip:],
+                                  "idle": idle[a.skip:], "period": periods[a.skip:],
                                   "loadavg": os.getloadavg()[0]})
             print(f"  repetition {rep + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
     finally:
@@ -142,6 +166,8 @@ def main(argv=None) -> int:
         wall = sorted(x for r in rr for x in r["wall"])
         cpu = sorted(x for r in rr for x in r["cpu"])
         replay = [x for r in rr for x in r["replay"]]
+        period = [x for r in rr for x in r["period"]]
+        idle = [x for r in rr for x in r["idle"]]
         rep_medians = [statistics.median(r["wall"]) for r in rr]
         loads = [r["loadavg"] for r in rr]
         row = {"policy": pol, "tokens": len(wall), "median_us": round(statistics.median(wall), 1),
@@ -149,12 +175,17 @@ def main(argv=None) -> int:
                "cpu_median_us": round(statistics.median(cpu), 1),
                "cpu_p90_us": round(cpu[int(0.9 * (len(cpu) - 1))], 1),
                "replay_median_us": round(statistics.median(replay), 1),
+               "idle_replay_median_us": round(statistics.median(idle), 1),
+               "token_median_us": round(statistics.median(period), 1),
+               "share_of_token": round(statistics.median(wall) / statistics.median(period), 4),
                "rep_median_us": [round(m, 1) for m in rep_medians],
                "loadavg": [round(x, 2) for x in loads]}
         rows.append(row)
         print(f"  {pol:<14} wall median {row['median_us']:>7.1f} us  p90 {row['p90_us']:>7.1f} us  "
               f"CPU median {row['cpu_median_us']:>7.1f} us  p90 {row['cpu_p90_us']:>7.1f} us  "
-              f"replayed median {row['replay_median_us']:>6.1f} us  "
+              f"replayed median {row['replay_median_us']:>6.1f} us, after an idle token "
+              f"{row['idle_replay_median_us']:>6.1f} us  "
+              f"{100 * row['share_of_token']:.1f} % of the token ({row['token_median_us']:.0f} us)  "
               f"per-run medians {min(rep_medians):.1f}-{max(rep_medians):.1f} us  "
               f"(load {min(loads):.2f}-{max(loads):.2f})", flush=True)
     if a.json:

@@ -4,6 +4,8 @@ work without a decode between tokens."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -20,16 +22,27 @@ def test_replay_repeats_the_live_runs_placement(policy):
     eng = Engine(EngineConfig(model=path, n_ctx=128, n_threads=1, ecr=0.25, progress=False), log=lambda m: None)
     try:
         eng.set_placement(policy, 4)
-        wall, cpu, seen = b.timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", 40)
+        periods: list[float] = []
+        wall, cpu, seen = b.timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", 40, periods)
         live = eng.placement
         eng.set_placement(policy, 4)
         replay = b.replayed_tokens(eng, seen)
         again = eng.placement
+        eng.set_placement(policy, 4)
+        t0 = time.perf_counter()
+        idle = b.replayed_tokens(eng, seen, 2000.0)
+        idle_s = time.perf_counter() - t0
+        after_idle = eng.placement
     finally:
         eng.close()
-    assert len(wall) == len(cpu) == len(replay) >= 30 and len(seen) > len(wall)
+    assert len(wall) == len(cpu) == len(replay) == len(idle) >= 30 and len(seen) > len(wall)
     assert all(t > 0 for t in replay)
+    # a token's period holds its own placement call; the idle replay waited before every token
+    assert len(periods) == len(wall) - 1 and all(p > w for p, w in zip(periods, wall))
+    assert idle_s >= len(idle) * 2000e-6
     assert live.stats.copies > 0  # the run placed something, so the comparison can fail
     for field in ("tokens", "prompt_tokens", "accesses", "hits", "copies", "bytes_moved", "boundaries", "plans"):
         assert getattr(again.stats, field) == getattr(live.stats, field), field
+        assert getattr(after_idle.stats, field) == getattr(live.stats, field), field
     assert np.array_equal(again._native, live._native)
+    assert np.array_equal(after_idle._native, live._native)
