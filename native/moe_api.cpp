@@ -391,16 +391,19 @@ int32_t saem_moe_routing_sink(struct llama_context * ctx, int32_t cap, int64_t *
         CHECK_CTX(ctx);
         CHECK_PTR(header);
         CHECK_PTR(ids);
-        saem_moe_cache * c = const_cast<saem_moe_cache *>(ids_cache(ctx, cap));
-        if (cap == 0) {
-            c->sink_header.clear();
-            c->sink_header.shrink_to_fit();
-            c->sink_ids.clear();
-            c->sink_ids.shrink_to_fit();
+        if (cap == 0) {  // off, in any counting mode
+            if (saem_moe_cache * c = saem_get_cache(ctx)) {
+                c->sink_header.clear();
+                c->sink_header.shrink_to_fit();
+                c->sink_ids.clear();
+                c->sink_ids.shrink_to_fit();
+            }
             *header = nullptr;
             *ids = nullptr;
             return SAEM_OK;
         }
+        ids_cache(ctx, cap);  // refuses cap < 0 and a counting mode that keeps no ids
+        saem_moe_cache * c = saem_get_cache(ctx);
         int32_t nt, nl, nu, max_expert;
         int64_t slot_uses;
         routing_fits(*c, nt, nl, nu, slot_uses, max_expert);  // refuses what the sink could not hold

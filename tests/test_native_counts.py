@@ -104,6 +104,7 @@ def test_routing_sink_holds_what_get_last_routing_returns(arch):
         per_token = len(moe) * moe[0].n_expert_used
         with pytest.raises(na.NativeArgumentError, match="SAEM_COUNT_IDS"):
             na.saem_moe_routing_sink(ctx, 4)  # counting off
+        assert na.saem_moe_routing_sink(ctx, 0) == (0, 0, 0)  # turning it off needs no mode
         na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
         with pytest.raises(na.NativeArgumentError, match="cap < 0"):
             na.saem_moe_routing_sink(ctx, -1)
