@@ -331,5 +331,5 @@ def test_native_api_mirrors_every_header_function():
         assert callable(getattr(na, name, None)), name
     assert set(na._SIGNATURES) == set(functions)
     assert f"SAEM_NATIVE_ABI_VERSION {na.ABI_VERSION}" in header
-    for code, value in re.findall(r"#define (SAEM_(?:E_\w+|OK|RAM_\w+|COUNT_\w+))\s+(-?\d+)", header):
+    for code, value in re.findall(r"#define (SAEM_(?:E_\w+|OK|RAM_\w+|COUNT_\w+|SINK_\w+))\s+(-?\d+)", header):
         assert getattr(na, code) == int(value), code

@@ -22,7 +22,7 @@ from saem_gguf.errors import SaemError
 from saem_gguf.stage.cues import CueSet
 from saem_gguf.stage.implicit import ImplicitConfig, ImplicitDetector
 from saem_gguf.stage.matcher import CueMatcher
-from saem_gguf.stage.steps import routing_rows, step_slots
+from saem_gguf.stage.steps import check_pieces, routing_rows, step_slots
 
 if TYPE_CHECKING:
     from saem_gguf.stage.calibrate import Profile
@@ -143,8 +143,7 @@ class StageDetector:
         if self.matcher is not None:
             if pieces is None:
                 raise SaemError("feed: this detector matches cues and needs the token pieces")
-            if len(pieces) != B:
-                raise SaemError(f"feed: {B} sequence indices for {len(pieces)} pieces")
+            check_pieces(pieces, B)
         if self.implicit is not None:
             experts = routing_rows(experts, B, self.shape)
         return self.feed_checked(seq_idx, pieces, experts)

@@ -23,7 +23,7 @@ from numba import njit
 
 from saem_gguf.errors import SaemError
 from saem_gguf.stage.cues import BOUNDARY_MODES, MAX_CUE_BYTES, CueSet
-from saem_gguf.stage.steps import step_slots
+from saem_gguf.stage.steps import check_pieces, step_slots
 
 RING = 128  # > MAX_CUE_BYTES: the left context of a cue's first byte is still in the ring
 RING_MASK = RING - 1
@@ -439,8 +439,7 @@ class CueMatcher:
 
     def feed(self, seq_idx, pieces: Sequence[bytes]) -> MatchEvents:
         seq_idx = step_slots(seq_idx)
-        if seq_idx.shape[0] != len(pieces):
-            raise SaemError(f"feed: {seq_idx.shape[0]} sequence indices for {len(pieces)} pieces")
+        check_pieces(pieces, seq_idx.shape[0])
         return self.feed_checked(seq_idx, pieces)
 
     def feed_checked(self, seq_idx: np.ndarray, pieces: Sequence[bytes]) -> MatchEvents:

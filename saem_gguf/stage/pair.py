@@ -23,7 +23,7 @@ from saem_gguf.errors import SaemError
 from saem_gguf.stage.detector import NO_EVENTS, StageDetector, StageEvent
 from saem_gguf.stage.implicit import ImplicitDetector
 from saem_gguf.stage.matcher import CueMatcher
-from saem_gguf.stage.steps import routing_rows, step_slots
+from saem_gguf.stage.steps import check_pieces, routing_rows, step_slots
 
 
 class DetectorPair:
@@ -62,8 +62,7 @@ class DetectorPair:
         one)."""
         seq_idx = step_slots(seq_idx, distinct=True)
         B = seq_idx.shape[0]
-        if len(pieces) != B:
-            raise SaemError(f"feed: {B} sequence indices for {len(pieces)} pieces")
+        check_pieces(pieces, B)
         return self.feed_checked(seq_idx, pieces, routing_rows(experts, B, self.shape))
 
     def feed_checked(self, seq_idx: np.ndarray, pieces: Sequence[bytes],

@@ -26,6 +26,12 @@ def step_slots(seq_idx, distinct: bool = False) -> np.ndarray:
     return seq_idx
 
 
+def check_pieces(pieces, B: int) -> None:
+    """One step's text pieces: one per slot."""
+    if len(pieces) != B:
+        raise SaemError(f"feed: {B} sequence indices for {len(pieces)} pieces")
+
+
 def routing_rows(experts, B: int, shape: tuple[int, int, int]) -> np.ndarray:
     """``experts`` checked as one step's int16 [B, L, K] routing (``shape`` = (L, E, K))."""
     if experts is None:
