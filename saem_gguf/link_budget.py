@@ -35,11 +35,14 @@ N_METER = 3
 
 
 @njit(cache=True)
-def estimate_step(rows, slot_of, cost, clock, cnt, uniq):
+def estimate_step(rows, slot_of, cost, clock, cnt, uniq, advance):
     """Estimate the duration of one step with routing ``rows`` int16 [B, L, K] (-1 rows: no token)
     under the map in force ``slot_of`` int32 [L, E] into ``clock[M_STEP_S]``; returns the link
     budget in bytes (see the module docstring). ``cnt`` int32 [E] (zeros) / ``uniq`` int32 [E]:
-    scratch. A step with no token takes no time."""
+    scratch. ``advance``: the previous step decided no copies and its end is not on the clock yet
+    (``queue_copies`` with no ops, done here). A step with no token takes no time."""
+    if advance:
+        clock[M_NOW] += clock[M_STEP_S]
     L = slot_of.shape[0]
     step = 0.0
     live = False
@@ -91,20 +94,28 @@ class LinkMeter:
         self.clock = np.zeros(N_METER, np.float64)
         self._cnt = np.zeros(n_expert, np.int32)
         self._uniq = np.empty(n_expert, np.int32)
+        # the last step estimated decided nothing and the clock has not moved to its end yet: the
+        # next estimate moves it (a quiet decode step makes one kernel call, not two; after a
+        # decode each distinct kernel's first call costs about 10 us on the development machine)
+        self._advance = False
 
     def budget(self, rows: np.ndarray, slot_of: np.ndarray) -> float:
         """Bytes the link can carry for the decisions on the step ``rows`` int16 [B, L, K] that ran
         under ``slot_of`` int32 [L, E]."""
-        return float(estimate_step(rows, slot_of, self.cost, self.clock, self._cnt, self._uniq))
+        advance, self._advance = self._advance, False
+        return float(estimate_step(rows, slot_of, self.cost, self.clock, self._cnt, self._uniq, advance))
 
     def decided(self, change: ResidencyChange | None) -> None:
         """The policy's decisions on the step last estimated (None: none)."""
-        queue_copies(_NO_OPS if change is None else change.ops, self.cost, self.clock)
+        if change is None:
+            self._advance = True
+        else:
+            queue_copies(change.ops, self.cost, self.clock)
 
     def placed(self, change: ResidencyChange) -> None:
         """A placement before the next step (no step runs): its copies join the queue now."""
+        if self._advance:
+            self._advance = False
+            self.clock[M_NOW] += self.clock[M_STEP_S]
         self.clock[M_STEP_S] = 0.0
         queue_copies(change.ops, self.cost, self.clock)
-
-
-_NO_OPS = np.zeros((0, 4), np.int32)

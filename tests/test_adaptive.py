@@ -155,6 +155,35 @@ def test_link_meter_budget_hand_computed():
     meter.decided(ResidencyChange(ops=ops, n_in_step=4, target=slot_of))
     backlog = 3 * cost.transfer_time() - step
     assert meter.budget(rows, slot_of) == pytest.approx(max(0.0, step - max(0.0, backlog)) * HW.h2d_bw, rel=1e-9)
+    # a step that decided nothing moves the clock to its end too (the meter does it at the next
+    # estimate or placement): a backlog shrinks by each quiet step, and a placement after a
+    # quiet step queues from that step's end
+    tx = cost.transfer_time()
+
+    def burst(n: int) -> ResidencyChange:
+        return ResidencyChange(ops=np.array([[0, i % E, 1, OP_PREFETCH] for i in range(n)], np.int32), n_in_step=n,
+                               target=slot_of)
+
+    def budget_after(backlog: float) -> float:
+        assert 0.0 < backlog < step  # a budget that tells the clocks apart
+        return (step - backlog) * HW.h2d_bw
+
+    n = int(2.5 * step / tx) + 1  # copies that outlast two steps, not three
+    busy = LinkMeter(cost, E)
+    busy.budget(rows, slot_of)
+    busy.decided(burst(n))
+    assert busy.budget(rows, slot_of) == 0.0  # still n tx - step > step to carry
+    busy.decided(None)
+    assert busy.budget(rows, slot_of) == pytest.approx(budget_after(n * tx - 2 * step), rel=1e-9)
+    m = int(1.5 * step / tx) + 1  # copies that outlast one step, not two
+    placed = LinkMeter(cost, E)
+    placed.budget(rows, slot_of)
+    placed.decided(burst(m))
+    placed.budget(rows, slot_of)
+    placed.decided(None)
+    placed.placed(burst(1))  # queued from the second step's end, where the link is free again
+    assert placed.budget(rows, slot_of) == pytest.approx(budget_after(max(m * tx, 2 * step) + tx - 2 * step),
+                                                         rel=1e-9)
     # a step of no token takes no time: no budget
     assert LinkMeter(cost, E).budget(np.full((1, L, 2), -1, np.int16), slot_of) == 0.0
     # with CPU and GPU overlapping, the layer takes the longer of the two

@@ -55,7 +55,7 @@ from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.caching import KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda
 from saem_gguf.policies.layout import choose_layout
 from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy
+from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy, stage_books
 from saem_gguf.policies.state import (
     OP_AFTER_USE, OP_EVICT, OP_PREFETCH, CacheState, ResidencyChange, StepEvents, active_rows, gather, op_buffer,
     put_op,
@@ -341,6 +341,20 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     return n_ops
 
 
+@njit(cache=True)
+def adaptive_step(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
+                  behind, budget, gain_of, cnt, uniq, miss, admitted, entrants, ops, counts, on, det, ring, pos):
+    """One decode step of the adaptive policy in one kernel call: ``decide_adaptive`` (its
+    arguments, same order), then the stage candidate's books, ``saem.stage_books(rows, slot_of,
+    counts, on, det, ring, pos)`` (its arguments after ``ops``). Returns (ops rows written,
+    decoded, fired). One call, not two: after a decode each distinct kernel's first call costs
+    about 10 us on the development machine (docs/POLICIES.md, per-token cost)."""
+    n = decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led,
+                        ctl, behind, budget, gain_of, cnt, uniq, miss, admitted, entrants, ops)
+    decoded, fired = stage_books(rows, slot_of, counts, on, det, ring, pos)
+    return n, decoded, fired
+
+
 def hit_gains(cost: np.ndarray, batch: int) -> tuple[np.ndarray, float]:
     """(gain_of float64 [batch + 1], sync gain): what a candidate earns, in one-token hits, for a
     resident expert used by c tokens of a step, and for a layer step whose used experts are all
@@ -487,11 +501,13 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if len(routing_rows) >= self._gain_rows:  # a larger batch than the context said
             self._gain_of, _ = hit_gains(self.ctx.cost.array, len(routing_rows))
             self._gain_rows = len(self._gain_of)
-        n = decide_adaptive(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot,
-                            self._c_owner, self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl,
-                            self._behind, copies, self._gain_of, self._cnt, self._uniq, self._miss, self._admitted,
-                            self._entrants, self._ops)
-        self._count(routing_rows, events)
+        builtin = self._builtin_detector(events)
+        n, decoded, fired = adaptive_step(
+            routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot, self._c_owner,
+            self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl, self._behind, copies,
+            self._gain_of, self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops, self._counts,
+            builtin, self._det, self._ring, self._ring_pos)
+        self._booked(builtin, decoded, fired)
         reason = self._due(events)
         placements = 0
         if reason:

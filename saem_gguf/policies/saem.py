@@ -218,6 +218,11 @@ class SaemPolicy(Policy):
         builtin = self._builtin_detector(events)
         decoded, fired = stage_books(routing_rows, self.state.slot_of, self._counts, builtin, self._det, self._ring,
                                      self._ring_pos)
+        self._booked(builtin, decoded, fired)
+
+    def _booked(self, builtin: bool, decoded: bool, fired: bool) -> None:
+        """After ``stage_books`` ran on a step (``builtin``: with the built-in detector): the
+        schedule's clocks."""
         if builtin:
             self._ring_pos = (self._ring_pos + 1) % self._ring.shape[0]
         self._fired = self._fired or fired

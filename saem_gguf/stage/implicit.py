@@ -190,7 +190,18 @@ def _drop_oldest(i, ist, cnt, fl, ring, n):
 
 
 @njit(cache=True)
-def _update_kernel(ist, cnt, fl, ring, seq_idx, experts, prm, ev, score_out):
+def new_stage_kernel(i, token, ist, cnt, fl, ring):
+    """An external (cue) boundary of slot ``i`` at ``token``: its stage restarts empty
+    (``ImplicitDetector.new_stage``; the packed state as ``update_kernel`` takes it)."""
+    _stage_reset(i, ist, cnt, fl, False)
+    ring[i] = -1
+    ist[i, I_LAST] = token
+    ist[i, I_ARMED] = 1
+    ist[i, I_ONSET] = -1
+
+
+@njit(cache=True)
+def update_kernel(ist, cnt, fl, ring, seq_idx, experts, prm, ev, score_out):
     """Consume one token (experts[j] : [L, K]) for sequence seq_idx[j], in order.
     Returns the number of events written to ev[:, :n] (seq, token, excess), or -1 - j for an
     out-of-range sequence index."""
@@ -348,7 +359,7 @@ class ImplicitDetector:
         self.detect = detect
         self.n_seq, self.n_layer, self.n_expert, self.top_k = n_seq, n_layer, n_expert, top_k
         W, L = self.config.window, n_layer
-        # Packed state (see _update_kernel); the attributes below are views into it.
+        # Packed state (see update_kernel); the attributes below are views into it.
         self._ist = np.zeros((n_seq, N_ISTATE + 3 * L), np.int64)
         self._cnt = np.zeros((n_seq, 2, L, n_expert), np.int32)
         self._fl = np.zeros((n_seq, 3 * L + 1))
@@ -386,11 +397,7 @@ class ImplicitDetector:
     def new_stage(self, seq: int, token: int) -> None:
         """An external (cue) boundary at ``token``: the stage restarts empty."""
         self._check_slot(seq)
-        _stage_reset(seq, self._ist, self._cnt, self._fl, False)
-        self.ring[seq] = -1
-        self._ist[seq, I_LAST] = token
-        self._ist[seq, I_ARMED] = 1
-        self._ist[seq, I_ONSET] = -1
+        new_stage_kernel(seq, token, self._ist, self._cnt, self._fl, self.ring)
 
     def n_tokens(self, seq: int) -> int:
         return int(self._ist[seq, I_NTOK])
@@ -427,18 +434,28 @@ class ImplicitDetector:
                        scores_out: np.ndarray | None = None) -> ImplicitEvents:
         """``update`` for slots and rows already checked (``step_slots``, ``routing_rows``): a
         caller that checked them once for several detectors spares the checks here."""
-        B = seq_idx.shape[0]
+        ist, cnt, fl, ring, prm, ev, scores = self.kernel_args(scale, seq_idx.shape[0])
+        n = update_kernel(ist, cnt, fl, ring, seq_idx, experts, prm, ev, scores if scores_out is None else scores_out)
+        if n <= 0:
+            if n == 0:
+                return _NO_EVENTS
+            raise SaemError(f"update: sequence index {int(seq_idx[-1 - n])} out of range 0..{self.n_seq - 1}")
+        return self.events(n)
+
+    def kernel_args(self, scale: float, B: int) -> tuple:
+        """(ist, cnt, fl, ring, prm, ev, scores): the arguments of ``update_kernel`` but the
+        step's slots and rows, for a step of ``B`` tokens with the thresholds times ``scale``
+        (the event and score buffers grown to ``B``). For a caller that runs the kernel inside
+        its own (stage.pair)."""
         if scale != self._scale:
             self._set_params(scale)
         if self._ev.shape[1] < B:
             self._ev = np.empty((3, B))
             self._scores = np.empty(B)
-        n = _update_kernel(self._ist, self._cnt, self._fl, self.ring, seq_idx, experts, self._prm, self._ev,
-                           self._scores if scores_out is None else scores_out)
-        if n <= 0:
-            if n == 0:
-                return _NO_EVENTS
-            raise SaemError(f"update: sequence index {int(seq_idx[-1 - n])} out of range 0..{self.n_seq - 1}")
+        return self._ist, self._cnt, self._fl, self.ring, self._prm, self._ev, self._scores
+
+    def events(self, n: int) -> ImplicitEvents:
+        """The ``n`` events the last kernel run wrote (a copy)."""
         ev = self._ev[:, :n]
         return ImplicitEvents(ev[0].astype(np.int64), ev[1].astype(np.int64), ev[2].copy())
 

@@ -229,7 +229,7 @@ def _emit(st, i, cue, tok, min_stage, ev, n_ev):
 
 
 @njit(cache=True)
-def _feed_kernel(delta, blob, st, seq_idx, buf, lens, min_stage, ev):
+def feed_kernel(delta, blob, st, seq_idx, buf, lens, min_stage, ev):
     """Feed piece j (the next lens[j] bytes of buf) to sequence seq_idx[j], in order.
 
     ``blob`` packs the small tables (see _pack_tables) and ``st`` holds each sequence's
@@ -446,18 +446,33 @@ class CueMatcher:
         """``feed`` for slots already int64 [len(pieces)] (``step_slots``): a caller that checked
         them once for several detectors spares the checks here."""
         buf, lens = pack_pieces(pieces)
-        # Each character completes at most one pending cue and one new cue.
-        cap = 2 * len(buf) + 2
-        if self._ev.shape[1] < cap:
-            self._ev = np.empty((3, cap), np.int64)
-        n = _feed_kernel(self.tables.delta, self._blob, self.state, seq_idx, buf, lens, self.min_stage_tokens,
-                         self._ev)
+        delta, blob, state, ev = self.kernel_args(len(buf))
+        n = feed_kernel(delta, blob, state, seq_idx, buf, lens, self.min_stage_tokens, ev)
         if n <= 0:
             if n == 0:
                 return _NO_EVENTS
-            raise SaemError(f"feed: sequence index {int(seq_idx[-1 - n])} out of range 0..{self.n_seq - 1}")
+            raise self.slot_error(seq_idx, n)
+        return self.events(n)
+
+    def kernel_args(self, n_bytes: int) -> tuple:
+        """(delta, blob, state, ev): the arguments of ``feed_kernel`` but the step's slots,
+        pieces and minimum stage length, for ``n_bytes`` bytes of pieces (the event buffer grown
+        to what they can complete). For a caller that runs the kernel inside its own
+        (stage.pair)."""
+        # Each character completes at most one pending cue and one new cue.
+        cap = 2 * n_bytes + 2
+        if self._ev.shape[1] < cap:
+            self._ev = np.empty((3, cap), np.int64)
+        return self.tables.delta, self._blob, self.state, self._ev
+
+    def events(self, n: int) -> MatchEvents:
+        """The ``n`` events the last kernel run wrote (a copy)."""
         ev = self._ev[:, :n].copy()
         return MatchEvents(ev[0], ev[1], ev[2])
+
+    def slot_error(self, seq_idx: np.ndarray, code: int) -> SaemError:
+        """The error of a kernel run that returned ``code`` (< 0: ``seq_idx[-1 - code]`` out of range)."""
+        return SaemError(f"feed: sequence index {int(seq_idx[-1 - code])} out of range 0..{self.n_seq - 1}")
 
     def flush(self, seq: int) -> MatchEvents:
         """End of text for slot ``seq``: a cue waiting for its right boundary is confirmed

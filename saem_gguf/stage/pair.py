@@ -7,7 +7,8 @@ its cue detector and a twin of it that also detects routing shifts
 but for when each last reported a boundary, which drops a cue that completes within
 ``min_stage_tokens`` of it (the twin's also moves at routing shifts). Here one automaton pass finds
 every candidate cue and each detector keeps its own boundary clock; only the twin runs the
-routing-shift detector. ``feed`` returns what the two detectors' ``feed`` would return: the cue
+routing-shift detector. A step is one kernel call (``pair_kernel``: the automaton, the clocks and
+the routing-shift detector). ``feed`` returns what the two detectors' ``feed`` would return: the cue
 detector's events, and whether the twin reported any (tests/test_stage_implicit.py checks it
 against the two detectors; tests/test_parity.py against the simulator).
 """
@@ -18,12 +19,58 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
+from numba import njit
 
 from saem_gguf.errors import SaemError
 from saem_gguf.stage.detector import NO_EVENTS, StageDetector, StageEvent
-from saem_gguf.stage.implicit import ImplicitDetector
-from saem_gguf.stage.matcher import CueMatcher
+from saem_gguf.stage.implicit import ImplicitDetector, new_stage_kernel, update_kernel
+from saem_gguf.stage.matcher import CueMatcher, feed_kernel, pack_pieces
 from saem_gguf.stage.steps import check_pieces, routing_rows, step_slots
+
+
+@njit(cache=True)
+def pair_kernel(delta, blob, m_state, seq_idx, buf, lens, m_ev, cue_last, twin_last, min_stage, experts, ist, cnt, fl,
+                ring, prm, i_ev, scores):
+    """One step of both detectors in one kernel call (after a decode each distinct kernel's
+    first call costs about 10 us on the development machine).
+
+    delta / blob / m_state / m_ev: the cue matcher's tables, state and event buffer
+    (``CueMatcher.kernel_args``; the matcher keeps no minimum stage length), fed the step's
+    pieces ``buf`` / ``lens`` (``pack_pieces``) for slots ``seq_idx`` int64 [B]; cue_last /
+    twin_last int64 [n_seq]: each slot's last boundary of the cue detector and of the twin;
+    min_stage: their minimum stage length in tokens; experts int16 [B, L, K]: the step's
+    routing, fed to the routing-shift detector whose state, parameters and buffers are ist / cnt
+    / fl / ring / prm / i_ev / scores (``ImplicitDetector.kernel_args``).
+
+    A candidate cue far enough from the cue detector's last boundary is its event (written back
+    to ``m_ev[:, :n_cue]`` in order); far enough from the twin's, the twin's (and the shift
+    detector's stage restarts). Returns (n_cue, combined: whether the twin found a boundary, a
+    cue's or a shift's), or (code, 0) with code < 0 for a slot out of range (the matcher's
+    ``feed_kernel`` code)."""
+    n = feed_kernel(delta, blob, m_state, seq_idx, buf, lens, 0, m_ev)
+    if n < 0:
+        return n, 0
+    n_cue = 0
+    combined = 0
+    for j in range(n):
+        s = m_ev[0, j]
+        c = m_ev[1, j]
+        t = m_ev[2, j]
+        if t - cue_last[s] >= min_stage:
+            cue_last[s] = t
+            m_ev[0, n_cue] = s
+            m_ev[1, n_cue] = c
+            m_ev[2, n_cue] = t
+            n_cue += 1
+        if t - twin_last[s] >= min_stage:
+            twin_last[s] = t
+            combined = 1
+            new_stage_kernel(s, t, ist, cnt, fl, ring)  # a cue restarts the routing statistics too
+    k = update_kernel(ist, cnt, fl, ring, seq_idx, experts, prm, i_ev, scores)
+    for j in range(k):
+        twin_last[int(i_ev[0, j])] = int(i_ev[1, j])
+        combined = 1
+    return n_cue, combined
 
 
 class DetectorPair:
@@ -70,22 +117,14 @@ class DetectorPair:
         """``feed`` for a step already known to be what it takes (int64 [B] distinct slots, B
         pieces, int16 [B, L, K] rows): the engine's decode step, whose row it read itself, spares
         the checks."""
-        events: list[StageEvent] | None = None
-        combined = False
-        candidates = self.matcher.feed_checked(seq_idx, pieces)
-        if len(candidates):
-            for s, c, t in candidates.tuples():
-                if t - self.cue_last[s] >= self.min_stage:
-                    self.cue_last[s] = t
-                    events = events if events is not None else []
-                    events.append(StageEvent(s, t, "cue", c, self.cues[c].text, 0.0))
-                if t - self.twin_last[s] >= self.min_stage:
-                    self.twin_last[s] = t
-                    combined = True
-                    self.implicit.new_stage(s, t)  # a cue restarts the routing statistics too
-        shifts = self.implicit.update_checked(seq_idx, experts, self.scale)
-        if len(shifts):
-            combined = True
-            for s, t in zip(shifts.seq.tolist(), shifts.token.tolist()):
-                self.twin_last[s] = t
-        return (NO_EVENTS if events is None else events), combined
+        m, imp = self.matcher, self.implicit
+        buf, lens = pack_pieces(pieces)
+        delta, blob, m_state, m_ev = m.kernel_args(len(buf))
+        n_cue, combined = pair_kernel(delta, blob, m_state, seq_idx, buf, lens, m_ev, self.cue_last, self.twin_last,
+                                      self.min_stage, experts, *imp.kernel_args(self.scale, seq_idx.shape[0]))
+        if n_cue < 0:
+            raise m.slot_error(seq_idx, n_cue)
+        if n_cue == 0:
+            return NO_EVENTS, bool(combined)
+        cues = self.cues
+        return [StageEvent(s, t, "cue", c, cues[c].text, 0.0) for s, c, t in m.events(n_cue).tuples()], bool(combined)
