@@ -38,7 +38,7 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.errors import SaemError
-from saem_gguf.stage.steps import I16, step_slots
+from saem_gguf.stage.steps import routing_rows, step_slots
 
 # Per-sequence state columns (int64).
 I_NTOK, I_LAST, I_HEAD, I_NW, I_NR, I_ARMED, I_ABOVE, I_BASEN, I_ONSET = range(9)
@@ -424,11 +424,8 @@ class ImplicitDetector:
         asks for a stronger shift when cues are also on). ``scores_out[j]`` (optional, float64
         [B]) receives the excess x after entry j (NaN while not yet defined)."""
         seq_idx = step_slots(seq_idx)
-        B = seq_idx.shape[0]
-        if experts.shape != (B, self.n_layer, self.top_k):
-            raise SaemError(f"experts must be [{B}, {self.n_layer}, {self.top_k}], got {experts.shape}")
-        return self.update_checked(seq_idx, experts if experts.dtype is I16 else experts.astype(np.int16), scale,
-                                   scores_out)
+        experts = routing_rows(experts, seq_idx.shape[0], (self.n_layer, self.n_expert, self.top_k), "update")
+        return self.update_checked(seq_idx, experts, scale, scores_out)
 
     def update_checked(self, seq_idx: np.ndarray, experts: np.ndarray, scale: float = 1.0,
                        scores_out: np.ndarray | None = None) -> ImplicitEvents:

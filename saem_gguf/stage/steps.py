@@ -32,12 +32,13 @@ def check_pieces(pieces, B: int) -> None:
         raise SaemError(f"feed: {B} sequence indices for {len(pieces)} pieces")
 
 
-def routing_rows(experts, B: int, shape: tuple[int, int, int]) -> np.ndarray:
-    """``experts`` checked as one step's int16 [B, L, K] routing (``shape`` = (L, E, K))."""
+def routing_rows(experts, B: int, shape: tuple[int, int, int], where: str = "feed") -> np.ndarray:
+    """``experts`` checked as one step's int16 [B, L, K] routing (``shape`` = (L, E, K));
+    ``where`` names the call in the error."""
     if experts is None:
-        raise SaemError("feed: this detector detects routing shifts and needs the experts [B, L, K]")
+        raise SaemError(f"{where}: this detector detects routing shifts and needs the experts [B, L, K]")
     if type(experts) is not np.ndarray:
         experts = np.asarray(experts)
     if experts.shape != (B, shape[0], shape[2]):
-        raise SaemError(f"feed: experts must be [{B}, {shape[0]}, {shape[2]}], got {tuple(experts.shape)}")
+        raise SaemError(f"{where}: experts must be [{B}, {shape[0]}, {shape[2]}], got {tuple(experts.shape)}")
     return experts if experts.dtype is I16 else experts.astype(np.int16)
