@@ -168,7 +168,8 @@ def test_a_cue_only_detector_reads_no_routing_and_allocates_nothing_on_a_quiet_s
 def test_detector_pair_gives_the_two_detectors_results(min_stage):
     """The engine's fused pass (stage.pair) reports, step by step, the events of the cue detector
     and the verdict of its combined twin, fed separately (what the simulator replays), through
-    cue and routing-shift boundaries, several slots and a slot reset mid-way."""
+    cue and routing-shift boundaries, several slots, a slot reset mid-way and two steps whose
+    pieces outgrow the buffers the pair started with."""
     from saem_gguf.stage.pair import DetectorPair
 
     cfg = SyntheticConfig(n_sequences=3, seed=13, cue_prob=0.5, stage_len_scale=0.5)
@@ -184,6 +185,8 @@ def test_detector_pair_gives_the_two_detectors_results(min_stage):
                 d.reset(1, step)
         idx = np.array([i for i, s in enumerate(seqs) if step < s.n_tokens], np.int64)
         pieces = [seqs[i].pieces[step] for i in idx]
+        if step in (150, 420):  # pieces with more cues than the pair's matcher buffer was made for
+            pieces = [b"\nWait. " * 100 + p for p in pieces]
         routing = np.stack([seqs[i].experts[step] for i in idx])
         want_events = list(cue_only.feed(idx, pieces))
         twin_events = twin.feed(idx, pieces, routing)
@@ -192,8 +195,9 @@ def test_detector_pair_gives_the_two_detectors_results(min_stage):
         diverged += [e for e in twin_events if e.source == "cue"] != want_events
         got_events, got_combined = pair.feed(idx, pieces, routing)
         assert list(got_events) == want_events and got_combined == want_combined, step
-        n_cue += len(want_events)
-        n_twin += want_combined
+        if step not in (150, 420):
+            n_cue += len(want_events)
+            n_twin += want_combined
     assert n_cue >= 20 and n_twin > n_cue  # cues and routing shifts both exercised
     assert (diverged > 0) == (min_stage > 0)  # the two clocks disagreed on some cue
     with pytest.raises(SaemError, match="cue-only"):

@@ -29,18 +29,18 @@ from saem_gguf.stage.steps import check_pieces, routing_rows, step_slots
 
 
 @njit(cache=True)
-def pair_kernel(delta, blob, m_state, seq_idx, buf, lens, m_ev, cue_last, twin_last, min_stage, experts, ist, cnt, fl,
+def pair_kernel(seq_idx, buf, lens, experts, delta, blob, m_state, m_ev, cue_last, twin_last, min_stage, ist, cnt, fl,
                 ring, prm, i_ev, scores):
     """One step of both detectors in one kernel call (after a decode each distinct kernel's
     first call costs about 10 us on the development machine).
 
-    delta / blob / m_state / m_ev: the cue matcher's tables, state and event buffer
-    (``CueMatcher.kernel_args``; the matcher keeps no minimum stage length), fed the step's
-    pieces ``buf`` / ``lens`` (``pack_pieces``) for slots ``seq_idx`` int64 [B]; cue_last /
-    twin_last int64 [n_seq]: each slot's last boundary of the cue detector and of the twin;
-    min_stage: their minimum stage length in tokens; experts int16 [B, L, K]: the step's
-    routing, fed to the routing-shift detector whose state, parameters and buffers are ist / cnt
-    / fl / ring / prm / i_ev / scores (``ImplicitDetector.kernel_args``).
+    The step: slots ``seq_idx`` int64 [B], their pieces ``buf`` / ``lens`` (``pack_pieces``)
+    and routing ``experts`` int16 [B, L, K]. The books: delta / blob / m_state / m_ev, the cue
+    matcher's tables, state and event buffer (``CueMatcher.kernel_args``; the matcher keeps no
+    minimum stage length); cue_last / twin_last int64 [n_seq], each slot's last boundary of the
+    cue detector and of the twin; min_stage, their minimum stage length in tokens; ist / cnt /
+    fl / ring / prm / i_ev / scores, the routing-shift detector's state, parameters and buffers
+    (``ImplicitDetector.kernel_args``).
 
     A candidate cue far enough from the cue detector's last boundary is its event (written back
     to ``m_ev[:, :n_cue]`` in order); far enough from the twin's, the twin's (and the shift
@@ -92,6 +92,16 @@ class DetectorPair:
         L, E, K = detector.shape
         self.implicit = ImplicitDetector(self.n_seq, L, E, K, replace(cfg.implicit, min_stage_tokens=self.min_stage))
         self.scale = cfg.combined_scale  # cues are on: a shift must be this much stronger
+        self._fetch_books(0)
+
+    def _fetch_books(self, n_bytes: int) -> None:
+        """``pair_kernel``'s arguments after the step's, fetched once and again only when a
+        step's pieces outgrow the matcher's event buffer (a step has at most ``n_seq`` tokens,
+        which the shift detector's buffers hold from the start): two calls fewer per token."""
+        delta, blob, m_state, m_ev = self.matcher.kernel_args(n_bytes)
+        self._room = (m_ev.shape[1] - 2) // 2  # piece bytes the event buffer has room for
+        self._books = (delta, blob, m_state, m_ev, self.cue_last, self.twin_last, self.min_stage,
+                       *self.implicit.kernel_args(self.scale, self.n_seq))
 
     def reset(self, seq: int, start_token: int = 0) -> None:
         """A new sequence in slot ``seq``; its next token has index ``start_token``."""
@@ -117,14 +127,14 @@ class DetectorPair:
         """``feed`` for a step already known to be what it takes (int64 [B] distinct slots, B
         pieces, int16 [B, L, K] rows): the engine's decode step, whose row it read itself, spares
         the checks."""
-        m, imp = self.matcher, self.implicit
         buf, lens = pack_pieces(pieces)
-        delta, blob, m_state, m_ev = m.kernel_args(len(buf))
-        n_cue, combined = pair_kernel(delta, blob, m_state, seq_idx, buf, lens, m_ev, self.cue_last, self.twin_last,
-                                      self.min_stage, experts, *imp.kernel_args(self.scale, seq_idx.shape[0]))
-        if n_cue < 0:
-            raise m.slot_error(seq_idx, n_cue)
+        if len(buf) > self._room:
+            self._fetch_books(len(buf))
+        n_cue, combined = pair_kernel(seq_idx, buf, lens, experts, *self._books)
         if n_cue == 0:
             return NO_EVENTS, bool(combined)
+        if n_cue < 0:
+            raise self.matcher.slot_error(seq_idx, n_cue)
         cues = self.cues
-        return [StageEvent(s, t, "cue", c, cues[c].text, 0.0) for s, c, t in m.events(n_cue).tuples()], bool(combined)
+        return ([StageEvent(s, t, "cue", c, cues[c].text, 0.0) for s, c, t in self.matcher.events(n_cue).tuples()],
+                bool(combined))
