@@ -409,6 +409,7 @@ class CueMatcher:
         self._blob = _pack_tables(self.tables)
         self.state = np.zeros((n_seq, N_STATE + RING), np.int64)
         self._ev = np.empty((3, 256), np.int64)
+        self.room = 127  # piece bytes per call the event buffer has room for (see kernel_args)
         for i in range(n_seq):
             self.reset(i)
 
@@ -446,8 +447,10 @@ class CueMatcher:
         """``feed`` for slots already int64 [len(pieces)] (``step_slots``): a caller that checked
         them once for several detectors spares the checks here."""
         buf, lens = pack_pieces(pieces)
-        delta, blob, state, ev = self.kernel_args(len(buf))
-        n = feed_kernel(delta, blob, state, seq_idx, buf, lens, self.min_stage_tokens, ev)
+        if len(buf) > self.room:
+            self.kernel_args(len(buf))
+        # the attributes, not kernel_args' tuple: after a decode each call and tuple costs microseconds
+        n = feed_kernel(self.tables.delta, self._blob, self.state, seq_idx, buf, lens, self.min_stage_tokens, self._ev)
         if n <= 0:
             if n == 0:
                 return _NO_EVENTS
@@ -463,6 +466,7 @@ class CueMatcher:
         cap = 2 * n_bytes + 2
         if self._ev.shape[1] < cap:
             self._ev = np.empty((3, cap), np.int64)
+            self.room = n_bytes
         return self.tables.delta, self._blob, self.state, self._ev
 
     def events(self, n: int) -> MatchEvents:

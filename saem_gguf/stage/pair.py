@@ -99,7 +99,7 @@ class DetectorPair:
         step's pieces outgrow the matcher's event buffer (a step has at most ``n_seq`` tokens,
         which the shift detector's buffers hold from the start): two calls fewer per token."""
         delta, blob, m_state, m_ev = self.matcher.kernel_args(n_bytes)
-        self._room = (m_ev.shape[1] - 2) // 2  # piece bytes the event buffer has room for
+        self._room = self.matcher.room
         self._books = (delta, blob, m_state, m_ev, self.cue_last, self.twin_last, self.min_stage,
                        *self.implicit.kernel_args(self.scale, self.n_seq))
 
