@@ -66,6 +66,7 @@ class PlacementStats:
 
 # on_token's detector slot (sequence 0), in the form the detectors take slots (read only)
 _SEQ0 = np.zeros(1, np.int64)
+_INF = math.inf  # a module global: one lookup, not two
 
 
 class Placement:
@@ -110,6 +111,7 @@ class Placement:
         wants_twin = self.policy.uses_combined_events and detector.tracks_routing
         self.pair = DetectorPair(detector) if wants_twin and not detector.needs_routing else None
         self.twin_is_detector = wants_twin and detector.needs_routing
+        self._rows_to_detector = detector.needs_routing  # read once: a property call per step costs
         self.stats = PlacementStats()
         self._native = np.full((L, self.n_expert), -1, np.int32)  # expert -> slot in force natively
         self._put_initial(self.state.slot_of)
@@ -193,20 +195,24 @@ class Placement:
         """``on_step`` once its step's hits are counted (``on_token``: natively, as the decode ran).
         ``checked``: slots and rows are known to be what the detectors take (their checked entry
         points run)."""
+        # each attribute is read once (after a decode every read and call costs: docs/POLICIES.md)
         B = len(pieces)
         if self.record:
             self.trace_experts.append(np.array(routing))  # on_token's routing is a view of the native buffer
-        self.stats.hits += hits
-        self.stats.accesses += uses
-        if self.pair is not None:
-            events, combined = (self.pair.feed_checked if checked else self.pair.feed)(slots, pieces, routing)
+        stats = self.stats
+        stats.hits += hits
+        stats.accesses += uses
+        pair = self.pair
+        if pair is not None:
+            events, combined = (pair.feed_checked if checked else pair.feed)(slots, pieces, routing)
         else:
-            feed = self.detector.feed_checked if checked else self.detector.feed
-            events = feed(slots, pieces, routing if self.detector.needs_routing else None)
+            det = self.detector
+            events = (det.feed_checked if checked else det.feed)(slots, pieces,
+                                                                 routing if self._rows_to_detector else None)
             combined = bool(events) if self.twin_is_detector else None
         if events or combined:
-            self.stats.events.extend(events)
-            self.stats.boundaries += len(events)
+            stats.events.extend(events)
+            stats.boundaries += len(events)
             # one cue per row that raised an event ("" when the row's events name none), as the
             # simulator's blocks carry them
             row_cue: dict[int, str] = {}
@@ -220,17 +226,20 @@ class Placement:
             seen = self._quiet.get(B)
             if seen is None:
                 seen = self._quiet[B] = StepEvents(n_rows=B, combined=False if self._has_twin else None)
-        budget = self.link.budget(routing, self._native) if self.link is not None else math.inf
+        link = self.link
+        budget = link.budget(routing, self._native) if link is not None else _INF
         if self.link_budgets is not None:
             self.link_budgets.append(budget)
         change = self.policy.observe(routing, seen, budget)
-        if self.link is not None:
-            self.link.decided(change)
-        self._put_in_force("step", change)
+        if link is not None:
+            link.decided(change)
+        if change is not None:
+            self._put_in_force("step", change)
         self._step += 1
-        self.stats.tokens += B
-        for tier in self.tiers:
-            tier.on_step(routing, seen)
+        stats.tokens += B
+        if self.tiers:
+            for tier in self.tiers:
+                tier.on_step(routing, seen)
         return events
 
     # --- residency out ---------------------------------------------------------------------
