@@ -603,6 +603,16 @@ class LastRoutingReader:
             self._one = view
         return view
 
+    def one_token(self) -> tuple[np.ndarray, int] | None:
+        """(``view()``, ``slot_uses``) when the last ubatch was one token and a one-token view was
+        made before, else None: a decode step's read in one call, not three (after a decode each
+        call costs microseconds)."""
+        h = self._header
+        one = self._one
+        if h[SAEM_SINK_N_TOKENS] == 1 and one is not None:
+            return one, h[SAEM_SINK_N_SLOT_USES]
+        return None
+
     def read(self) -> np.ndarray:
         """The same routing as a new array."""
         return np.array(self.view())

@@ -166,12 +166,15 @@ class Placement:
         reader = self._routing_reader
         # a view of the native buffer (no call, no copy: after a decode has emptied the caches
         # each costs tens of microseconds); nothing keeps it past this token
-        routing = reader.view()
-        if reader.n_tokens != 1:
-            return self.on_step(routing, [piece], _SEQ0)  # refuses what is not one token's row
+        token = reader.one_token()
+        if token is None:  # the first decode, or not one token's row
+            routing = reader.view()
+            if reader.n_tokens != 1:
+                return self.on_step(routing, [piece], _SEQ0)  # refuses what is not one token's row
+            token = routing, reader.slot_uses
         # one decoded token's row routes in every layer, and is int16 [1, L, K] by construction:
         # the detectors' checks are spared
-        return self._observe_step(routing, [piece], _SEQ0, reader.slot_uses, self._uses_per_row, checked=True)
+        return self._observe_step(token[0], [piece], _SEQ0, token[1], self._uses_per_row, checked=True)
 
     def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int]) -> list[StageEvent]:
         """After one decode step of ``len(seqs)`` sequences: ``routing`` int16 [B, L, K] holds one

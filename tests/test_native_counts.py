@@ -168,9 +168,11 @@ def test_routing_sink_holds_what_get_last_routing_returns(arch):
         sink3 = np.ctypeslib.as_array((ctypes.c_int16 * n3).from_address(ids3))
         np.testing.assert_array_equal(sink3.reshape(1, len(moe), -1), na.saem_moe_get_last_routing(ctx, 10_000))
 
-        # the reader: a one-token view is the same object each time and follows the decodes; read copies
+        # the reader: a one-token view is the same object each time and follows the decodes; read
+        # copies; one_token gives the view and the slot uses once a one-token view was made
         reader = na.LastRoutingReader(ctx, per_token)
         r.decode(prompt[35:36])
+        assert reader.one_token() is None  # no one-token view made yet
         v1 = reader.view()
         r1 = reader.read()
         np.testing.assert_array_equal(v1, na.saem_moe_get_last_routing(ctx, 10_000))
@@ -178,8 +180,12 @@ def test_routing_sink_holds_what_get_last_routing_returns(arch):
         v2 = reader.view()
         assert v2 is v1 and reader.n_tokens == 1
         np.testing.assert_array_equal(v2, na.saem_moe_get_last_routing(ctx, 10_000))
+        one, uses = reader.one_token()
+        assert one is v1 and uses == reader.slot_uses
         r1[...] = 99  # read's array is its own
         assert (reader.view() != 99).all()
+        r.decode(prompt[37:39])  # two tokens: not a decode step's row
+        assert reader.one_token() is None and reader.n_tokens == 2
 
 
 @pytest.mark.parametrize("arch", NATIVE_ARCHS + ("deepseek2", "gpt-oss"))
