@@ -96,7 +96,7 @@ class LinkMeter:
         self._uniq = np.empty(n_expert, np.int32)
         # the last step estimated decided nothing and the clock has not moved to its end yet: the
         # next estimate moves it (a quiet decode step makes one kernel call, not two; after a
-        # decode each distinct kernel's first call costs about 10 us on the development machine)
+        # decode each call costs a few us before its work: docs/POLICIES.md, per-token cost)
         self._advance = False
 
     def budget(self, rows: np.ndarray, slot_of: np.ndarray) -> float:

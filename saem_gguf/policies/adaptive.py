@@ -58,7 +58,7 @@ from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy, stage_books
 from saem_gguf.policies.state import (
     OP_AFTER_USE, OP_EVICT, OP_PREFETCH, CacheState, ResidencyChange, StepEvents, active_rows, gather, op_buffer,
-    put_op,
+    put_op, scratch_buffer, scratch_views,
 )
 
 # Candidate kinds beyond the caching kinds (KIND_LRU, KIND_LFU): sets that change only when the
@@ -179,7 +179,7 @@ def _resident_floor(key, l, owner, n_slots):
 
 @njit(cache=True)
 def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
-                    behind, budget, gain_of, cnt, uniq, miss, admitted, entrants, ops):
+                    behind, budget, gain_of, scratch, ops):
     """One decode step: pick the leader, update every candidate's shadow cache with the step's
     routing layer by layer, and bring each real layer to the leader's set after the layer ran.
     Returns how many ``ops`` rows it wrote.
@@ -197,11 +197,12 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     leader's own loads, a stage re-rank, copies the budget deferred, a cache leader's entrants
     not used yet: only those layers are compared); budget: copies the link budget allows this
     step (the real cache's; shadow caches copy nothing); gain_of float64 [>= B + 1]: what a
-    held expert used by c tokens of the step earns (``hit_gains``); cnt int32 [E] (zeros) /
-    uniq / miss / entrants int32 [E] / admitted int32 [E, 3]: scratch; ops int32 [>= 2 L E, 4]:
+    held expert used by c tokens of the step earns (``hit_gains``); scratch int32:
+    ``state.scratch_buffer``; ops int32 [>= 2 L E, 4]:
     (layer, expert, slot, OP_*) rows in issue order, per layer each entrant (best first) after
     the eviction that frees its slot (OP_AFTER_USE for one the step used,
     OP_PREFETCH otherwise)."""
+    cnt, uniq, miss, entrants, admitted = scratch_views(scratch)
     L = slot_of.shape[0]
     C = cand.shape[0]
     if active_rows(rows) == 0:
@@ -343,14 +344,14 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
 
 @njit(cache=True)
 def adaptive_step(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
-                  behind, budget, gain_of, cnt, uniq, miss, admitted, entrants, ops, counts, on, det, ring, pos):
+                  behind, budget, gain_of, scratch, ops, counts, on, det, ring, pos):
     """One decode step of the adaptive policy in one kernel call: ``decide_adaptive`` (its
     arguments, same order), then the stage candidate's books, ``saem.stage_books(rows, slot_of,
     counts, on, det, ring, pos)`` (its arguments after ``ops``). Returns (ops rows written,
-    decoded, fired). One call, not two: after a decode each distinct kernel's first call costs
-    about 10 us on the development machine (docs/POLICIES.md, per-token cost)."""
+    decoded, fired). One call, not two: after a decode each kernel call costs a few us before its
+    arguments, about 0.8 us for each array (docs/POLICIES.md, per-token cost)."""
     n = decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led,
-                        ctl, behind, budget, gain_of, cnt, uniq, miss, admitted, entrants, ops)
+                        ctl, behind, budget, gain_of, scratch, ops)
     decoded, fired = stage_books(rows, slot_of, counts, on, det, ring, pos)
     return n, decoded, fired
 
@@ -449,9 +450,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._gain_rows = len(self._gain_of)  # a plain int: no NumPy attribute read per step
         self._behind = np.ones(ctx.n_layer, np.uint8)
         E = ctx.n_expert
-        self._cnt = np.zeros(E, np.int32)
-        self._uniq, self._miss, self._entrants = (np.empty(E, np.int32) for _ in range(3))
-        self._admitted = np.empty((E, 3), np.int32)
+        self._scratch = scratch_buffer(E)
         self._ops = op_buffer(ctx.n_layer, E)
         self._copy_bytes = link_bytes_per_copy(ctx.cost.array)
         # the stage candidate's shadow cache, ranked like SAEM's cache at a boundary
@@ -505,7 +504,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         n, decoded, fired = adaptive_step(
             routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot, self._c_owner,
             self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl, self._behind, copies,
-            self._gain_of, self._cnt, self._uniq, self._miss, self._admitted, self._entrants, self._ops, self._counts,
+            self._gain_of, self._scratch, self._ops, self._counts,
             builtin, self._det, self._ring, self._ring_pos)
         self._booked(builtin, decoded, fired)
         reason = self._due(events)

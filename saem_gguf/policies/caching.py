@@ -24,6 +24,7 @@ from numba import njit
 from saem_gguf.policies.base import Policy, PolicyContext
 from saem_gguf.policies.state import (
     OP_AFTER_USE, OP_DEMAND, OP_EVICT, CacheState, ResidencyChange, StepEvents, put_op, gather, op_buffer,
+    scratch_buffer, scratch_views,
 )
 
 KIND_LRU = 0
@@ -110,8 +111,7 @@ def admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, adm
 
 
 @njit(cache=True)
-def decide_caching(rows, g, slot_of, owner, n_slots, key, stamp, kind, lam, miss_cpu, cnt, uniq, miss, admitted,
-                   ops):
+def decide_caching(rows, g, slot_of, owner, n_slots, key, stamp, kind, lam, miss_cpu, scratch, ops):
     """The cache's decisions for one decode step: returns how many ``ops`` rows it wrote.
 
     rows int16 [B, L, K]: the step's routing (-1 rows: no token); g: the global step (the clock
@@ -120,9 +120,9 @@ def decide_caching(rows, g, slot_of, owner, n_slots, key, stamp, kind, lam, miss
     int64 [L, E]: last global step each expert was used; kind: KIND_*; lam: LRFU decay per step
     (0 otherwise); miss_cpu: a miss runs on the CPU and is loaded after the layer when it beats
     the victim (True; ops OP_EVICT, OP_AFTER_USE) or is loaded into the lowest-priority slot
-    before the layer uses it (False; OP_EVICT, OP_DEMAND); cnt int32 [E] (zeros) / uniq / miss
-    int32 [E] / admitted int32 [E, 3]: scratch; ops int32 [>= 2 L E, 4]: (layer, expert, slot,
-    OP_*) rows in issue order."""
+    before the layer uses it (False; OP_EVICT, OP_DEMAND); scratch int32: ``state.scratch_buffer``;
+    ops int32 [>= 2 L E, 4]: (layer, expert, slot, OP_*) rows in issue order."""
+    cnt, uniq, miss, _, admitted = scratch_views(scratch)
     L = slot_of.shape[0]
     n_ops = 0
     for l in range(L):
@@ -213,18 +213,15 @@ class CachingPolicy(Policy):
         self._key = initial_keys(self.kind, ctx.calib, ctx.top_k, self.prior_tokens, state.slot_of)
         self._stamp = np.full((ctx.n_layer, ctx.n_expert), -1, np.int64)
         self._step = 0  # global decode step: one per observe
-        E = ctx.n_expert
-        self._cnt, self._uniq, self._miss = np.zeros(E, np.int32), np.empty(E, np.int32), np.empty(E, np.int32)
-        self._admitted = np.empty((E, 3), np.int32)
-        self._ops = op_buffer(ctx.n_layer, E)
+        self._scratch = scratch_buffer(ctx.n_expert)
+        self._ops = op_buffer(ctx.n_layer, ctx.n_expert)
         return state
 
     def observe(self, routing_rows: np.ndarray, events: StepEvents,
                 link_budget: float = math.inf) -> ResidencyChange | None:
         st = self.state
         n = decide_caching(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._key, self._stamp,
-                           self.kind, self._lam, self.miss_cpu, self._cnt, self._uniq, self._miss, self._admitted,
-                           self._ops)
+                           self.kind, self._lam, self.miss_cpu, self._scratch, self._ops)
         self._step += 1
         if n == 0:
             return None

@@ -310,6 +310,27 @@ def op_buffer(n_layer: int, n_expert: int) -> np.ndarray:
     return np.empty((2 * n_layer * n_expert, 4), np.int32)
 
 
+# A decision kernel's scratch (``decide_caching``, ``decide_adaptive``) travels as one int32
+# array of SCRATCH_PER_EXPERT * E entries, not five: after a decode each array argument of a
+# kernel call costs about 0.8 us (docs/POLICIES.md, per-token cost). ``scratch_views`` names
+# its parts: cnt [E] (zeros between steps: ``gather``'s counts), uniq / miss / entrants [E],
+# admitted [E, 3] (``admit_after_use``'s rows).
+SCRATCH_PER_EXPERT = 7
+
+
+def scratch_buffer(n_expert: int) -> np.ndarray:
+    """A decision kernel's scratch for ``n_expert`` experts per layer (cnt starts at zero)."""
+    return np.zeros(SCRATCH_PER_EXPERT * n_expert, np.int32)
+
+
+@njit(cache=True)
+def scratch_views(scratch):
+    """(cnt, uniq, miss, entrants, admitted): the parts of ``scratch`` (``scratch_buffer``)."""
+    E = scratch.shape[0] // SCRATCH_PER_EXPERT
+    return (scratch[:E], scratch[E:2 * E], scratch[2 * E:3 * E], scratch[3 * E:4 * E],
+            scratch[4 * E:7 * E].reshape((E, 3)))
+
+
 @njit(cache=True)
 def active_rows(rows):
     """Rows of one step's routing int16 [B, L, K] that have a token."""
