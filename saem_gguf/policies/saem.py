@@ -161,6 +161,7 @@ class SaemPolicy(Policy):
         # the built-in detector's window of per-step counts (the new stage's start)
         self._ring = np.zeros((W, ctx.n_layer, ctx.n_expert)) if self.cfg.implicit else np.zeros((1, 1, 1))
         self._ring_pos = 0
+        self._wants_combined = self.uses_combined_events  # read once: a property call per step costs
         return state
 
     def begin_group(self, block: RoutingBlock) -> ResidencyChange | None:
@@ -187,9 +188,10 @@ class SaemPolicy(Policy):
     def _has_event(self, events: StepEvents) -> bool:
         """A stage event this policy acts on: the combined cue + routing-shift detector's, when
         the policy uses it and it ran, else the cue detector's."""
-        if self.uses_combined_events and events.combined is not None:
-            return events.combined
-        return events.cue_event
+        combined = events.combined
+        if combined is not None and self._wants_combined:
+            return combined
+        return bool(events.rows)  # events.cue_event, without the property call per step
 
     def _due(self, events: StepEvents) -> str:
         cfg = self.cfg
