@@ -328,7 +328,7 @@ def scratch_views(scratch):
     """(cnt, uniq, miss, entrants, admitted): the parts of ``scratch`` (``scratch_buffer``)."""
     E = scratch.shape[0] // SCRATCH_PER_EXPERT
     return (scratch[:E], scratch[E:2 * E], scratch[2 * E:3 * E], scratch[3 * E:4 * E],
-            scratch[4 * E:7 * E].reshape((E, 3)))
+            scratch[4 * E:SCRATCH_PER_EXPERT * E].reshape((E, 3)))
 
 
 @njit(cache=True)
