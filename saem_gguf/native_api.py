@@ -604,14 +604,13 @@ class LastRoutingReader:
         return view
 
     def one_token(self) -> tuple[np.ndarray, int] | None:
-        """(``view()``, ``slot_uses``) when the last ubatch was one token and a one-token view was
-        made before, else None: a decode step's read in one call, not three (after a decode each
-        call costs microseconds)."""
+        """(``view()``, ``slot_uses``) when the last ubatch was one token, else None: a decode
+        step's read in one call, not three (after a decode each call costs microseconds)."""
         h = self._header
+        if h[SAEM_SINK_N_TOKENS] != 1:
+            return None
         one = self._one
-        if h[SAEM_SINK_N_TOKENS] == 1 and one is not None:
-            return one, h[SAEM_SINK_N_SLOT_USES]
-        return None
+        return (one if one is not None else self.view()), h[SAEM_SINK_N_SLOT_USES]
 
     def read(self) -> np.ndarray:
         """The same routing as a new array."""

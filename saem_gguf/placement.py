@@ -167,11 +167,8 @@ class Placement:
         # a view of the native buffer (no call, no copy: after a decode has emptied the caches
         # each costs tens of microseconds); nothing keeps it past this token
         token = reader.one_token()
-        if token is None:  # the first decode, or not one token's row
-            routing = reader.view()
-            if reader.n_tokens != 1:
-                return self.on_step(routing, [piece], _SEQ0)  # refuses what is not one token's row
-            token = routing, reader.slot_uses
+        if token is None:  # not one token's row: on_step refuses it
+            return self.on_step(reader.view(), [piece], _SEQ0)
         # one decoded token's row routes in every layer, and is int16 [1, L, K] by construction:
         # the detectors' checks are spared
         return self._observe_step(token[0], [piece], _SEQ0, token[1], self._uses_per_row, checked=True)

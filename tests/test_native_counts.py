@@ -169,11 +169,13 @@ def test_routing_sink_holds_what_get_last_routing_returns(arch):
         np.testing.assert_array_equal(sink3.reshape(1, len(moe), -1), na.saem_moe_get_last_routing(ctx, 10_000))
 
         # the reader: a one-token view is the same object each time and follows the decodes; read
-        # copies; one_token gives the view and the slot uses once a one-token view was made
+        # copies; one_token gives that view and the slot uses, from the first one-token read on
         reader = na.LastRoutingReader(ctx, per_token)
         r.decode(prompt[35:36])
-        assert reader.one_token() is None  # no one-token view made yet
+        first, first_uses = reader.one_token()
+        assert first_uses == reader.slot_uses
         v1 = reader.view()
+        assert v1 is first
         r1 = reader.read()
         np.testing.assert_array_equal(v1, na.saem_moe_get_last_routing(ctx, 10_000))
         r.decode(prompt[36:37])

@@ -437,7 +437,8 @@ class ImplicitDetector:
             if n == 0:
                 return _NO_EVENTS
             raise SaemError(f"update: sequence index {int(seq_idx[-1 - n])} out of range 0..{self.n_seq - 1}")
-        return self.events(n)
+        ev = self._ev[:, :n]
+        return ImplicitEvents(ev[0].astype(np.int64), ev[1].astype(np.int64), ev[2].copy())
 
     def kernel_args(self, scale: float, B: int) -> tuple:
         """(ist, cnt, fl, ring, prm, ev, scores): the arguments of ``update_kernel`` but the
@@ -450,11 +451,6 @@ class ImplicitDetector:
             self._ev = np.empty((3, B))
             self._scores = np.empty(B)
         return self._ist, self._cnt, self._fl, self.ring, self._prm, self._ev, self._scores
-
-    def events(self, n: int) -> ImplicitEvents:
-        """The ``n`` events the last kernel run wrote (a copy)."""
-        ev = self._ev[:, :n]
-        return ImplicitEvents(ev[0].astype(np.int64), ev[1].astype(np.int64), ev[2].copy())
 
 
 def score_trace(experts: np.ndarray, n_expert: int, config: ImplicitConfig | None = None,

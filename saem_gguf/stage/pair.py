@@ -99,7 +99,7 @@ class DetectorPair:
         step's pieces outgrow the matcher's event buffer (a step has at most ``n_seq`` tokens,
         which the shift detector's buffers hold from the start): two calls fewer per token."""
         delta, blob, m_state, m_ev = self.matcher.kernel_args(n_bytes)
-        self._room = self.matcher.room
+        self._room = self.matcher.room  # of the event buffer in these books, not of a later one
         self._books = (delta, blob, m_state, m_ev, self.cue_last, self.twin_last, self.min_stage,
                        *self.implicit.kernel_args(self.scale, self.n_seq))
 
