@@ -86,30 +86,31 @@ def queue_copies(ops, cost, clock):
 
 class LinkMeter:
     """The estimated clock of one driver's decode steps (module docstring). Per step:
-    ``budget(rows, slot_of)`` before the policy observes it, ``decided(change)`` after; a
-    group's first placement (``Policy.begin_group``) is ``placed(change)``."""
+    ``budget(rows, slot_of)`` before the policy observes it, ``decided(change)`` after it when it
+    decided something; a group's first placement (``Policy.begin_group``) is ``placed(change)``."""
 
     def __init__(self, cost: CostModel, n_expert: int) -> None:
         self.cost = cost.array
         self.clock = np.zeros(N_METER, np.float64)
         self._cnt = np.zeros(n_expert, np.int32)
         self._uniq = np.empty(n_expert, np.int32)
-        # the last step estimated decided nothing and the clock has not moved to its end yet: the
-        # next estimate moves it (a quiet decode step makes one kernel call, not two; after a
-        # decode each call costs a few us before its work: docs/POLICIES.md, per-token cost)
+        # the step last estimated decided no copies (yet) and the clock has not moved to its end:
+        # the next estimate or placement moves it, so a quiet decode step makes one kernel call
+        # and one method call, not two of each (after a decode each call costs a few us before
+        # its work: docs/POLICIES.md, per-token cost)
         self._advance = False
 
     def budget(self, rows: np.ndarray, slot_of: np.ndarray) -> float:
         """Bytes the link can carry for the decisions on the step ``rows`` int16 [B, L, K] that ran
-        under ``slot_of`` int32 [L, E]."""
-        advance, self._advance = self._advance, False
+        under ``slot_of`` int32 [L, E]. The step counts as deciding nothing unless ``decided`` is
+        told otherwise before the next step."""
+        advance, self._advance = self._advance, True
         return float(estimate_step(rows, slot_of, self.cost, self.clock, self._cnt, self._uniq, advance))
 
     def decided(self, change: ResidencyChange | None) -> None:
-        """The policy's decisions on the step last estimated (None: none)."""
-        if change is None:
-            self._advance = True
-        else:
+        """The policy's decisions on the step last estimated (None, or not calling this: none)."""
+        if change is not None:
+            self._advance = False
             queue_copies(change.ops, self.cost, self.clock)
 
     def placed(self, change: ResidencyChange) -> None:

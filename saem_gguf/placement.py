@@ -231,9 +231,9 @@ class Placement:
         if self.link_budgets is not None:
             self.link_budgets.append(budget)
         change = self.policy.observe(routing, seen, budget)
-        if link is not None:
-            link.decided(change)
         if change is not None:
+            if link is not None:
+                link.decided(change)
             self._put_in_force("step", change)
         self._step += 1
         stats.tokens += B

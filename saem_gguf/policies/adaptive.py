@@ -500,14 +500,13 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if len(routing_rows) >= self._gain_rows:  # a larger batch than the context said
             self._gain_of, _ = hit_gains(self.ctx.cost.array, len(routing_rows))
             self._gain_rows = len(self._gain_of)
-        builtin = self._builtin_detector(events)
+        builtin = self._implicit and events.combined is None  # _builtin_detector, without the call
         n, decoded, fired = adaptive_step(
             routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._cand, self._c_slot, self._c_owner,
             self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl, self._behind, copies,
             self._gain_of, self._scratch, self._ops, self._counts,
             builtin, self._det, self._ring, self._ring_pos)
-        self._booked(builtin, decoded, fired)
-        reason = self._due(events)
+        reason = self._schedule(builtin, decoded, fired, events)
         placements = 0
         if reason:
             self._place(self._boundary_scores(events, reason), reason)

@@ -31,9 +31,10 @@ class OraclePolicy(SaemPolicy):
         self._since_plan = 0
         return self._place(self._stage_counts(0), "request")
 
-    def _count(self, routing_rows: np.ndarray, events: StepEvents) -> None:
-        super()._count(routing_rows, events)
+    def _book(self, routing_rows: np.ndarray, events: StepEvents) -> str:
+        reason = super()._book(routing_rows, events)
         self._block_step += 1
+        return reason
 
     def _boundary_scores(self, events: StepEvents, reason: str) -> np.ndarray:
         # _place runs after this and resets the schedule; mirror that state to find the stage end

@@ -161,7 +161,9 @@ class SaemPolicy(Policy):
         # the built-in detector's window of per-step counts (the new stage's start)
         self._ring = np.zeros((W, ctx.n_layer, ctx.n_expert)) if self.cfg.implicit else np.zeros((1, 1, 1))
         self._ring_pos = 0
-        self._wants_combined = self.uses_combined_events  # read once: a property call per step costs
+        # read once: after a decode every property or method call per step costs microseconds
+        self._wants_combined = self.uses_combined_events
+        self._implicit = self.cfg.implicit
         return state
 
     def begin_group(self, block: RoutingBlock) -> ResidencyChange | None:
@@ -182,23 +184,31 @@ class SaemPolicy(Policy):
 
     def _builtin_detector(self, events: StepEvents) -> bool:
         """The hit-fraction fallback runs when the policy wants routing-shift boundaries and no
-        stage detector reports them."""
-        return self.cfg.implicit and events.combined is None
+        stage detector reports them (``_book`` and the adaptive ``observe`` test the same without
+        the call)."""
+        return self._implicit and events.combined is None
 
-    def _has_event(self, events: StepEvents) -> bool:
-        """A stage event this policy acts on: the combined cue + routing-shift detector's, when
-        the policy uses it and it ran, else the cue detector's."""
-        combined = events.combined
-        if combined is not None and self._wants_combined:
-            return combined
-        return bool(events.rows)  # events.cue_event, without the property call per step
-
-    def _due(self, events: StepEvents) -> str:
+    def _schedule(self, builtin: bool, decoded: bool, fired: bool, events: StepEvents) -> str:
+        """After ``stage_books`` ran on a step (``builtin``: with the built-in detector): the
+        schedule's clocks move, and the boundary due after the step is returned ("" for none). A
+        stage event counts when it is one this policy acts on: the combined cue + routing-shift
+        detector's, when the policy uses it and it ran, else the cue detector's. One call per
+        step, not three (after a decode each costs microseconds)."""
+        if builtin:
+            self._ring_pos = (self._ring_pos + 1) % self._ring.shape[0]
+        self._fired = self._fired or fired
+        self._since_plan += int(decoded)
+        self._group_steps += int(decoded)
+        self._step += 1
         cfg = self.cfg
         if self._fired:
             return "implicit"
-        if cfg.use_events and self._since_plan >= cfg.min_gap_steps and self._has_event(events):
-            return "cue" if events.cue_event else "implicit"
+        if cfg.use_events and self._since_plan >= cfg.min_gap_steps:
+            combined = events.combined
+            # events.rows: events.cue_event, without the property call
+            acts = combined if combined is not None and self._wants_combined else events.rows
+            if acts:
+                return "cue" if events.rows else "implicit"
         if self._warm_pending and self._group_steps >= cfg.warmup_steps:
             return "warmup"
         if cfg.refresh_steps > 0 and self._since_plan >= cfg.refresh_steps:
@@ -209,28 +219,18 @@ class SaemPolicy(Policy):
 
     def observe(self, routing_rows: np.ndarray, events: StepEvents,
                 link_budget: float = math.inf) -> ResidencyChange | None:
-        self._count(routing_rows, events)
-        reason = self._due(events)
+        reason = self._book(routing_rows, events)
         if not reason:
             return None
         return self._place(self._boundary_scores(events, reason), reason)
 
-    def _count(self, routing_rows: np.ndarray, events: StepEvents) -> None:
-        """The step's books: stage counts, the built-in detector, the schedule's clocks."""
-        builtin = self._builtin_detector(events)
+    def _book(self, routing_rows: np.ndarray, events: StepEvents) -> str:
+        """The step's books (stage counts, the built-in detector, the schedule's clocks); returns
+        the boundary due after the step ("" for none)."""
+        builtin = self._implicit and events.combined is None  # _builtin_detector
         decoded, fired = stage_books(routing_rows, self.state.slot_of, self._counts, builtin, self._det, self._ring,
                                      self._ring_pos)
-        self._booked(builtin, decoded, fired)
-
-    def _booked(self, builtin: bool, decoded: bool, fired: bool) -> None:
-        """After ``stage_books`` ran on a step (``builtin``: with the built-in detector): the
-        schedule's clocks."""
-        if builtin:
-            self._ring_pos = (self._ring_pos + 1) % self._ring.shape[0]
-        self._fired = self._fired or fired
-        self._since_plan += int(decoded)
-        self._group_steps += int(decoded)
-        self._step += 1
+        return self._schedule(builtin, decoded, fired, events)
 
     def _boundary_scores(self, events: StepEvents, reason: str) -> np.ndarray:
         if reason == "implicit" and self._builtin_detector(events):
