@@ -12,7 +12,8 @@ import pytest
 
 from conftest import REPO
 
-EXPECTED_FILES = {"log.txt", "env.txt", "correctness.json", "bench.md", "bench.json", "overlap.json"}
+EXPECTED_FILES = {"log.txt", "env.txt", "correctness.json", "bench.md", "bench.json", "overlap.json",
+                  "placement_cost.json"}
 
 
 def _sh(script: str, *args: str, out=None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -72,5 +73,8 @@ def test_dry_run_end_to_end(bundle, tmp_path):
     assert any("no GPU" in n for n in bench["vram_budget_auto"])
     overlap = json.loads((out / "overlap.json").read_text())
     assert overlap["copies_per_step"] > 0 and overlap["copies_alone_ms_median"] > 0
+    cost = {row["policy"]: row for row in json.loads((out / "placement_cost.json").read_text())}
+    assert set(cost) == {"cpu-moe", "saem"}
+    assert all(row["tokens"] > 0 and row["median_us"] > 0 and row["replay_median_us"] > 0 for row in cost.values())
     env = (out / "env.txt").read_text()
     assert json.loads((bundle / "bundle.json").read_text())["key"] in env

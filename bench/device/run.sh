@@ -4,7 +4,8 @@
 #   run(command="bash bench/device/run.sh", carry=[".device"], timeout_s=560)
 # Target: <= 8 minutes end to end with prebuilt libraries; <= 8 files in $OUT:
 #   log.txt (timeline + everything printed), env.txt (nvidia-smi, build key, library check),
-#   correctness.json, bench.md, bench.json, overlap.json (bench/device/device_bench.py).
+#   correctness.json, bench.md, bench.json, overlap.json (bench/device/device_bench.py),
+#   placement_cost.json (bench/bench_placement_cost.py).
 # With prebuilt libraries whose build key is not the current sources' the run stops at once (a
 # stale bundle); with only the source in the bundle it compiles first (minutes).
 #
@@ -93,5 +94,15 @@ DB=(--out "$OUT" --layers "$LAYERS" --reps "$REPS")
 [[ $DRY == 1 ]] && DB+=(--dry-run)
 rc=0
 "$PY" bench/device/device_bench.py "${DB[@]}" || rc=$?
+
+# issue 12, item 5: the live engine's per-token placement cost at 48 layers x 128 experts x top-8,
+# here with the device's async copies and slot maps (tiny matrices: the placement's share shows)
+stamp "placement cost per token -> placement_cost.json"
+PC=(--reps 2 -n 150 --policies cpu-moe,lru-cpu,lfu-cpu,temporal-cpu,saem,saem:uniform,saem-cue,gpu-all)
+[[ $DRY == 1 ]] && PC=(--layers 4 --experts 16 --top-k 2 --reps 1 -n 24 --skip 4 --policies cpu-moe,saem)
+pc=0
+"$PY" bench/bench_placement_cost.py "${PC[@]}" --json "$OUT/placement_cost.json" || pc=$?
+[[ $pc != 0 ]] && echo "error: the placement cost bench failed (exit $pc)"
+[[ $rc == 0 ]] && rc=$pc
 stamp "done (exit $rc)"
 exit $rc
