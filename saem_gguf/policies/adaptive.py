@@ -52,7 +52,9 @@ from saem_gguf.costmodel import (
     C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_SYNC, link_bytes_per_copy, t_cpu, t_gpu, t_xfer,
 )
 from saem_gguf.policies.base import PolicyContext
-from saem_gguf.policies.caching import KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda
+from saem_gguf.policies.caching import (
+    KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda, resident_floor,
+)
 from saem_gguf.policies.layout import choose_layout
 from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy, stage_books
@@ -164,20 +166,6 @@ def _set_diff(c_slot, slot_of, c):
 
 
 @njit(cache=True)
-def _resident_floor(key, l, owner, n_slots):
-    """The lowest ``key`` [L, E] of layer ``l``'s residents in ``owner`` [L, Smax]; -inf while a
-    slot is free (a miss then always gets in)."""
-    lo = np.inf
-    for s in range(n_slots[l]):
-        o = owner[l, s]
-        if o < 0:
-            return -np.inf
-        if key[l, o] < lo:
-            lo = key[l, o]
-    return lo
-
-
-@njit(cache=True)
 def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
                     behind, budget, gain_of, scratch, ops):
     """One decode step: pick the leader, update every candidate's shadow cache with the step's
@@ -263,20 +251,18 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                     _touch(kind, key, l, e, cnt[e], g, 0.0)
             for i in range(n):
                 stamp[l, uniq[i]] = g
-            # A cache candidate's key only grows between admissions (LRU: the step; LFU: the
-            # count; decay: the scaled count, its floor rescaled with it), so the floor taken at
-            # the last one still bounds every resident's key: a miss whose key is not above it
-            # beats no resident, and admit_after_use would admit nothing. Skip its slot search
-            # then (the same decisions, most steps' work at a full cache). The check stays here,
-            # not in admit_after_use: calling it for every layer and candidate cost more than
-            # the search it skips.
+            # The floor (caching.resident_floor; a decay key's floor is rescaled with it): a miss
+            # whose key is not above it beats no resident, and its slot search is skipped (the
+            # same decisions, most steps' work at a full cache). The check stays here, not in
+            # admit_after_use: calling it for every layer and candidate cost more than the
+            # search it skips.
             top = -np.inf
             for i in range(n_miss):
                 top = max(top, key[l, miss[i]])
             n_in = 0
             if n_miss > 0 and top > c_floor[c, l]:
                 n_in = admit_after_use(key, l, g, c_owner[c], c_slot[:, :, c], n_slots, stamp, miss, n_miss, admitted)
-                c_floor[c, l] = _resident_floor(key, l, c_owner[c], n_slots)
+                c_floor[c, l] = resident_floor(key, l, c_owner[c], n_slots)
             net[c] -= kappa * n_in
             if n_in > 0 and c == lead:
                 behind[l] = 1

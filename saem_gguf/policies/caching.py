@@ -74,6 +74,29 @@ def _victim(key, l, g, owner, n_slots, stamp, avoid_used):
 
 
 @njit(cache=True)
+def resident_floor(key, l, owner, n_slots):
+    """The lowest ``key`` [L, E] of layer ``l``'s residents in ``owner`` [L, Smax]; -inf while a
+    slot is free (a miss then always gets in).
+
+    Every kind's key only grows between admissions (LRU: the step of the last use; LFU: the
+    count; LRFU: ln of the decayed count plus g * lam, which an access raises and time does not
+    move), and a resident set changes only at an admission. So the floor taken after a layer's
+    last admission still bounds every resident's key later: a miss whose key is not above it
+    beats no resident, and ``admit_after_use`` would admit nothing. The ``-cpu`` caches and the
+    adaptive policy's shadow caches skip the slot search then (the same decisions); after a
+    decode each resident's key read is a cache miss, so that search is most of a quiet step's
+    work at a full cache."""
+    lo = np.inf
+    for s in range(n_slots[l]):
+        o = owner[l, s]
+        if o < 0:
+            return -np.inf
+        if key[l, o] < lo:
+            lo = key[l, o]
+    return lo
+
+
+@njit(cache=True)
 def admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, admitted):
     """The ``-cpu`` variants' rule after layer ``l`` of step ``g`` ran its misses on the CPU:
     take the missed experts ``miss[:n_miss]`` best first (reorders ``miss``) and move each into a
@@ -111,13 +134,15 @@ def admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, adm
 
 
 @njit(cache=True)
-def decide_caching(rows, g, slot_of, owner, n_slots, key, stamp, kind, lam, miss_cpu, scratch, ops):
+def decide_caching(rows, g, slot_of, owner, n_slots, key, stamp, floor, kind, lam, miss_cpu, scratch, ops):
     """The cache's decisions for one decode step: returns how many ``ops`` rows it wrote.
 
     rows int16 [B, L, K]: the step's routing (-1 rows: no token); g: the global step (the clock
     of LRU keys and LRFU decay); slot_of int32 [L, E] / owner int32 [L, Smax] / n_slots int32
     [L]: the CacheState, updated in place; key float64 [L, E]: priority keys (see above), stamp
-    int64 [L, E]: last global step each expert was used; kind: KIND_*; lam: LRFU decay per step
+    int64 [L, E]: last global step each expert was used; floor float64 [L]: with ``miss_cpu``,
+    a lower bound of each layer's resident keys (``resident_floor``; -inf: none known), updated
+    at each admission; kind: KIND_*; lam: LRFU decay per step
     (0 otherwise); miss_cpu: a miss runs on the CPU and is loaded after the layer when it beats
     the victim (True; ops OP_EVICT, OP_AFTER_USE) or is loaded into the lowest-priority slot
     before the layer uses it (False; OP_EVICT, OP_DEMAND); scratch int32: ``state.scratch_buffer``;
@@ -155,8 +180,15 @@ def decide_caching(rows, g, slot_of, owner, n_slots, key, stamp, kind, lam, miss
                 slot_of[l, e] = slot
                 n_ops = put_op(ops, n_ops, l, e, slot, OP_DEMAND)
         else:
-            # load the missed experts for the next tokens, best first, while they beat the victim
-            n_in = admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, admitted)
+            # load the missed experts for the next tokens, best first, while they beat the victim;
+            # none does unless the best beats the layer's floor (resident_floor)
+            top = -np.inf
+            for i in range(n_miss):
+                top = max(top, key[l, miss[i]])
+            n_in = 0
+            if n_miss > 0 and top > floor[l]:
+                n_in = admit_after_use(key, l, g, owner, slot_of, n_slots, stamp, miss, n_miss, admitted)
+                floor[l] = resident_floor(key, l, owner, n_slots)
             for i in range(n_in):
                 e, slot, o = admitted[i, 0], admitted[i, 1], admitted[i, 2]
                 if o >= 0:
@@ -212,6 +244,7 @@ class CachingPolicy(Policy):
         self._lam = lrfu_lambda(self.half_life) if self.kind == KIND_LRFU else 0.0
         self._key = initial_keys(self.kind, ctx.calib, ctx.top_k, self.prior_tokens, state.slot_of)
         self._stamp = np.full((ctx.n_layer, ctx.n_expert), -1, np.int64)
+        self._floor = np.full(ctx.n_layer, -np.inf)  # nothing known: the first miss searches
         self._step = 0  # global decode step: one per observe
         self._scratch = scratch_buffer(ctx.n_expert)
         self._ops = op_buffer(ctx.n_layer, ctx.n_expert)
@@ -221,7 +254,7 @@ class CachingPolicy(Policy):
                 link_budget: float = math.inf) -> ResidencyChange | None:
         st = self.state
         n = decide_caching(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._key, self._stamp,
-                           self.kind, self._lam, self.miss_cpu, self._scratch, self._ops)
+                           self._floor, self.kind, self._lam, self.miss_cpu, self._scratch, self._ops)
         self._step += 1
         if n == 0:
             return None
