@@ -12,15 +12,19 @@
 #   bash bench/device/run.sh --dry-run [--bundle DIR]   # HERE, on the CPU build (bundle from
 #       prepare.sh --dry-run, default /tmp/saem-device-dry), tiny models:
 #       the same steps, so the script never fails on the device for a reason a CPU could catch.
+#   bash bench/device/run.sh --emulate   # HERE, by bench/device/emulate.sh: the device's own path
+#       (the .device bundle's wheels, bindings and CUDA libraries, on their CPU backend) under
+#       PYTHON, the GPU image's Python stack, with the dry run's tiny models.
 # Env: OUT (/tmp/saem-out), LAYERS (16), REPS (3), JOBS (16, fallback compile only).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/saem-out}; mkdir -p "$OUT"
 LAYERS=${LAYERS:-16}; REPS=${REPS:-3}; JOBS=${JOBS:-16}
-DRY=0; BUNDLE=
+DRY=0; EMULATE=0; BUNDLE=
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --dry-run) DRY=1; shift ;;
+        --emulate) EMULATE=1; shift ;;
         --bundle) BUNDLE="$2"; shift 2 ;;
         *) echo "error: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -37,7 +41,7 @@ if [[ $DRY == 1 ]]; then
     export PYTHONPATH="$PWD"
     BUNDLE_KIND=(--cpu)
 else
-    PY=python3
+    PY=${PYTHON:-python3}  # the image's python3 on the device; emulate.sh's here
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$BUNDLE"/whl/*.whl
     export PYTHONPATH="$PWD:$WORK/site:$BUNDLE/py"
     BUNDLE_KIND=()
@@ -84,14 +88,23 @@ stamp "environment -> env.txt"
         [[ -e $l ]] && { echo "-- ldd $l"; ldd "$l"; }
     done
     echo "== python"; "$PY" --version
+    "$PY" - <<'PY'
+from importlib import metadata
+for name in ("numpy", "numba", "llvmlite", "jinja2", "psutil", "tqdm", "gguf", "diskcache", "nvidia-ml-py"):
+    try:
+        print(name, metadata.version(name))
+    except metadata.PackageNotFoundError:
+        print(name, "(not installed)")
+PY
 } > "$OUT/env.txt" 2>&1
 if grep -q "=> not found" "$OUT/env.txt"; then
     grep "=> not found" "$OUT/env.txt"; echo "error: a library dependency does not resolve (env.txt)"; exit 1
 fi
 
-stamp "device_bench ($([[ $DRY == 1 ]] && echo dry run || echo "$LAYERS layers, $REPS reps"))"
+SMALL=$(( DRY || EMULATE ))  # the dry run's tiny models
+stamp "device_bench ($([[ $SMALL == 1 ]] && echo tiny models || echo "$LAYERS layers, $REPS reps"))"
 DB=(--out "$OUT" --layers "$LAYERS" --reps "$REPS")
-[[ $DRY == 1 ]] && DB+=(--dry-run)
+[[ $SMALL == 1 ]] && DB+=(--dry-run)
 rc=0
 "$PY" bench/device/device_bench.py "${DB[@]}" || rc=$?
 
@@ -99,7 +112,7 @@ rc=0
 # here with the device's async copies and slot maps (tiny matrices: the placement's share shows)
 stamp "placement cost per token -> placement_cost.json"
 PC=(--reps 2 -n 150 --policies cpu-moe,lru-cpu,lfu-cpu,temporal-cpu,saem,saem:uniform,saem-cue,gpu-all)
-[[ $DRY == 1 ]] && PC=(--layers 4 --experts 16 --top-k 2 --reps 1 -n 24 --skip 4 --policies cpu-moe,saem)
+[[ $SMALL == 1 ]] && PC=(--layers 4 --experts 16 --top-k 2 --reps 1 -n 24 --skip 4 --policies cpu-moe,saem)
 pc=0
 "$PY" bench/bench_placement_cost.py "${PC[@]}" --json "$OUT/placement_cost.json" || pc=$?
 [[ $pc != 0 ]] && echo "error: the placement cost bench failed (exit $pc)"
