@@ -492,7 +492,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             self._c_key, self._c_floor, self._stamp, self._score, self._led, self._ctl, self._behind, copies,
             self._gain_of, self._scratch, self._ops, self._counts,
             builtin, self._det, self._ring, self._ring_pos)
-        reason = self._schedule(builtin, decoded, fired, events)
+        reason = self._boundary_after_step(builtin, decoded, fired, events)
         placements = 0
         if reason:
             self._place(self._boundary_scores(events, reason), reason)

@@ -188,7 +188,7 @@ class SaemPolicy(Policy):
         the call)."""
         return self._implicit and events.combined is None
 
-    def _schedule(self, builtin: bool, decoded: bool, fired: bool, events: StepEvents) -> str:
+    def _boundary_after_step(self, builtin: bool, decoded: bool, fired: bool, events: StepEvents) -> str:
         """After ``stage_books`` ran on a step (``builtin``: with the built-in detector): the
         schedule's clocks move, and the boundary due after the step is returned ("" for none). A
         stage event counts when it is one this policy acts on: the combined cue + routing-shift
@@ -230,7 +230,7 @@ class SaemPolicy(Policy):
         builtin = self._implicit and events.combined is None  # _builtin_detector
         decoded, fired = stage_books(routing_rows, self.state.slot_of, self._counts, builtin, self._det, self._ring,
                                      self._ring_pos)
-        return self._schedule(builtin, decoded, fired, events)
+        return self._boundary_after_step(builtin, decoded, fired, events)
 
     def _boundary_scores(self, events: StepEvents, reason: str) -> np.ndarray:
         if reason == "implicit" and self._builtin_detector(events):
