@@ -19,10 +19,9 @@ import importlib
 import os
 import signal
 import sys
-import threading
-from typing import Iterator
 
 from saem_gguf import __version__
+from saem_gguf.cli.signals import interrupts_raise
 from saem_gguf.errors import SaemError, Terminated, UsageError
 
 # Order is the order shown by --help.
@@ -38,7 +37,6 @@ COMMANDS = (
     "simulate",
     "build",
 )
-TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -70,38 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@contextlib.contextmanager
-def terminating_signals_raise() -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise Terminated in the main thread (Python's default
-    would end the process without running any ``finally``); the previous handlers come back after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_terminated(signum: int, _frame) -> None:
-        raise Terminated(signum)
-
-    previous = {s: signal.signal(s, raise_terminated) for s in TERMINATING_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    with terminating_signals_raise():
-        return run_command(args)
+    return run_command(args)
 
 
 def run_command(args: argparse.Namespace) -> int:
     try:
-        return int(args.func(args) or 0)
+        with interrupts_raise():
+            return int(args.func(args) or 0)
     except UsageError as e:
         _fail(str(e))
         return 2
