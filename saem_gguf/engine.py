@@ -28,7 +28,7 @@ from saem_gguf import numa
 from saem_gguf.budget import (
     AUTO, auto_margin, format_size, plan_auto, plan_from_budget, plan_from_ecr, slots_fitting,
 )
-from saem_gguf.errors import SaemError
+from saem_gguf.errors import SaemError, Terminated
 from saem_gguf.gguf_info import ModelInfo
 from saem_gguf.gpu_memory import gpu_memory
 from saem_gguf.llama_lib import load_llama_cpp
@@ -234,7 +234,10 @@ def _make_llama_class(llama_cpp):
         - ``saem_tensor_overrides`` (the user's ``-ot``, resolved): appended after that expert
           override, so it decides the expert tensors and the user's patterns everything else;
         - ``saem_flash_attn_auto``: llama.cpp's ``-fa auto``, which ``Llama`` cannot express (its
-          ``flash_attn`` is a bool), set once the model is loaded, right before the context."""
+          ``flash_attn`` is a bool), set once the model is loaded, right before the context;
+        - a progress callback (it moves ``saem_progress``'s bar, if any) that cancels the load when
+          Ctrl-C or SIGTERM arrives, which then raises from ``__init__`` (a large model stops
+          loading at once, not minutes later)."""
 
         def __init__(self, *args, saem_hook: Callable[[list[int]], None] | None = None,
                      saem_experts_on_host: bool = False, saem_progress: TextIO | None = None,
@@ -251,8 +254,15 @@ def _make_llama_class(llama_cpp):
 
                 self._saem_bar = tqdm(total=100, desc="loading", unit="%", file=saem_progress,
                                       bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+            self._saem_load_interrupt: BaseException | None = None
             try:
                 super().__init__(*args, **kw)
+            except ValueError:
+                # llama-cpp-python's "Failed to load model" after the progress callback cancelled
+                # the load for a signal: the signal's exception, not a load error
+                if self._saem_load_interrupt is not None:
+                    raise self._saem_load_interrupt from None
+                raise
             finally:
                 if self._saem_bar is not None:
                     self._saem_bar.close()
@@ -278,17 +288,25 @@ def _make_llama_class(llama_cpp):
                 # kept on self: llama.cpp reads the array (and its patterns) while loading
                 self._saem_buft_override = override_array(rows)
                 params.tensor_buft_overrides = ctypes.cast(self._saem_buft_override, ctypes.c_void_p)
-            if self._saem_bar is not None:
-                bar = self._saem_bar
+            bar = self._saem_bar
 
-                def progress(p: float, _ud) -> bool:
-                    bar.n = int(p * 100)
-                    bar.refresh()
+            def progress(p: float, _ud) -> bool:
+                # llama.cpp calls this before each tensor it loads. A signal's exception raised in
+                # here cannot pass through llama.cpp: it is kept, the load cancelled (false stops
+                # it), and __init__ raises it. Raised in llama.cpp's log callback instead, it is
+                # swallowed and sent again (cli/signals.py) until it lands here
+                try:
+                    if bar is not None:
+                        bar.n = int(p * 100)
+                        bar.refresh()
                     return True
+                except (KeyboardInterrupt, Terminated) as e:
+                    self._saem_load_interrupt = e
+                    return False
 
-                # kept on self: the C side calls it for as long as the model loads
-                self._saem_progress_cb = llama_cpp.llama_progress_callback(progress)
-                params.progress_callback = self._saem_progress_cb
+            # kept on self: the C side calls it for as long as the model loads
+            self._saem_progress_cb = llama_cpp.llama_progress_callback(progress)
+            params.progress_callback = self._saem_progress_cb
             self._saem_model_params = params
 
         # --- fidelity: the chat prompt's message contents stay literal; --ignore-eos ----------

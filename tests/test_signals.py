@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import io
 import os
 import random
 import select
@@ -180,3 +181,42 @@ def test_trace_stops_at_every_signal_under_load(signum, exit_code, tmp_path) -> 
             p.kill()
             p.wait()
     assert not lost, f"trials whose signal was lost: {lost}"
+
+
+class _SignalOnWrite(io.StringIO):
+    """A progress bar's stream whose ``write_at``-th write raises ``exc``, as the signal's handler
+    does when it runs inside llama.cpp's progress callback (the bar writes from there)."""
+
+    def __init__(self, write_at: int, exc: BaseException) -> None:
+        super().__init__()
+        self.write_at, self.exc = write_at, exc
+        self.writes = 0
+
+    def write(self, s: str) -> int:
+        self.writes += 1
+        if self.writes == self.write_at:
+            raise self.exc
+        return super().write(s)
+
+
+@pytest.mark.parametrize("exc", [Terminated(signal.SIGTERM), KeyboardInterrupt()], ids=["sigterm", "sigint"])
+def test_signal_during_the_model_load_cancels_it(exc) -> None:
+    """The signal's exception in the progress callback (llama.cpp calls it before each tensor):
+    the load stops there, and the exception comes out of the constructor, not "Failed to load
+    model" or a load that runs to its end (minutes for a large model without mmap)."""
+    from saem_gguf.default_model import default_model_path
+    from saem_gguf.engine import _make_llama_class
+    from saem_gguf.llama_lib import load_llama_cpp
+
+    llama_cpp = load_llama_cpp()
+    Llama = _make_llama_class(llama_cpp)
+    model = str(default_model_path())
+    whole = _SignalOnWrite(write_at=-1, exc=exc)
+    Llama(model_path=model, verbose=False, saem_progress=whole).close()
+    assert whole.writes > 20  # a write per tensor loaded: the model has ~90
+
+    stream = _SignalOnWrite(write_at=5, exc=exc)
+    with pytest.raises(type(exc)):
+        Llama(model_path=model, verbose=False, saem_progress=stream)
+    # after the raise only the bar's closing writes: no more tensors were loaded
+    assert stream.writes <= 5 + 3, stream.writes
