@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,9 +29,10 @@ from saem_gguf import numa
 from saem_gguf.budget import (
     AUTO, auto_margin, format_size, plan_auto, plan_from_budget, plan_from_ecr, slots_fitting,
 )
-from saem_gguf.errors import SaemError, Terminated
+from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo
 from saem_gguf.gpu_memory import gpu_memory
+from saem_gguf.interrupts import deferred_signals
 from saem_gguf.llama_lib import load_llama_cpp
 from saem_gguf.resources import checked_engine_inputs
 from saem_gguf.trace import ModelSignature, SequenceTrace
@@ -254,18 +256,27 @@ def _make_llama_class(llama_cpp):
 
                 self._saem_bar = tqdm(total=100, desc="loading", unit="%", file=saem_progress,
                                       bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
-            self._saem_load_interrupt: BaseException | None = None
             try:
-                super().__init__(*args, **kw)
-            except ValueError:
-                # llama-cpp-python's "Failed to load model" after the progress callback cancelled
-                # the load for a signal: the signal's exception, not a load error
-                if self._saem_load_interrupt is not None:
-                    raise self._saem_load_interrupt from None
-                raise
+                # a signal during the load cancels it (the progress callback) and is raised on
+                # the way out of this block (interrupts.py)
+                with deferred_signals() as self._saem_deferred:
+                    try:
+                        super().__init__(*args, **kw)
+                    except ValueError:
+                        # llama-cpp-python's "Failed to load model" for a cancelled load: the
+                        # signal is what happened
+                        if self._saem_deferred.signum is None:
+                            raise
+                    else:
+                        if self._saem_deferred.signum is not None:
+                            self.close()  # loaded before the signal was seen: freed at once
             finally:
                 if self._saem_bar is not None:
                     self._saem_bar.close()
+            # reached only when the signal's own handler did not raise (it only set a flag)
+            if self._saem_deferred.signum is not None:
+                name = signal.Signals(self._saem_deferred.signum).name
+                raise SaemError(f"loading {kw.get('model_path', 'the model')} was cancelled by {name}")
             # each decode call is one ubatch, so each ubatch's routing is read before the next
             self._saem_ubatch = llama_cpp.llama_n_ubatch(self.ctx)
             self._saem_hook = saem_hook
@@ -289,20 +300,16 @@ def _make_llama_class(llama_cpp):
                 self._saem_buft_override = override_array(rows)
                 params.tensor_buft_overrides = ctypes.cast(self._saem_buft_override, ctypes.c_void_p)
             bar = self._saem_bar
+            deferred = self._saem_deferred
 
             def progress(p: float, _ud) -> bool:
-                # llama.cpp calls this before each tensor it loads. A signal's exception raised in
-                # here cannot pass through llama.cpp: it is kept, the load cancelled (false stops
-                # it), and __init__ raises it. Raised in llama.cpp's log callback instead, it is
-                # swallowed and sent again (cli/signals.py) until it lands here
-                try:
-                    if bar is not None:
-                        bar.n = int(p * 100)
-                        bar.refresh()
-                    return True
-                except (KeyboardInterrupt, Terminated) as e:
-                    self._saem_load_interrupt = e
+                # llama.cpp calls this before each tensor it loads; false cancels the load
+                if deferred.signum is not None:
                     return False
+                if bar is not None:
+                    bar.n = int(p * 100)
+                    bar.refresh()
+                return True
 
             # kept on self: the C side calls it for as long as the model loads
             self._saem_progress_cb = llama_cpp.llama_progress_callback(progress)

@@ -184,39 +184,59 @@ def test_trace_stops_at_every_signal_under_load(signum, exit_code, tmp_path) -> 
 
 
 class _SignalOnWrite(io.StringIO):
-    """A progress bar's stream whose ``write_at``-th write raises ``exc``, as the signal's handler
-    does when it runs inside llama.cpp's progress callback (the bar writes from there)."""
+    """A load bar's stream that sends ``signum`` to this process at its ``write_at``-th write: the
+    bar writes from llama.cpp's progress callback, so the signal comes in the middle of the load."""
 
-    def __init__(self, write_at: int, exc: BaseException) -> None:
+    def __init__(self, write_at: int, signum: int) -> None:
         super().__init__()
-        self.write_at, self.exc = write_at, exc
+        self.write_at, self.signum = write_at, signum
         self.writes = 0
 
     def write(self, s: str) -> int:
         self.writes += 1
         if self.writes == self.write_at:
-            raise self.exc
+            os.kill(os.getpid(), self.signum)
         return super().write(s)
 
 
-@pytest.mark.parametrize("exc", [Terminated(signal.SIGTERM), KeyboardInterrupt()], ids=["sigterm", "sigint"])
-def test_signal_during_the_model_load_cancels_it(exc) -> None:
-    """The signal's exception in the progress callback (llama.cpp calls it before each tensor):
-    the load stops there, and the exception comes out of the constructor, not "Failed to load
-    model" or a load that runs to its end (minutes for a large model without mmap)."""
+def _load(progress: io.StringIO) -> None:
     from saem_gguf.default_model import default_model_path
     from saem_gguf.engine import _make_llama_class
     from saem_gguf.llama_lib import load_llama_cpp
 
-    llama_cpp = load_llama_cpp()
-    Llama = _make_llama_class(llama_cpp)
-    model = str(default_model_path())
-    whole = _SignalOnWrite(write_at=-1, exc=exc)
-    Llama(model_path=model, verbose=False, saem_progress=whole).close()
+    Llama = _make_llama_class(load_llama_cpp())
+    Llama(model_path=str(default_model_path()), verbose=False, saem_progress=progress).close()
+
+
+@pytest.mark.parametrize("sig", ["sigterm", "sigint"])
+def test_signal_during_the_model_load_cancels_it(sig, default_sigint) -> None:
+    """The load stops at the next tensor, and the signal's exception comes out of the
+    constructor: not "Failed to load model", nor a load that runs to its end (minutes for a large
+    model without mmap). Before, the handler ran on entering a llama.cpp callback, Python
+    swallowed its exception there, and the load went on or stopped at random."""
+    signum, exc_type = SIGNALS[sig]
+    whole = _SignalOnWrite(write_at=-1, signum=signum)
+    _load(whole)
     assert whole.writes > 20  # a write per tensor loaded: the model has ~90
 
-    stream = _SignalOnWrite(write_at=5, exc=exc)
-    with pytest.raises(type(exc)):
-        Llama(model_path=model, verbose=False, saem_progress=stream)
-    # after the raise only the bar's closing writes: no more tensors were loaded
+    stream = _SignalOnWrite(write_at=5, signum=signum)
+    with pytest.raises(exc_type):
+        with interrupts_raise():
+            _load(stream)
+    # after the signal only tqdm's three closing writes: no more tensors were loaded
     assert stream.writes <= 5 + 3, stream.writes
+
+
+def test_signal_during_the_model_load_with_a_handler_that_does_not_raise() -> None:
+    """A handler that only notes the signal (a server's stop flag) is still called, once, and the
+    cancelled load is an error, not a model half there."""
+    from saem_gguf.errors import SaemError
+
+    noted = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: noted.append(s))
+    try:
+        with pytest.raises(SaemError, match="cancelled by SIGTERM"):
+            _load(_SignalOnWrite(write_at=5, signum=signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert noted == [signal.SIGTERM]
