@@ -107,9 +107,12 @@ def test_signal_in_ordinary_code_is_raised_once(default_sigint) -> None:
 def test_resent_signal_still_pending_at_exit_is_raised(default_sigint) -> None:
     """The command returns right after the swallowing callback: the re-sent signal is raised on
     the way out of the block (run_command maps it to 143), not handed to the previous handler."""
+    hook, handler = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
     with pytest.raises(Terminated):
         with interrupts_raise():
             _in_ctypes_callback(signal.SIGTERM)
+    # raised while waiting for the re-send, and still the previous hook and handler after
+    assert sys.unraisablehook is hook and signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_other_unraisable_exceptions_reach_the_previous_hook(monkeypatch) -> None:

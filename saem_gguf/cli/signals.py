@@ -71,10 +71,13 @@ def interrupts_raise() -> Iterator[None]:
     try:
         yield
     finally:
-        # a re-sent signal still in flight: wait for it here, inside the handlers, so that it is
-        # raised (the caller maps it to its exit code) and not left to the previous handler
-        for timer in pending:
-            timer.join()
-        sys.unraisablehook = previous_hook
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        try:
+            # a re-sent signal still in flight: wait for it here, inside the handlers, so that it
+            # is raised (the caller maps it to its exit code), not left to the previous handler;
+            # its handler runs at the first bytecode after the kill, in join at the latest
+            for timer in pending:
+                timer.join()
+        finally:
+            sys.unraisablehook = previous_hook
+            for s, handler in previous.items():
+                signal.signal(s, handler)
