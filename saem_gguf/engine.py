@@ -299,15 +299,26 @@ def _make_llama_class(llama_cpp):
                 # kept on self: llama.cpp reads the array (and its patterns) while loading
                 self._saem_buft_override = override_array(rows)
                 params.tensor_buft_overrides = ctypes.cast(self._saem_buft_override, ctypes.c_void_p)
+            from llama_cpp import _logger
+
             bar = self._saem_bar
             deferred = self._saem_deferred
+            shown = [0]  # llama.cpp's own callback's percentage
 
             def progress(p: float, _ud) -> bool:
                 # llama.cpp calls this before each tensor it loads; false cancels the load
                 if deferred.signum is not None:
                     return False
+                percentage = int(np.float32(100) * np.float32(p))  # llama.cpp's float arithmetic
+                if percentage > shown[0]:
+                    # what llama.cpp's own callback (replaced by this one) logs: a dot each time the
+                    # percentage moves, a line break at 100 (shown when --verbose)
+                    shown[0] = percentage
+                    _logger.llama_log_callback(GGML_LOG_LEVEL_CONT, b".", None)
+                    if percentage >= 100:
+                        _logger.llama_log_callback(GGML_LOG_LEVEL_CONT, b"\n", None)
                 if bar is not None:
-                    bar.n = int(p * 100)
+                    bar.n = percentage
                     bar.refresh()
                 return True
 
@@ -1018,6 +1029,7 @@ def _quiet_stderr(enabled: bool):
 
 
 GGML_LOG_LEVEL_ERROR = 4  # enum ggml_log_level in ggml.h (llama_cpp/_logger.py's comment says 3: stale)
+GGML_LOG_LEVEL_CONT = 5  # continues the previous line
 
 
 @contextlib.contextmanager

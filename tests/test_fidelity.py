@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -217,3 +218,30 @@ def test_model_without_template_falls_back_like_llama_cpp_python(llama_cpp, stoc
     assert any("no chat template" in n and "llama-2" in n and "--chat-template" in n for n in notes)
     same({"prompt_tokens": p.tokens, "text": res.text, "finish_reason": res.finish_reason}, ref[0][0],
           "fallback chat format")
+
+
+def _dot_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and set(line) == {"."}]
+
+
+def test_verbose_load_prints_llama_cpps_progress_dots(stock_lib, capfd) -> None:
+    """The progress callback replaces llama.cpp's default one, which logs a dot each time the
+    load's percentage moves: with verbose=True the same dots as the stock build's."""
+    from saem_gguf.default_model import default_model_path
+
+    model = str(default_model_path())
+    script = ("import llama_cpp; llama_cpp.Llama(model_path=%r, n_ctx=256, verbose=True).close()" % model)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["LLAMA_CPP_LIB_PATH"] = str(stock_lib)
+    stock = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                           timeout=120, cwd="/")
+    assert stock.returncode == 0, stock.stderr[-2000:]
+    want = _dot_lines(stock.stderr)
+    assert len(want) == 1 and len(want[0]) > 10, stock.stderr[-2000:]
+
+    from saem_gguf.engine import _make_llama_class
+    from saem_gguf.llama_lib import load_llama_cpp
+
+    capfd.readouterr()
+    _make_llama_class(load_llama_cpp())(model_path=model, n_ctx=256, verbose=True).close()
+    assert _dot_lines(capfd.readouterr().err) == want

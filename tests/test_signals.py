@@ -243,3 +243,4 @@ def test_signal_during_the_model_load_with_a_handler_that_does_not_raise() -> No
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert noted == [signal.SIGTERM]
+
