@@ -35,13 +35,19 @@ def stock_lib():
     return lib
 
 
-def reference(stock_lib, model, cases: list[dict], n_ctx: int = N_CTX) -> list[list[dict]]:
-    """Per case, the stock side's calls: prompt tokens, text, finish_reason."""
+def stock_env(stock_lib) -> dict[str, str]:
+    """The environment of a subprocess whose llama-cpp-python binds the stock build (and never
+    imports saem_gguf from this checkout)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["LLAMA_CPP_LIB_PATH"] = str(stock_lib)
+    return env
+
+
+def reference(stock_lib, model, cases: list[dict], n_ctx: int = N_CTX) -> list[list[dict]]:
+    """Per case, the stock side's calls: prompt tokens, text, finish_reason."""
     r = subprocess.run([sys.executable, str(REFERENCE)], input=json.dumps(
         {"model": str(model), "n_ctx": n_ctx, "cases": cases}), capture_output=True, text=True,
-        env=env, timeout=600, cwd=REPO)
+        env=stock_env(stock_lib), timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     for res in out:  # the reference really ran on the stock library

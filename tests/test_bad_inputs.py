@@ -473,13 +473,21 @@ def _big_model_argv(b, d):
             "-o", str(d / "big.gguf")]
 
 
-def _long_trace_argv(b, d):
+def _long_prompts_args(d):
     # 400 prompts: the built-in six end at EOS within a second (the embedded model answers in
     # ~30 ms), which can finish before the signal lands; the file lies beside ``d``, which the
     # test checks is left empty
     prompts = d.parent / f"{d.name}-prompts.txt"
     prompts.write_text("".join(f"What is {i} + {i + 1}?\n" for i in range(400)))
-    return ["trace", "--prompts", str(prompts), "-n", "300", "-o", str(d / "t.npz")]
+    return ["--prompts", str(prompts), "-n", "300"]
+
+
+def _long_trace_argv(b, d):
+    return ["trace", *_long_prompts_args(d), "-o", str(d / "t.npz")]
+
+
+def _long_calibrate_argv(b, d):
+    return ["calibrate", *_long_prompts_args(d), "-o", str(d / "p.json")]
 
 
 SIGNAL_CASES = [
@@ -493,10 +501,8 @@ SIGNAL_CASES = [
                signal.SIGTERM, "[saem] policy", (143, -15)),
     SignalCase("trace-sigterm", _long_trace_argv, signal.SIGTERM, "[saem] policy", (143, -15)),
     SignalCase("trace-sigint", _long_trace_argv, signal.SIGINT, "[saem] policy", (130,)),
-    SignalCase("calibrate-sigterm", lambda b, d: ["calibrate", *_long_trace_argv(b, d)[1:-2], "-o", str(d / "p.json")],
-               signal.SIGTERM, "[saem] policy", (143, -15)),
-    SignalCase("calibrate-sighup", lambda b, d: ["calibrate", *_long_trace_argv(b, d)[1:-2], "-o", str(d / "p.json")],
-               signal.SIGHUP, "[saem] policy", (129, -1)),
+    SignalCase("calibrate-sigterm", _long_calibrate_argv, signal.SIGTERM, "[saem] policy", (143, -15)),
+    SignalCase("calibrate-sighup", _long_calibrate_argv, signal.SIGHUP, "[saem] policy", (129, -1)),
     SignalCase("simulate-sigterm", lambda b, d: ["simulate", "--synthetic", "--seqs", "400", "--policies", "all",
                                                  "--json", str(d / "s.json"), "--plot", str(d / "s.png")],
                signal.SIGTERM, "simulate", (143, -15)),

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
-from fidelity_helpers import N_CTX, engine, model_for, reference, result_row, same, stock_lib  # noqa: F401
+from fidelity_helpers import N_CTX, engine, model_for, reference, result_row, same, stock_env, stock_lib  # noqa: F401
 from saem_gguf.chat import ChatSession
 from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
 from saem_gguf.policies import POLICIES
@@ -231,10 +230,8 @@ def test_verbose_load_prints_llama_cpps_progress_dots(stock_lib, capfd) -> None:
 
     model = str(default_model_path())
     script = ("import llama_cpp; llama_cpp.Llama(model_path=%r, n_ctx=256, verbose=True).close()" % model)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["LLAMA_CPP_LIB_PATH"] = str(stock_lib)
-    stock = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                           timeout=120, cwd="/")
+    stock = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=stock_env(stock_lib), timeout=120, cwd="/")
     assert stock.returncode == 0, stock.stderr[-2000:]
     want = _dot_lines(stock.stderr)
     assert len(want) == 1 and len(want[0]) > 10, stock.stderr[-2000:]

@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(argv)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -92,8 +91,7 @@ def run_command(args: argparse.Namespace) -> int:
     except SaemError as e:
         return _fail(str(e))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()
     except Terminated as e:
         print(f"terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum
@@ -114,6 +112,11 @@ def run_command(args: argparse.Namespace) -> int:
         first = str(e).splitlines()[0] if str(e) else ""
         return _fail(f"internal error ({type(e).__name__}{': ' + first if first else ''}); "
                      "SAEM_DEBUG=1 shows the traceback")
+
+
+def _interrupted() -> int:
+    print("interrupted", file=sys.stderr)
+    return 130
 
 
 MESSAGE_MAX_CHARS = 2000
