@@ -25,6 +25,7 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.costmodel import C_DENSE_LAYER_S, C_H2D_BW, C_OVERLAP, C_STEP_S, C_SYNC, CostModel, t_cpu, t_gpu, t_xfer
+from saem_gguf.kernel_books import Book, KernelBooks, f64_1d, i32_1d
 from saem_gguf.policies.state import OP_EVICT, ResidencyChange, gather
 
 # The meter's clock (float64 array ``clock``)
@@ -84,6 +85,17 @@ def queue_copies(ops, cost, clock):
     clock[M_NOW] += clock[M_STEP_S]
 
 
+# The meter's books (kernel_books): ``estimate_step``'s arrays after the map in force, in its order
+METER_BOOKS = (Book("cost", np.float64, 1), Book("clock", np.float64, 1), Book("cnt", np.int32, 1),
+               Book("uniq", np.int32, 1))
+
+
+@njit(cache=True)
+def estimate_entry(rows, slot_of, advance, tab):
+    """``estimate_step`` with its books from ``tab`` (``METER_BOOKS``' table)."""
+    return estimate_step(rows, slot_of, f64_1d(tab, 0), f64_1d(tab, 1), i32_1d(tab, 2), i32_1d(tab, 3), advance)
+
+
 class LinkMeter:
     """The estimated clock of one driver's decode steps (module docstring). Per step:
     ``budget(rows, slot_of)`` before the policy observes it, ``decided(change)`` after it when it
@@ -94,6 +106,9 @@ class LinkMeter:
         self.clock = np.zeros(N_METER, np.float64)
         self._cnt = np.zeros(n_expert, np.int32)
         self._uniq = np.empty(n_expert, np.int32)
+        self._books = KernelBooks(METER_BOOKS, {"cost": self.cost, "clock": self.clock, "cnt": self._cnt,
+                                                "uniq": self._uniq})
+        self._tab = self._books.table
         # the step last estimated decided no copies (yet) and the clock has not moved to its end:
         # the next estimate or placement moves it, so a quiet decode step makes one kernel call
         # and one method call, not two of each (after a decode each call costs a few us before
@@ -105,7 +120,7 @@ class LinkMeter:
         under ``slot_of`` int32 [L, E]. The step counts as deciding nothing unless ``decided`` is
         told otherwise before the next step."""
         advance, self._advance = self._advance, True
-        return float(estimate_step(rows, slot_of, self.cost, self.clock, self._cnt, self._uniq, advance))
+        return float(estimate_entry(rows, slot_of, advance, self._tab))
 
     def decided(self, change: ResidencyChange | None) -> None:
         """The policy's decisions on the step last estimated (None, or not calling this: none)."""

@@ -21,6 +21,7 @@ from typing import ClassVar
 import numpy as np
 from numba import njit
 
+from saem_gguf.kernel_books import Book, KernelBooks, f64_1d, f64_2d, i32_1d, i32_2d, i64_2d
 from saem_gguf.policies.base import Policy, PolicyContext
 from saem_gguf.policies.state import (
     OP_AFTER_USE, OP_DEMAND, OP_EVICT, CacheState, ResidencyChange, StepEvents, put_op, gather, op_buffer,
@@ -222,6 +223,19 @@ def initial_keys(kind: int, calib: np.ndarray, top_k: int, prior_tokens: float, 
     return np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), NO_KEY)
 
 
+# The cache's books (kernel_books): ``decide_caching``'s arrays, in its order
+CACHING_BOOKS = (Book("slot_of", np.int32, 2), Book("owner", np.int32, 2), Book("n_slots", np.int32, 1),
+                 Book("key", np.float64, 2), Book("stamp", np.int64, 2), Book("floor", np.float64, 1),
+                 Book("scratch", np.int32, 1), Book("ops", np.int32, 2))
+
+
+@njit(cache=True)
+def caching_entry(rows, g, kind, lam, miss_cpu, tab):
+    """``decide_caching`` with its books from ``tab`` (``CACHING_BOOKS``' table)."""
+    return decide_caching(rows, g, i32_2d(tab, 0), i32_2d(tab, 1), i32_1d(tab, 2), f64_2d(tab, 3), i64_2d(tab, 4),
+                          f64_1d(tab, 5), kind, lam, miss_cpu, i32_1d(tab, 6), i32_2d(tab, 7))
+
+
 class CachingPolicy(Policy):
     """Priority cache; subclasses pick the priority (``kind``) and the miss handling."""
 
@@ -248,17 +262,19 @@ class CachingPolicy(Policy):
         self._step = 0  # global decode step: one per observe
         self._scratch = scratch_buffer(ctx.n_expert)
         self._ops = op_buffer(ctx.n_layer, ctx.n_expert)
+        self._books = KernelBooks(CACHING_BOOKS, {
+            "slot_of": state.slot_of, "owner": state.owner, "n_slots": state.n_slots, "key": self._key,
+            "stamp": self._stamp, "floor": self._floor, "scratch": self._scratch, "ops": self._ops})
+        self._tab = self._books.table
         return state
 
     def observe(self, routing_rows: np.ndarray, events: StepEvents,
                 link_budget: float = math.inf) -> ResidencyChange | None:
-        st = self.state
-        n = decide_caching(routing_rows, self._step, st.slot_of, st.owner, st.n_slots, self._key, self._stamp,
-                           self._floor, self.kind, self._lam, self.miss_cpu, self._scratch, self._ops)
+        n = caching_entry(routing_rows, self._step, self.kind, self._lam, self.miss_cpu, self._tab)
         self._step += 1
         if n == 0:
             return None
-        return ResidencyChange(ops=self._ops[:n], n_in_step=n, target=st.slot_of)
+        return ResidencyChange(ops=self._ops[:n], n_in_step=n, target=self.state.slot_of)
 
 
 class LruPolicy(CachingPolicy):

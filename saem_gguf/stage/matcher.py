@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.errors import SaemError
+from saem_gguf.kernel_books import Book, KernelBooks, i32_2d, i64_1d, i64_2d
 from saem_gguf.stage.cues import BOUNDARY_MODES, MAX_CUE_BYTES, CueSet
 from saem_gguf.stage.steps import check_pieces, step_slots
 
@@ -385,6 +386,17 @@ def pack_pieces(pieces: Sequence[bytes]) -> tuple[bytes, bytes | np.ndarray]:
     return buf, lens
 
 
+# The matcher's books (kernel_books): ``feed_kernel``'s arrays, in its order but the step's
+MATCHER_BOOKS = (Book("delta", np.int32, 2), Book("blob", np.int64, 1), Book("state", np.int64, 2),
+                 Book("ev", np.int64, 2))
+
+
+@njit(cache=True)
+def feed_entry(seq_idx, buf, lens, min_stage, tab):
+    """``feed_kernel`` with its books from ``tab`` (``MATCHER_BOOKS``' table)."""
+    return feed_kernel(i32_2d(tab, 0), i64_1d(tab, 1), i64_2d(tab, 2), seq_idx, buf, lens, min_stage, i64_2d(tab, 3))
+
+
 class CueMatcher:
     """Per-sequence streaming matcher for a batch of ``n_seq`` sequence slots.
 
@@ -410,6 +422,9 @@ class CueMatcher:
         self.state = np.zeros((n_seq, N_STATE + RING), np.int64)
         self._ev = np.empty((3, 256), np.int64)
         self.room = 127  # piece bytes per call the event buffer has room for (see kernel_args)
+        self._books = KernelBooks(MATCHER_BOOKS, {"delta": self.tables.delta, "blob": self._blob,
+                                                  "state": self.state, "ev": self._ev})
+        self._tab = self._books.table
         for i in range(n_seq):
             self.reset(i)
 
@@ -450,7 +465,7 @@ class CueMatcher:
         if len(buf) > self.room:
             self.kernel_args(len(buf))
         # the attributes, not kernel_args' tuple: after a decode each call and tuple costs microseconds
-        n = feed_kernel(self.tables.delta, self._blob, self.state, seq_idx, buf, lens, self.min_stage_tokens, self._ev)
+        n = feed_entry(seq_idx, buf, lens, self.min_stage_tokens, self._tab)
         if n <= 0:
             if n == 0:
                 return _NO_EVENTS
@@ -467,6 +482,7 @@ class CueMatcher:
         if self._ev.shape[1] < cap:
             self._ev = np.empty((3, cap), np.int64)
             self.room = n_bytes
+            self._books.set("ev", self._ev)
         return self.tables.delta, self._blob, self.state, self._ev
 
     def events(self, n: int) -> MatchEvents:

@@ -1,0 +1,117 @@
+"""kernel_books: a kernel's state arrays reached through one table of addresses.
+
+The entry kernels (``*_entry``) must compute exactly what their kernels compute with every book an
+argument: checked here on random steps against the argument form, state by state; the parity and
+naive tests check the decisions end to end."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+from numba import njit
+
+from saem_gguf.costmodel import HW_PRESETS, CostModel
+from saem_gguf.kernel_books import Book, KernelBooks, f64_2d, i16_4d, i32_1d, i32_4d, i64_1d, u8_1d
+from saem_gguf.link_budget import LinkMeter, estimate_entry, estimate_step
+
+SPEC = (Book("a", np.float64, 2), Book("b", np.int32, 1), Book("c", np.int16, 4), Book("d", np.uint8, 1))
+
+
+@njit
+def _sum_and_bump(tab):
+    """Sum of every entry of the SPEC books (as float), then add 1 to each array's first entry."""
+    a, b, c, d = f64_2d(tab, 0), i32_1d(tab, 1), i16_4d(tab, 2), u8_1d(tab, 3)
+    s = a.sum() + b.sum() + c.sum() + d.sum()
+    a[0, 0] += 1
+    b[0] += 1
+    c[0, 0, 0, 0] += 1
+    d[0] += 1
+    return s
+
+
+def _arrays(rng):
+    return {"a": rng.random((3, 5)), "b": rng.integers(-9, 9, 7).astype(np.int32),
+            "c": rng.integers(-9, 9, (2, 3, 1, 4)).astype(np.int16), "d": rng.integers(0, 9, 6).astype(np.uint8)}
+
+
+def test_a_kernel_reads_and_writes_the_books_through_the_table():
+    rng = np.random.default_rng(0)
+    arrays = _arrays(rng)
+    books = KernelBooks(SPEC, arrays)
+    want = sum(float(x.sum()) for x in arrays.values())
+    before = {k: v.copy() for k, v in arrays.items()}
+    assert _sum_and_bump(books.table) == pytest.approx(want)
+    for k, v in arrays.items():  # the writes land in the caller's arrays, nowhere else
+        diff = v.astype(np.float64) - before[k]
+        assert diff.flat[0] == 1 and np.count_nonzero(diff) == 1
+
+
+def test_the_books_keep_their_arrays_alive_and_set_replaces_one():
+    rng = np.random.default_rng(1)
+    books = KernelBooks(SPEC, _arrays(rng))
+    want = sum(float(books[b.name].sum()) for b in SPEC)
+    gc.collect()  # nothing but the books holds the arrays now
+    np.ones(1 << 20)  # reuse freed memory, were any freed
+    assert _sum_and_bump(books.table) == pytest.approx(want)
+    new_b = np.full(9, 2, np.int32)
+    books.set("b", new_b)
+    assert books["b"] is new_b
+    want = sum(float(books[b.name].sum()) for b in SPEC)
+    assert _sum_and_bump(books.table) == pytest.approx(want)
+    assert new_b[0] == 3
+
+
+@pytest.mark.parametrize("bad", [np.zeros((3, 5), np.float32), np.zeros(15), np.zeros((5, 3)).T,
+                                 [[0.0] * 5] * 3])
+def test_a_book_of_another_dtype_rank_or_order_is_refused(bad):
+    rng = np.random.default_rng(2)
+    arrays = _arrays(rng)
+    books = KernelBooks(SPEC, arrays)
+    with pytest.raises(ValueError, match="kernel books: a must be a C-ordered float64 array of rank 2"):
+        books.set("a", bad)
+    with pytest.raises(ValueError, match="kernel books: a must be"):
+        KernelBooks(SPEC, {**arrays, "a": bad})
+
+
+def test_missing_or_unknown_books_are_refused():
+    arrays = _arrays(np.random.default_rng(3))
+    with pytest.raises(ValueError, match=r"missing \['d'\]"):
+        KernelBooks(SPEC, {k: v for k, v in arrays.items() if k != "d"})
+    with pytest.raises(ValueError, match=r"not in the spec \['e'\]"):
+        KernelBooks(SPEC, {**arrays, "e": np.zeros(1)})
+
+
+@njit
+def _rank4(tab):
+    x = i32_4d(tab, 0)
+    y = i64_1d(tab, 1)
+    return x.shape, y.shape, x[1, 2, 3, 4], y[-1]
+
+
+def test_shapes_travel_with_the_address():
+    x = np.arange(2 * 3 * 4 * 5, dtype=np.int32).reshape(2, 3, 4, 5)
+    y = np.arange(7, dtype=np.int64)
+    books = KernelBooks((Book("x", np.int32, 4), Book("y", np.int64, 1)), {"x": x, "y": y})
+    assert _rank4(books.table) == ((2, 3, 4, 5), (7,), x[1, 2, 3, 4], 6)
+
+
+def test_the_link_meter_entry_equals_its_kernel_on_random_steps():
+    """estimate_entry (books in a table) against estimate_step (every book an argument), on two
+    meters fed the same random steps."""
+    rng = np.random.default_rng(4)
+    L, E, K = 6, 16, 3
+    cost = CostModel.from_expert_bytes(2_654_208, HW_PRESETS["rtx4090-ddr5"])
+    a, b = LinkMeter(cost, E), LinkMeter(cost, E)
+    slot_of = np.where(rng.random((L, E)) < 0.3, 0, -1).astype(np.int32)
+    for step in range(50):
+        B = int(rng.integers(1, 4))
+        rows = np.stack([rng.permutation(E)[:K] for _ in range(B * L)]).reshape(B, L, K).astype(np.int16)
+        if rng.random() < 0.2:
+            rows[0] = -1
+        advance = bool(rng.random() < 0.5)
+        got = estimate_entry(rows, slot_of, advance, a._tab)
+        want = estimate_step(rows, slot_of, b.cost, b.clock, b._cnt, b._uniq, advance)
+        assert got == want
+        np.testing.assert_array_equal(a.clock, b.clock)
