@@ -11,7 +11,9 @@ steps go into the table.
 Safety: the ``KernelBooks`` object holds a reference to every array its table points to (keep
 it, not only its table), so a kernel never reads freed memory; each array is checked against its
 declared dtype, rank and C order when set. An array replaced on the Python side must be set again
-(``KernelBooks.set``): until then the kernel keeps working on the old one. A kernel writes only
+(``KernelBooks.set``): until then the kernel keeps working on the old one. A deep copy of the
+owner gets books over its copied arrays (keep the books before the table among the owner's
+attributes, so that its copy of the table is the new one). A kernel writes only
 the books its component owns (a shared read-only table, such as the cue automaton's, is read).
 
 A kernel reads entry ``i`` with the accessor of its declared dtype and rank (``f64_2d(tab, i)``
@@ -76,6 +78,17 @@ class KernelBooks:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._arrays[self._index[name]]
+
+    def __deepcopy__(self, memo: dict) -> "KernelBooks":
+        """A copy over copies of the arrays (the same copies as the owner's own attributes, through
+        ``memo``), with a table of their addresses: a copied table would point at the original's
+        arrays. The new table is entered in ``memo`` for an owner that also keeps the table."""
+        from copy import deepcopy
+
+        new = KernelBooks(self.spec, {b.name: deepcopy(a, memo) for b, a in zip(self.spec, self._arrays)})
+        memo[id(self)] = new
+        memo[id(self.table)] = new.table
+        return new
 
 
 @intrinsic

@@ -115,3 +115,35 @@ def test_the_link_meter_entry_equals_its_kernel_on_random_steps():
         want = estimate_step(rows, slot_of, b.cost, b.clock, b._cnt, b._uniq, advance)
         assert got == want
         np.testing.assert_array_equal(a.clock, b.clock)
+
+
+def test_a_deep_copy_of_a_started_policy_decides_on_its_own_arrays():
+    """copy.deepcopy of a policy: its books point at its own copied arrays (a copied table would
+    point at the original's), so the two decide alike on the same steps and neither moves the
+    other."""
+    import copy
+
+    from saem_gguf.policies import make_policy
+    from saem_gguf.policies.base import PolicyContext
+    from saem_gguf.policies.state import StepEvents
+
+    rng = np.random.default_rng(5)
+    L, E, K = 4, 16, 2
+    cost = CostModel.from_expert_bytes(2_654_208, HW_PRESETS["rtx4090-ddr5"])
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 4, np.int32), cost=cost,
+                        calib_counts=rng.random((L, E)))
+    for name in ("saem", "lfu-cpu"):
+        a = make_policy(name)
+        a.start(ctx)
+        b = copy.deepcopy(a)
+        assert b._tab is b._books.table and b._tab[0, 0] != a._tab[0, 0]
+        quiet = StepEvents(n_rows=1, combined=False if a.uses_combined_events else None)
+        for _ in range(40):
+            rows = np.stack([rng.permutation(E)[:K] for _ in range(L)])[None].astype(np.int16)
+            ca, cb = a.observe(rows, quiet), b.observe(rows, quiet)
+            assert (ca is None) == (cb is None)
+            if ca is not None:
+                np.testing.assert_array_equal(ca.ops, cb.ops)
+        np.testing.assert_array_equal(a.state.slot_of, b.state.slot_of)
+        b.observe(np.zeros((1, L, K), np.int16) + 7, quiet)  # b alone moves on
+        assert b._books["stamp"][0, 7] != a._books["stamp"][0, 7]

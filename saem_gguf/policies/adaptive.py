@@ -344,8 +344,7 @@ def adaptive_step(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key
 
 
 # The books of ``adaptive_step`` (kernel_books): its array arguments, in its order, reached
-# through one table (after a decode each array argument costs about 0.6 us: 19 of them were
-# about 12 us a token)
+# through one table (after a decode each array argument costs about 0.6 us; docs/POLICIES.md)
 ADAPTIVE_BOOKS = (
     Book("slot_of", np.int32, 2), Book("owner", np.int32, 2), Book("n_slots", np.int32, 1),
     Book("cand", np.float64, 2), Book("c_slot", np.int32, 3), Book("c_owner", np.int32, 3),
