@@ -99,58 +99,30 @@ def _address(typingctx, addr):
     return types.voidptr(types.int64), codegen
 
 
+@njit(cache=True, inline="always")
+def _shape(tab, i, ndim):
+    """Entry ``i``'s shape, its first ``ndim`` dimensions (a literal at each accessor)."""
+    if ndim == 1:
+        return (tab[i, 1],)
+    if ndim == 2:
+        return (tab[i, 1], tab[i, 2])
+    if ndim == 3:
+        return (tab[i, 1], tab[i, 2], tab[i, 3])
+    return (tab[i, 1], tab[i, 2], tab[i, 3], tab[i, 4])
+
+
+def _accessor(dtype: type, ndim: int):
+    """A kernel's view of table entry ``i`` as a C-ordered ``dtype`` array of rank ``ndim`` (the
+    Numba type the array has as an argument)."""
+    @njit(inline="always")
+    def entry(tab, i):
+        return carray(_address(tab[i, 0]), _shape(tab, i, ndim), dtype)
+    return entry
+
+
 # Accessors: entry i of a table as an array of the declared dtype and rank.
-
-@njit(cache=True, inline="always")
-def f64_1d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1],), np.float64)
-
-
-@njit(cache=True, inline="always")
-def f64_2d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1], tab[i, 2]), np.float64)
-
-
-@njit(cache=True, inline="always")
-def f64_3d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1], tab[i, 2], tab[i, 3]), np.float64)
-
-
-@njit(cache=True, inline="always")
-def i64_1d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1],), np.int64)
-
-
-@njit(cache=True, inline="always")
-def i64_2d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1], tab[i, 2]), np.int64)
-
-
-@njit(cache=True, inline="always")
-def i32_1d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1],), np.int32)
-
-
-@njit(cache=True, inline="always")
-def i32_2d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1], tab[i, 2]), np.int32)
-
-
-@njit(cache=True, inline="always")
-def i32_3d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1], tab[i, 2], tab[i, 3]), np.int32)
-
-
-@njit(cache=True, inline="always")
-def i32_4d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1], tab[i, 2], tab[i, 3], tab[i, 4]), np.int32)
-
-
-@njit(cache=True, inline="always")
-def i16_4d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1], tab[i, 2], tab[i, 3], tab[i, 4]), np.int16)
-
-
-@njit(cache=True, inline="always")
-def u8_1d(tab, i):
-    return carray(_address(tab[i, 0]), (tab[i, 1],), np.uint8)
+f64_1d, f64_2d, f64_3d = (_accessor(np.float64, n) for n in (1, 2, 3))
+i64_1d, i64_2d = (_accessor(np.int64, n) for n in (1, 2))
+i32_1d, i32_2d, i32_3d, i32_4d = (_accessor(np.int32, n) for n in (1, 2, 3, 4))
+i16_4d = _accessor(np.int16, 4)
+u8_1d = _accessor(np.uint8, 1)
