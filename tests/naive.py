@@ -199,6 +199,41 @@ def adaptive_step_gain(rows: np.ndarray, before: np.ndarray, after: np.ndarray, 
     return total
 
 
+def adaptive_copy_price(idle: float, cost: np.ndarray, copies_per_step: float, step_s: float, slope: float) -> float:
+    """The price of one copy, in one-token hits, for an adaptive-saem candidate that makes
+    ``copies_per_step`` copies a step on average, of steps of ``step_s`` seconds: ``idle`` (the
+    price on an idle link) plus ``slope`` times the link's load (copies x t_xfer over the step,
+    at most 1) times what a copy costs beyond ``idle`` when its whole transfer slows CPU experts
+    (t_xfer x (1 - 1 / DMA slow-down), over what one token's hit saves)."""
+    one = t_cpu(1, cost) - t_gpu(1, cost)
+    full = t_xfer(cost) * (1.0 - 1.0 / max(cost[C_DMA_SLOW], 1.0)) / one
+    load = min(copies_per_step * t_xfer(cost) / step_s, 1.0)
+    return idle + slope * load * (full - idle)
+
+
+def expected_step_s(calib: np.ndarray, top_k: int, n_slots: np.ndarray, cost: np.ndarray) -> float:
+    """A one-token decode step's expected time with each layer's ``n_slots`` most counted
+    experts on the GPU and the rest on the CPU: per layer the dense part, each expert's chance
+    of being used (its count over the layer's tokens, ``calib.sum() / top_k``) times its
+    one-token GPU or CPU time, and a CPU round trip times the chance that any CPU expert is
+    used; plus the step's fixed part. The long way: a loop over every expert."""
+    total = float(cost[C_STEP_S])
+    for l in range(calib.shape[0]):
+        tokens = calib[l].sum() / top_k
+        order = sorted(range(calib.shape[1]), key=lambda e: (-calib[l, e], e))
+        total += float(cost[C_DENSE_LAYER_S])
+        p_no_cpu = 1.0
+        for rank, e in enumerate(order):
+            q = min(calib[l, e] / tokens, 1.0) if tokens > 0 else min(top_k / calib.shape[1], 1.0)
+            if rank < n_slots[l]:
+                total += q * t_gpu(1, cost)
+            else:
+                total += q * t_cpu(1, cost)
+                p_no_cpu *= 1.0 - q
+        total += float(cost[C_SYNC]) * (1.0 - p_no_cpu)
+    return total
+
+
 def step_uses(rows: np.ndarray, slot_of: np.ndarray) -> tuple[int, int]:
     """(hits, uses) of one step: every (row, layer, k) of a row that has a token is a use, a hit
     when its expert holds a slot."""

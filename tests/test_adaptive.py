@@ -236,3 +236,34 @@ def test_leader_at_start_and_no_switch_in_the_first_steps():
     assert leaders(start_leader="static")[0][0] == "static"
     with pytest.raises(ValueError, match="leader at start"):
         AdaptiveSaemPolicy(start_leader="lru")
+
+
+@pytest.mark.parametrize("period,churner_best", [(3, False), (12, True)])
+def test_copies_priced_by_link_load(period, churner_best):
+    """A hot set that moves every ``period`` steps, candidates the stage rule and LRFU at
+    half-lives 16 and 4. Every 3 steps, LRFU-4 hits most but its copies keep the link so busy
+    that it is the slowest rule (slower than the static set the stage rule holds here): one price
+    per copy (load_slope 0) follows it, pricing by link load does not and beats every rule.
+    Every 12 steps its copies pay for themselves and both follow it."""
+    rng = np.random.default_rng(3)
+    L, E, K, S = 4, 64, 8, 16
+    calib = rng.random((L, E))
+    blk = RoutingBlock(routing=_drifting_routing(rng, 1500, L, E, K, period), event_steps=np.zeros(0, np.int32))
+    time, led = {}, {}
+    for name, pol in (("lrfu-4", make_policy("temporal-cpu", half_life=4)),
+                      ("lrfu-16", make_policy("temporal-cpu", half_life=16)),
+                      ("flat", AdaptiveSaemPolicy(candidates=("stage", "lrfu-16", "lrfu-4"), load_slope=0.0)),
+                      ("load", AdaptiveSaemPolicy(candidates=("stage", "lrfu-16", "lrfu-4")))):
+        _, acct = _replay(pol, _ctx(L, E, K, S, calib), blk)
+        time[name] = float(acct.clock[0])
+        if isinstance(pol, AdaptiveSaemPolicy):
+            led[name] = pol.led_steps()
+    if churner_best:
+        assert time["lrfu-4"] < time["lrfu-16"]
+        for name in ("flat", "load"):
+            assert led[name]["lrfu-4"] > 0.9 * 1500 and time[name] <= 1.01 * time["lrfu-4"], (time, led)
+    else:
+        assert time["lrfu-4"] > time["lrfu-16"]
+        assert led["flat"]["lrfu-4"] > 0.9 * 1500, (time, led)
+        assert led["load"]["lrfu-4"] < 0.05 * 1500, (time, led)
+        assert time["load"] < min(time["flat"], time["lrfu-4"], time["lrfu-16"]), (time, led)

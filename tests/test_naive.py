@@ -11,7 +11,7 @@ from saem_gguf.policies import make_policy
 from saem_gguf.accounting import A_ACCESS, A_ASYNC, A_HIT, A_STALL, A_TEMP, Accounting
 from saem_gguf.policies.base import MISS_CPU, MISS_RULE, PolicyContext
 from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.adaptive import CTL_ALPHA, CTL_COPY_COST, AdaptiveSaemPolicy
+from saem_gguf.policies.adaptive import CTL_ALPHA, CTL_COPY_COST, AdaptiveSaemPolicy, estimated_step_s
 from saem_gguf.policies.state import CacheState, RoutingBlock, StepEvents, step_uses
 from saem_gguf.pricing import price_steps
 from saem_gguf.simulator import replay
@@ -114,22 +114,29 @@ def test_cpu_caches_equal_naive(name, kind, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("batch", [1, 4])
-def test_adaptive_scores_equal_naive(seed, batch):
+@pytest.mark.parametrize("load_slope", [0.0, 0.5])
+def test_adaptive_scores_equal_naive(seed, batch, load_slope):
     """Adaptive saem's candidate scores (decide_adaptive) equal naive.adaptive_step_gain averaged
     as documented: plain means over the first horizon, then weight 1 / horizon, on random
-    routing with rows that finish early and layers of every cache size."""
+    routing with rows that finish early and layers of every cache size; each candidate's copies
+    priced by its own link load (naive.adaptive_copy_price, its copy rate averaged with weight
+    1 / horizon from 0)."""
     rng = np.random.default_rng(100 + seed)
     L, E, K, steps = 4, 16, 3, 90
     calib = rng.random((L, E)) * 40
     n_slots = np.array([0, 3, 6, E], np.int32)
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots, batch=batch,
                         cost=CostModel.from_expert_bytes(2_654_208, HW), calib_counts=calib)
-    pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=32.0)
+    pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=32.0, load_slope=load_slope)
     pol.start(ctx)
     cost = ctx.cost.array
-    expect = np.zeros(len(pol.candidates))
+    step_s = estimated_step_s(ctx, n_slots)
+    C = len(pol.candidates)
+    expect = np.zeros(C)
+    rate = np.zeros(C)
     routing = _routing(rng, steps, batch, L, E, K)
     scored = 0
+    priced_above_idle = False
     for s in range(steps):
         before = pol._c_slot >= 0
         pol.observe(routing[s], StepEvents(n_rows=batch))
@@ -137,8 +144,28 @@ def test_adaptive_scores_equal_naive(seed, batch):
         if not (routing[s, :, 0, 0] >= 0).any():
             continue
         scored += 1
-        w = max(pol._ctl[CTL_ALPHA], 1.0 / scored)
-        for c in range(len(pol.candidates)):
-            gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after[:, :, c], n_slots, cost, pol._ctl[CTL_COPY_COST])
+        alpha = pol._ctl[CTL_ALPHA]
+        w = max(alpha, 1.0 / scored)
+        for c in range(C):
+            copies = int(np.count_nonzero(after[:, :, c] & ~before[:, :, c] & (n_slots > 0)[:, None]))
+            rate[c] += alpha * (copies - rate[c])
+            price = naive.adaptive_copy_price(pol._ctl[CTL_COPY_COST], cost, rate[c], step_s, load_slope)
+            priced_above_idle |= price > pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
+            gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after[:, :, c], n_slots, cost, price)
             expect[c] += w * (gain - expect[c])
         np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)
+    assert priced_above_idle == (load_slope > 0)  # the load term was exercised
+
+
+@pytest.mark.parametrize("batch", [1])
+def test_estimated_step_equals_naive(batch):
+    """estimated_step_s (layout.layer_time_table, vectorised) equals naive.expected_step_s's loop
+    at one token, for layers with no, some and all experts resident, with and without counts."""
+    rng = np.random.default_rng(7)
+    L, E, K = 4, 16, 3
+    for calib in (rng.random((L, E)) * 40, np.zeros((L, E))):
+        n_slots = np.array([0, 3, 6, E], np.int32)
+        ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots, batch=batch,
+                            cost=CostModel.from_expert_bytes(2_654_208, HW), calib_counts=calib)
+        assert estimated_step_s(ctx, n_slots) == pytest.approx(
+            naive.expected_step_s(ctx.calib, K, n_slots, ctx.cost.array), rel=1e-9)

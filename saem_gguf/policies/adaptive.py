@@ -20,7 +20,7 @@ Candidates, each a full shadow cache (sets only; no pricing):
 Each step, each candidate earns what its set (before its own update) would have saved in
 expert time on the cost model, in one-token hits (``hit_gains``: ``t_cpu(c) - t_gpu(c)`` for an
 expert used by ``c`` of the step's tokens, plus the CPU round trip a layer skips when every
-expert it used was held), less ``copy_cost`` per copy it made; the score is an exponential
+expert it used was held), less the price of the copies it made; the score is an exponential
 average over ``horizon_steps``. Counting token hits instead would favour the rule that hits
 most, which is not the fastest where one CPU expert in a layer costs the whole round trip (the
 embedded model: a hit saves 1.4 us, the round trip 30 us) or where a batch shares an expert's
@@ -34,7 +34,11 @@ more than the copies a switch costs, spread over the horizon, and not in the fir
 ``first_switch`` steps.
 ``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
 experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
-1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``).
+1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``). That is a copy's
+price on an idle link. A candidate that copies much keeps the link busy, its copies queue and
+their whole transfer slows CPU experts: each candidate's copies are priced by its own link load
+(its copy rate times ``t_xfer`` over an estimated step, ``copy_charge``), from ``copy_cost`` on
+an idle link towards the busy-link price.
 
 Because the baselines' own rules are candidates, the real cache trails the best of them only by
 the switching copies and the lag of the average: robust by construction, not by tuning.
@@ -49,14 +53,14 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.costmodel import (
-    C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_SYNC, link_bytes_per_copy, t_cpu, t_gpu, t_xfer,
+    C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_STEP_S, C_SYNC, link_bytes_per_copy, t_cpu, t_gpu, t_xfer,
 )
 from saem_gguf.kernel_books import Book, KernelBooks, f64_1d, f64_2d, f64_3d, i32_1d, i32_2d, i32_3d, i64_2d, u8_1d
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.caching import (
     KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda, resident_floor,
 )
-from saem_gguf.policies.layout import choose_layout
+from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table
 from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy, stage_books
 from saem_gguf.policies.state import (
@@ -80,7 +84,8 @@ MAX_COPIES = 1 << 40
 CAND_KIND = 0  # KIND_*
 CAND_LAM = 1  # LRFU decay per step (KIND_DECAY), else 0
 CAND_REF = 2  # KIND_DECAY: the step the keys are scaled to
-N_CAND = 3
+CAND_RATE = 3  # copies per step, averaged like the score: how busy the candidate keeps the link
+N_CAND = 4
 
 # Control block of the kernel (float64 array ``ctl``)
 CTL_LEADER = 0  # index of the candidate the real cache follows
@@ -93,7 +98,10 @@ CTL_SCORED = 6  # steps scored so far: the first horizon's averages are plain me
 CTL_WARM = 7  # 1: the first steps are averaged as plain means; 0: all with weight 1 / horizon
 CTL_SYNC_GAIN = 8  # a layer step with every used expert held skips the CPU round trip: its gain, in hits
 CTL_FIRST_SWITCH = 9  # steps scored before the leader may change
-N_CTL = 10
+CTL_COPY_COST_FULL = 10  # a copy's cost in hits when its whole transfer slows CPU experts (a busy link)
+CTL_LINK_SHARE = 11  # share of an estimated step the link needs for one copy (t_xfer / step time)
+CTL_LOAD_SLOPE = 12  # how much of the busy-link price a copy pays per unit of load (copy_charge)
+N_CTL = 13
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -152,6 +160,10 @@ class AdaptiveConfig:
     # steps scored before the leader may change: the first steps' scores are means of a few
     # noisy steps, and a cache's copies are charged when made, before the hits they buy
     first_switch: int = 8
+    # copies are priced by how busy the candidate keeps the link (copy_charge): the mean price of
+    # its copies rises from copy_cost to the busy-link price by this share of its load; 0: one
+    # price per copy whatever the load
+    load_slope: float = 0.5
 
 
 @njit(cache=True)
@@ -175,7 +187,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
 
     rows int16 [B, L, K]: the step's routing (-1 rows: no token); g: global step;
     slot_of/owner/n_slots: the real CacheState, updated in place; cand float64 [C, N_CAND]:
-    each candidate's CAND_* parameters; c_slot int32 [L, E, C] / c_owner int32 [C, L, Smax]:
+    each candidate's CAND_* parameters (CAND_RATE: its copies per step, averaged with weight
+    1 / horizon from 0, updated here); c_slot int32 [L, E, C] / c_owner int32 [C, L, Smax]:
     each candidate's expert->slot and slot->expert maps; c_key float64 [L, E, C]: their
     priority keys (caching.py; an expert's entries of all candidates share a cache line, as a
     step reads them together: after a decode each line is a cache miss); c_floor float64 [C, L]:
@@ -224,6 +237,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 cand[c, CAND_REF] = g
                 scale[c] = 1.0
     net = np.zeros(C, np.float64)  # this step's gains minus priced copies, per candidate
+    made = np.zeros(C, np.float64)  # copies each candidate made this step
     n_ops = 0
     for l in range(L):
         if n_slots[l] == 0:  # no cache here, in any candidate: nothing to score, keep or follow
@@ -264,7 +278,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             if n_miss > 0 and top > c_floor[c, l]:
                 n_in = admit_after_use(key, l, g, c_owner[c], c_slot[:, :, c], n_slots, stamp, miss, n_miss, admitted)
                 c_floor[c, l] = resident_floor(key, l, c_owner[c], n_slots)
-            net[c] -= kappa * n_in
+            made[c] += n_in
             if n_in > 0 and c == lead:
                 behind[l] = 1
         for i in range(n):
@@ -325,8 +339,25 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     alpha = ctl[CTL_ALPHA]
     w = max(alpha, 1.0 / ctl[CTL_SCORED]) if ctl[CTL_WARM] > 0 else alpha
     for c in range(C):
+        cand[c, CAND_RATE] += alpha * (made[c] - cand[c, CAND_RATE])
+        net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
+                                        ctl[CTL_LOAD_SLOPE])
         score[c] += w * (net[c] - score[c])
     return n_ops
+
+
+@njit(cache=True)
+def copy_charge(idle, full, load, slope):
+    """What one copy costs, in hits, for a candidate whose copies keep the link busy ``load`` of
+    a step (its copy rate times ``t_xfer`` over the step's time; capped at 1). On an idle link a
+    copy issued after a layer overlaps the next dense part and costs ``idle``; on a busy one it
+    waits in the queue and its whole transfer overlaps CPU experts (``full``). The cost of the
+    marginal copy grows linearly with the load between the two; a candidate's copies are
+    charged their mean, ``idle + (full - idle) * load / 2``. Why: one price per copy made the
+    churning rules look cheap. Between temporal-cpu's half-lives the simulated price of an extra
+    copy rose from 0.42 hits (15 -> 37 copies a token) to 0.89 (37 -> 144), against 0.21 charged
+    (fastdrift-skewed, ECR 12.5 %, batch 1; docs/POLICIES.md)."""
+    return idle + (full - idle) * min(load, 1.0) * slope
 
 
 @njit(cache=True)
@@ -395,6 +426,26 @@ def copy_cost_in_hits(cost: np.ndarray) -> float:
     return float(busy * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
 
 
+def full_copy_cost_in_hits(cost: np.ndarray) -> float:
+    """What one copy costs, in hits, when none of its transfer hides behind a dense part (a
+    busy link: the copy waits in the queue while CPU experts run): ``t_xfer * (1 - 1/f)`` over
+    what a hit saves (``copy_cost_in_hits`` without the hidden part)."""
+    saved = t_cpu(1, cost) - t_gpu(1, cost)
+    f = max(float(cost[C_DMA_SLOW]), 1.0)
+    return float(t_xfer(cost) * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
+
+
+def estimated_step_s(ctx: PolicyContext, n_slots: np.ndarray) -> float:
+    """A decode step's expected time on the cost model with ``n_slots`` per layer holding the
+    calibrated hot experts (layout.layer_time_table), plus the dense parts and the step's fixed
+    part: the scale of a candidate's link load (``copy_charge``)."""
+    cost = ctx.cost.array
+    table = layer_time_table(expert_use_probability(ctx.calib, ctx.top_k), max(int(ctx.batch), 1), cost)
+    L = table.shape[0]
+    experts = float(table[np.arange(L), np.minimum(n_slots, table.shape[1] - 1)].sum())
+    return max(experts + L * float(cost[C_DENSE_LAYER_S]) + float(cost[C_STEP_S]), 1e-12)
+
+
 class AdaptiveSaemPolicy(SaemCuePolicy):
     name = "saem"
     summary = ("adaptive SAEM: the stage rule, cue profiles and the frequency/recency caches run in shadow; "
@@ -404,7 +455,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
     def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
                  copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
-                 start_leader: str | None = None, first_switch: int = 8, **overrides) -> None:
+                 start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
+                 **overrides) -> None:
         super().__init__(config, **overrides)
         if start_leader is None:
             start_leader = DEFAULT_START_LEADER if DEFAULT_START_LEADER in candidates else "stage"
@@ -412,7 +464,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
                                        copy_cost=copy_cost, copy_price=float(copy_price), layout=layout,
-                                       start_leader=start_leader, first_switch=int(first_switch))
+                                       start_leader=start_leader, first_switch=int(first_switch),
+                                       load_slope=float(load_slope))
         if layout not in ("auto", "uniform"):
             raise ValueError("layout must be 'auto' or 'uniform'")
         if not candidates or candidates[0] != "stage":
@@ -456,6 +509,11 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             if self.adaptive.copy_cost is None else self.adaptive.copy_cost
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
+        # a fixed copy_cost is one price whatever the load
+        self._ctl[CTL_COPY_COST_FULL] = full_copy_cost_in_hits(ctx.cost.array) \
+            if self.adaptive.copy_cost is None else self.adaptive.copy_cost
+        self._ctl[CTL_LINK_SHARE] = t_xfer(ctx.cost.array) / estimated_step_s(ctx, state.n_slots)
+        self._ctl[CTL_LOAD_SLOPE] = self.adaptive.load_slope
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
         self._gain_of, self._ctl[CTL_SYNC_GAIN] = hit_gains(ctx.cost.array, max(int(ctx.batch), 1))
         self._gain_rows = len(self._gain_of)  # a plain int: no NumPy attribute read per step
