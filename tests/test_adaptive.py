@@ -97,6 +97,8 @@ def test_candidate_names_and_copy_cost():
     assert copy_cost_in_hits(CostModel.from_expert_bytes(2_654_208, HW.replace(cpu_gpu_overlap=True)).array) \
         == pytest.approx(1.16, abs=0.01)
     assert copy_cost_in_hits(CostModel.from_expert_bytes(2_654_208, HW.replace(dma_slows_cpu=False)).array) == 0
+    # on a busy link the copy queues while CPU experts run: its whole transfer counts
+    assert copy_cost_in_hits(qwen, busy_link=True) == pytest.approx(1.16, abs=0.01)
 
 
 def test_link_budget_defers_the_followers_copies_and_they_catch_up():

@@ -157,15 +157,14 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope):
     assert priced_above_idle == (load_slope > 0)  # the load term was exercised
 
 
-@pytest.mark.parametrize("batch", [1])
-def test_estimated_step_equals_naive(batch):
+def test_estimated_step_equals_naive():
     """estimated_step_s (layout.layer_time_table, vectorised) equals naive.expected_step_s's loop
     at one token, for layers with no, some and all experts resident, with and without counts."""
     rng = np.random.default_rng(7)
     L, E, K = 4, 16, 3
     for calib in (rng.random((L, E)) * 40, np.zeros((L, E))):
         n_slots = np.array([0, 3, 6, E], np.int32)
-        ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots, batch=batch,
+        ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots, batch=1,
                             cost=CostModel.from_expert_bytes(2_654_208, HW), calib_counts=calib)
         assert estimated_step_s(ctx, n_slots) == pytest.approx(
             naive.expected_step_s(ctx.calib, K, n_slots, ctx.cost.array), rel=1e-9)

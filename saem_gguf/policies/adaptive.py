@@ -353,7 +353,8 @@ def copy_charge(idle, full, load, slope):
     copy issued after a layer overlaps the next dense part and costs ``idle``; on a busy one it
     waits in the queue and its whole transfer overlaps CPU experts (``full``). The cost of the
     marginal copy grows linearly with the load between the two; a candidate's copies are
-    charged their mean, ``idle + (full - idle) * load / 2``. Why: one price per copy made the
+    charged ``idle + (full - idle) * load * slope``, their mean at ``slope`` 0.5 (the default;
+    0: one price whatever the load). Why: one price per copy made the
     churning rules look cheap. Between temporal-cpu's half-lives the simulated price of an extra
     copy rose from 0.42 hits (15 -> 37 copies a token) to 0.89 (37 -> 144), against 0.21 charged
     (fastdrift-skewed, ECR 12.5 %, batch 1; docs/POLICIES.md)."""
@@ -413,26 +414,19 @@ def hit_gains(cost: np.ndarray, batch: int) -> tuple[np.ndarray, float]:
     return gain, float(cost[C_SYNC] / one)
 
 
-def copy_cost_in_hits(cost: np.ndarray) -> float:
+def copy_cost_in_hits(cost: np.ndarray, busy_link: bool = False) -> float:
     """What one copy costs, in hits. Host-to-device DMA reads host memory, so CPU experts run
     ``f`` times slower while it lasts (C_DMA_SLOW). A copy issued after a layer first overlaps the
     next layer's dense part, when no CPU expert runs (unless CPU and GPU overlap): only the rest
     of its ``t_xfer`` slows CPU experts. That loss, over the time a hit saves against a one-token
-    CPU run (``t_cpu(1) - t_gpu(1)``), is the copy's price."""
+    CPU run (``t_cpu(1) - t_gpu(1)``), is the copy's price. ``busy_link``: the copy waits in the
+    queue while CPU experts run, so none of it hides behind a dense part (``copy_charge``'s
+    busy-link price)."""
     saved = t_cpu(1, cost) - t_gpu(1, cost)
     f = max(float(cost[C_DMA_SLOW]), 1.0)
-    hidden = 0.0 if cost[C_OVERLAP] > 0 else float(cost[C_DENSE_LAYER_S])
+    hidden = 0.0 if busy_link or cost[C_OVERLAP] > 0 else float(cost[C_DENSE_LAYER_S])
     busy = max(0.0, t_xfer(cost) - hidden)
     return float(busy * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
-
-
-def full_copy_cost_in_hits(cost: np.ndarray) -> float:
-    """What one copy costs, in hits, when none of its transfer hides behind a dense part (a
-    busy link: the copy waits in the queue while CPU experts run): ``t_xfer * (1 - 1/f)`` over
-    what a hit saves (``copy_cost_in_hits`` without the hidden part)."""
-    saved = t_cpu(1, cost) - t_gpu(1, cost)
-    f = max(float(cost[C_DMA_SLOW]), 1.0)
-    return float(t_xfer(cost) * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
 
 
 def estimated_step_s(ctx: PolicyContext, n_slots: np.ndarray) -> float:
@@ -510,7 +504,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
         # a fixed copy_cost is one price whatever the load
-        self._ctl[CTL_COPY_COST_FULL] = full_copy_cost_in_hits(ctx.cost.array) \
+        self._ctl[CTL_COPY_COST_FULL] = copy_cost_in_hits(ctx.cost.array, busy_link=True) \
             if self.adaptive.copy_cost is None else self.adaptive.copy_cost
         self._ctl[CTL_LINK_SHARE] = t_xfer(ctx.cost.array) / estimated_step_s(ctx, state.n_slots)
         self._ctl[CTL_LOAD_SLOPE] = self.adaptive.load_slope
