@@ -91,6 +91,27 @@ class KernelBooks:
         return new
 
 
+def entry_point(kernel, *args):
+    """The compiled entry point of Numba ``kernel`` for the types ``args`` have (compiled, or
+    loaded from Numba's cache, now if need be): what the dispatcher calls once it has typed a
+    call's arguments, without the typing.
+
+    Why: after a decode, a kernel call through its dispatcher spends about 7 us typing its
+    arguments and finding the overload (measured in the live engine, alternating tokens: 17.1 us
+    through the dispatcher against 9.5 us through the entry point; docs/POLICIES.md, per-token
+    cost). A decode step makes two to four such calls.
+
+    Unsafe by design: the entry point converts scalars (an int, a float, a bool), but takes any
+    array or buffer as the compiled type without checking its dtype, rank or order. Call it only
+    with arrays that are the very objects it was bound with (checked with ``is``: one pointer
+    compare) or whose type is fixed by construction (a ``KernelBooks`` table, a ``bytes``
+    piece); any other call goes through ``kernel`` itself. Without the JIT (NUMBA_DISABLE_JIT)
+    ``kernel`` is returned."""
+    if not hasattr(kernel, "overloads"):
+        return kernel
+    return kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+
+
 @intrinsic
 def _address(typingctx, addr):
     """An int64 address as a void pointer (what ``carray`` takes)."""

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.costmodel import C_DENSE_LAYER_S, C_H2D_BW, C_OVERLAP, C_STEP_S, C_SYNC, CostModel, t_cpu, t_gpu, t_xfer
-from saem_gguf.kernel_books import Book, KernelBooks, f64_1d, i32_1d
+from saem_gguf.kernel_books import Book, KernelBooks, entry_point, f64_1d, i32_1d
 from saem_gguf.policies.state import OP_EVICT, ResidencyChange, gather
 
 # The meter's clock (float64 array ``clock``)
@@ -114,13 +114,26 @@ class LinkMeter:
         # and one method call, not two of each (after a decode each call costs a few us before
         # its work: docs/POLICIES.md, per-token cost)
         self._advance = False
+        # bind_step's rows and map, and estimate_entry's compiled entry point for them
+        self._bound_rows: np.ndarray | None = None
+        self._bound_map: np.ndarray | None = None
+        self._bound_entry = estimate_entry
+
+    def bind_step(self, rows: np.ndarray, slot_of: np.ndarray) -> None:
+        """Later ``budget`` calls with these very arrays (kept) call ``estimate_entry``'s compiled
+        entry point, untyped (kernel_books.entry_point): the engine's decode step, whose rows are
+        one view of the native routing sink and whose map is the one in force."""
+        self._bound_entry = entry_point(estimate_entry, rows, slot_of, False, self._tab)
+        self._bound_rows, self._bound_map = rows, slot_of
 
     def budget(self, rows: np.ndarray, slot_of: np.ndarray) -> float:
         """Bytes the link can carry for the decisions on the step ``rows`` int16 [B, L, K] that ran
         under ``slot_of`` int32 [L, E]. The step counts as deciding nothing unless ``decided`` is
         told otherwise before the next step."""
         advance, self._advance = self._advance, True
-        return float(estimate_entry(rows, slot_of, advance, self._tab))
+        # the entry point only for the bound arrays: it would read any other as their types
+        kernel = self._bound_entry if rows is self._bound_rows and slot_of is self._bound_map else estimate_entry
+        return float(kernel(rows, slot_of, advance, self._tab))
 
     def decided(self, change: ResidencyChange | None) -> None:
         """The policy's decisions on the step last estimated (None, or not calling this: none)."""

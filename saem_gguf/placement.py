@@ -125,6 +125,7 @@ class Placement:
         self.trace_experts: list[np.ndarray] = []  # [n_tokens, L, K] per ubatch, when recording
         # one native call reads a step of up to every detector slot's token (a prefill ubatch may take two)
         self._routing_reader = na.LastRoutingReader(ctx, len(self.moe_layers) * self.top_k * detector.n_seq)
+        self._bound_rows: np.ndarray | None = None  # the rows the step's kernels are bound to (_bind_step)
         # lower tiers (ram_tier.RamTier), driven with the same prefill counts, rows and events after this policy
         self.tiers: list = []
 
@@ -170,8 +171,26 @@ class Placement:
         if token is None:  # not one token's row: on_step refuses it
             return self.on_step(reader.view(), [piece], _SEQ0)
         # one decoded token's row routes in every layer, and is int16 [1, L, K] by construction:
-        # the detectors' checks are spared
-        return self._observe_step(token[0], [piece], _SEQ0, token[1], self._uses_per_row, checked=True)
+        # the detectors' checks are spared. It is one view of the native sink, the same object
+        # every token: the step's kernels are bound to it (and to _SEQ0) once
+        rows = token[0]
+        if rows is not self._bound_rows:
+            self._bind_step(rows)
+        return self._observe_step(rows, [piece], _SEQ0, token[1], self._uses_per_row, checked=True)
+
+    def _bind_step(self, rows: np.ndarray) -> None:
+        """Bind the per-token kernels of the detectors, the link meter and the policy to a decode
+        step's arguments: ``rows`` (the sink's one-token view), ``_SEQ0`` and the map in force.
+        Calls with exactly these arrays then skip Numba's argument typing, about 7 us a kernel
+        after a decode (kernel_books.entry_point); every other call is typed as before."""
+        if self.pair is not None:
+            self.pair.bind_step(_SEQ0, rows)
+        else:
+            self.detector.bind_step(_SEQ0)
+        if self.link is not None:
+            self.link.bind_step(rows, self._native)
+        self.policy.bind_step(rows)
+        self._bound_rows = rows
 
     def on_step(self, routing: np.ndarray, pieces: list[bytes], seqs: list[int]) -> list[StageEvent]:
         """After one decode step of ``len(seqs)`` sequences: ``routing`` int16 [B, L, K] holds one

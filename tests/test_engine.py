@@ -74,6 +74,35 @@ def test_policy_switch_in_one_process_keeps_results(qwen3_path, reference):
         eng.close()
 
 
+def test_the_decode_steps_kernels_are_bound_to_the_routing_sink(qwen3_path, reference):
+    """A decode step's detector, link meter and policy kernels are called through their compiled
+    entry points (kernel_books.entry_point), bound once per placement to the one-token view of
+    the native routing sink that every decode refills; the tokens stay the reference's."""
+    from saem_gguf.policies.adaptive import adaptive_entry
+    from saem_gguf.policies.caching import caching_entry
+    from saem_gguf.stage.matcher import feed_entry
+
+    eng = Engine(EngineConfig(model=qwen3_path, n_ctx=256, policy="saem", ecr=0.25, n_threads=2))
+    try:
+        for pol, slots, entry in (("saem", 8, adaptive_entry), ("lfu-cpu", 4, caching_entry), ("gpu-all", 16, None)):
+            eng.set_placement(pol, slots)
+            assert greedy(eng)[0] == reference[0]
+            pl = eng.placement
+            rows = pl._routing_reader.one_token()[0]
+            assert pl._bound_rows is rows and rows.shape == (1, 3, 4)
+            assert pl.policy._bound_rows is rows if entry is not None else not hasattr(pl.policy, "_bound_rows")
+            if entry is not None:
+                assert pl.policy._bound_entry is not entry
+            if pl.link is not None:
+                assert pl.link._bound_rows is rows and pl.link._bound_map is pl._native
+            if pl.pair is not None:
+                assert pl.pair._bound_rows is rows
+            else:
+                assert pl.detector.matcher._bound_entry is not feed_entry
+    finally:
+        eng.close()
+
+
 def test_stats_report_the_budget_and_an_uneven_layout(qwen3_path):
     """n-cpu-moe puts the budget's bytes in whole layers: the stats give the mean slots per layer
     and the ECR actually held (not the largest layer's) and the layout. The test model has 3 MoE

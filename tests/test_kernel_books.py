@@ -147,3 +147,100 @@ def test_a_deep_copy_of_a_started_policy_decides_on_its_own_arrays():
         np.testing.assert_array_equal(a.state.slot_of, b.state.slot_of)
         b.observe(np.zeros((1, L, K), np.int16) + 7, quiet)  # b alone moves on
         assert b._books["stamp"][0, 7] != a._books["stamp"][0, 7]
+
+
+def test_entry_point_is_the_compiled_overload_for_the_arguments_types():
+    """entry_point returns what the dispatcher calls for those types, and it computes the same."""
+    from saem_gguf.kernel_books import entry_point
+
+    @njit
+    def kernel(rows, piece, g, on):
+        return rows.sum() + len(piece) + g + on
+
+    rows = np.arange(6, dtype=np.int16).reshape(1, 2, 3)
+    fn = entry_point(kernel, rows, b"", 0, False)
+    assert fn is kernel.overloads[kernel.signatures[0]].entry_point and len(kernel.signatures) == 1
+    assert fn(rows, b"abc", 4, True) == kernel(rows, b"abc", 4, True) == 15 + 3 + 4 + 1
+    assert entry_point(kernel, rows, b"x", 7, True) is fn  # the same types: the same overload
+
+
+def _random_rows(rng, B, L, E, K):
+    return np.stack([rng.permutation(E)[:K] for _ in range(B * L)]).reshape(B, L, K).astype(np.int16)
+
+
+def _strided(rows):
+    """The same rows as a view that is not C-ordered: what an untyped C-order read would misread."""
+    wide = np.full(rows.shape[:-1] + (2 * rows.shape[-1],), -7, np.int16)
+    wide[..., ::2] = rows
+    return wide[..., ::2]
+
+
+def test_a_bound_step_takes_the_entry_point_only_for_its_own_arrays():
+    """bind_step (the engine's decode step): a policy, the link meter, the cue matcher and the
+    detector pair call their kernel's compiled entry point, untyped, only with the very arrays
+    they were bound to. Steps given other arrays (strided views, which the entry point would read
+    as C-ordered rows) or a piece of 256 bytes or more (lengths as an int64 array, not bytes)
+    are typed by the dispatcher. Against unbound twins fed the same steps, every decision,
+    clock and event is equal, and the bound steps did take the entry point."""
+    from saem_gguf.policies import make_policy
+    from saem_gguf.policies.base import PolicyContext
+    from saem_gguf.policies.state import StepEvents
+    from saem_gguf.stage import CueSet, DetectorConfig, StageDetector
+    from saem_gguf.stage.pair import DetectorPair
+
+    rng = np.random.default_rng(6)
+    L, E, K = 4, 16, 2
+    cost = CostModel.from_expert_bytes(2_654_208, HW_PRESETS["rtx4090-ddr5"])
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 4, np.int32), cost=cost,
+                        calib_counts=rng.random((L, E)))
+    bound_rows = np.zeros((1, L, K), np.int16)  # the sink's view: rewritten in place each step
+    seq0 = np.zeros(1, np.int64)
+    for name in ("lfu-cpu", "saem"):
+        a, b = make_policy(name), make_policy(name)
+        a.start(ctx)
+        b.start(ctx)
+        a.bind_step(bound_rows)
+        assert a._bound_entry is not b._bound_entry and a._bound_rows is bound_rows
+        quiet = StepEvents(n_rows=1, combined=False if a.uses_combined_events else None)
+        for step in range(60):
+            rows = _random_rows(rng, 1, L, E, K)
+            if step % 3:
+                bound_rows[:] = rows
+                given = bound_rows
+            else:
+                given = _strided(rows)
+            ca, cb = a.observe(given, quiet), b.observe(rows, quiet)
+            assert (ca is None) == (cb is None)
+            if ca is not None:
+                np.testing.assert_array_equal(ca.ops, cb.ops)
+        np.testing.assert_array_equal(a.state.slot_of, b.state.slot_of)
+
+    a, b = LinkMeter(cost, E), LinkMeter(cost, E)
+    bound_map = np.where(rng.random((L, E)) < 0.3, 0, -1).astype(np.int32)
+    a.bind_step(bound_rows, bound_map)
+    for step in range(40):
+        rows = _random_rows(rng, 1, L, E, K)
+        bound_rows[:] = rows
+        given_rows = bound_rows if step % 2 else _strided(rows)
+        given_map = bound_map if step % 3 else np.asfortranarray(bound_map)
+        assert a.budget(given_rows, given_map) == b.budget(rows, bound_map.copy())
+        np.testing.assert_array_equal(a.clock, b.clock)
+
+    cues = CueSet.load("general")
+    text = ("First, x.\n" + "y " * 200 + "\nWait, no.\n" + "z" * 300 + ".\nAlternatively, w.\nHmm, so.").encode()
+    pieces = [text[:12], text[12:400], text[400:405], text[405:720], text[720:]]  # two of them >= 256 bytes
+    det_a, det_b = (StageDetector(1, cues, DetectorConfig(min_stage_tokens=1), n_layer=L, n_expert=E, top_k=K)
+                    for _ in range(2))
+    pair_a, pair_b = DetectorPair(det_a), DetectorPair(det_b)
+    det_a.bind_step(seq0)
+    pair_a.bind_step(seq0, bound_rows)
+    seen = []
+    for piece in pieces * 2:
+        rows = _random_rows(rng, 1, L, E, K)
+        bound_rows[:] = rows
+        got = det_a.feed_checked(seq0, [piece], None)
+        assert got == det_b.feed_checked(seq0.copy(), [piece], None)
+        got_pair = pair_a.feed_checked(seq0, [piece], bound_rows)
+        assert got_pair == pair_b.feed_checked(seq0.copy(), [piece], rows)
+        seen.extend(e.cue for e in got)
+    assert {"Wait", "Alternatively"} <= set(seen)  # Wait completes in a piece of 315 bytes

@@ -55,7 +55,9 @@ from numba import njit
 from saem_gguf.costmodel import (
     C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_STEP_S, C_SYNC, link_bytes_per_copy, t_cpu, t_gpu, t_xfer,
 )
-from saem_gguf.kernel_books import Book, KernelBooks, f64_1d, f64_2d, f64_3d, i32_1d, i32_2d, i32_3d, i64_2d, u8_1d
+from saem_gguf.kernel_books import (
+    Book, KernelBooks, entry_point, f64_1d, f64_2d, f64_3d, i32_1d, i32_2d, i32_3d, i64_2d, u8_1d,
+)
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.caching import (
     KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda, resident_floor,
@@ -525,7 +527,13 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             "gain_of": self._gain_of, "scratch": self._scratch, "ops": self._ops, "counts": self._counts,
             "det": self._det, "ring": self._ring})
         self._tab = self._books.table
+        self._bound_rows: np.ndarray | None = None  # bind_step's rows and adaptive_entry's entry point for them
+        self._bound_entry = adaptive_entry
         return state
+
+    def bind_step(self, routing_rows: np.ndarray) -> None:
+        self._bound_entry = entry_point(adaptive_entry, routing_rows, self._step, 0, False, self._ring_pos, self._tab)
+        self._bound_rows = routing_rows
 
     @property
     def uses_combined_events(self) -> bool:
@@ -571,7 +579,9 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             self._gain_rows = len(self._gain_of)
             self._books.set("gain_of", self._gain_of)
         builtin = self._implicit and events.combined is None  # _builtin_detector, without the call
-        n, decoded, fired = adaptive_entry(routing_rows, self._step, copies, builtin, self._ring_pos, self._tab)
+        # the entry point only for the bound rows: it would read any other array as their type
+        kernel = self._bound_entry if routing_rows is self._bound_rows else adaptive_entry
+        n, decoded, fired = kernel(routing_rows, self._step, copies, builtin, self._ring_pos, self._tab)
         reason = self._boundary_after_step(builtin, decoded, fired, events)
         placements = 0
         if reason:

@@ -132,6 +132,12 @@ class Policy(ABC):
         """A new batch of requests starts decoding (default: nothing changes)."""
         return None
 
+    def bind_step(self, routing_rows: np.ndarray) -> None:
+        """After ``start``: most later ``observe`` calls will pass these very rows (the engine's
+        view of the native routing sink, refilled by every decode). A policy whose step is one
+        kernel call may then call its compiled entry point for them (kernel_books.entry_point);
+        default: nothing."""
+
     @abstractmethod
     def observe(self, routing_rows: np.ndarray, events: StepEvents,
                 link_budget: float = math.inf) -> ResidencyChange | None:

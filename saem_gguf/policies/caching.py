@@ -21,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 from numba import njit
 
-from saem_gguf.kernel_books import Book, KernelBooks, f64_1d, f64_2d, i32_1d, i32_2d, i64_2d
+from saem_gguf.kernel_books import Book, KernelBooks, entry_point, f64_1d, f64_2d, i32_1d, i32_2d, i64_2d
 from saem_gguf.policies.base import Policy, PolicyContext
 from saem_gguf.policies.state import (
     OP_AFTER_USE, OP_DEMAND, OP_EVICT, CacheState, ResidencyChange, StepEvents, put_op, gather, op_buffer,
@@ -266,11 +266,20 @@ class CachingPolicy(Policy):
             "slot_of": state.slot_of, "owner": state.owner, "n_slots": state.n_slots, "key": self._key,
             "stamp": self._stamp, "floor": self._floor, "scratch": self._scratch, "ops": self._ops})
         self._tab = self._books.table
+        self._bound_rows: np.ndarray | None = None  # bind_step's rows and caching_entry's entry point for them
+        self._bound_entry = caching_entry
         return state
+
+    def bind_step(self, routing_rows: np.ndarray) -> None:
+        self._bound_entry = entry_point(caching_entry, routing_rows, self._step, self.kind, self._lam, self.miss_cpu,
+                                        self._tab)
+        self._bound_rows = routing_rows
 
     def observe(self, routing_rows: np.ndarray, events: StepEvents,
                 link_budget: float = math.inf) -> ResidencyChange | None:
-        n = caching_entry(routing_rows, self._step, self.kind, self._lam, self.miss_cpu, self._tab)
+        # the entry point only for the bound rows: it would read any other array as their type
+        kernel = self._bound_entry if routing_rows is self._bound_rows else caching_entry
+        n = kernel(routing_rows, self._step, self.kind, self._lam, self.miss_cpu, self._tab)
         self._step += 1
         if n == 0:
             return None

@@ -148,6 +148,14 @@ class StageDetector:
             experts = routing_rows(experts, B, self.shape)
         return self.feed_checked(seq_idx, pieces, experts)
 
+    def bind_step(self, seq_idx: np.ndarray) -> None:
+        """Later ``feed_checked`` calls with these very slots call the cue matcher's compiled
+        entry point (CueMatcher.bind_step). The routing-shift detector's kernel keeps its
+        dispatcher: the default detector matches cues only (with routing shifts, the engine's
+        policies that use them run stage.pair, which binds)."""
+        if self.matcher is not None:
+            self.matcher.bind_step(seq_idx)
+
     def feed_checked(self, seq_idx: np.ndarray, pieces: Sequence[bytes] | None,
                      experts: np.ndarray | None) -> Sequence[StageEvent]:
         """``feed`` for a step already known to be what it takes (int64 [B] distinct slots, B >= 1,

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.errors import SaemError
-from saem_gguf.kernel_books import Book, KernelBooks, i32_2d, i64_1d, i64_2d
+from saem_gguf.kernel_books import Book, KernelBooks, entry_point, i32_2d, i64_1d, i64_2d
 from saem_gguf.stage.cues import BOUNDARY_MODES, MAX_CUE_BYTES, CueSet
 from saem_gguf.stage.steps import check_pieces, step_slots
 
@@ -425,8 +425,19 @@ class CueMatcher:
         self._books = KernelBooks(MATCHER_BOOKS, {"delta": self.tables.delta, "blob": self._blob,
                                                   "state": self.state, "ev": self._ev})
         self._tab = self._books.table
+        # bind_step's slots and feed_entry's compiled entry point for them (None: every call
+        # goes through the dispatcher)
+        self._bound_seq: np.ndarray | None = None
+        self._bound_entry = feed_entry
         for i in range(n_seq):
             self.reset(i)
+
+    def bind_step(self, seq_idx: np.ndarray) -> None:
+        """Later ``feed_checked`` calls with these very slots (int64 [B], kept) and pieces whose
+        lengths pack as bytes (every piece under 256 bytes) call ``feed_entry``'s compiled entry
+        point, untyped (kernel_books.entry_point): the engine's decode step, one call a token."""
+        self._bound_entry = entry_point(feed_entry, seq_idx, b"", b"", self.min_stage_tokens, self._tab)
+        self._bound_seq = seq_idx
 
     def reset(self, seq: int, start_token: int = 0) -> None:
         """Forget slot ``seq``'s text; its next piece is token ``start_token`` at a line start."""
@@ -464,8 +475,11 @@ class CueMatcher:
         buf, lens = pack_pieces(pieces)
         if len(buf) > self.room:
             self.kernel_args(len(buf))
-        # the attributes, not kernel_args' tuple: after a decode each call and tuple costs microseconds
-        n = feed_entry(seq_idx, buf, lens, self.min_stage_tokens, self._tab)
+        # the attributes, not kernel_args' tuple: after a decode each call and tuple costs
+        # microseconds. The entry point only for the bound slots and bytes lengths: it would read
+        # any other array as those types (buf is bytes in every case, the table always int64 [n, ROW])
+        kernel = self._bound_entry if seq_idx is self._bound_seq and type(lens) is bytes else feed_entry
+        n = kernel(seq_idx, buf, lens, self.min_stage_tokens, self._tab)
         if n <= 0:
             if n == 0:
                 return _NO_EVENTS

@@ -22,7 +22,9 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.errors import SaemError
-from saem_gguf.kernel_books import Book, KernelBooks, f64_1d, f64_2d, i16_4d, i32_2d, i32_4d, i64_1d, i64_2d
+from saem_gguf.kernel_books import (
+    Book, KernelBooks, entry_point, f64_1d, f64_2d, i16_4d, i32_2d, i32_4d, i64_1d, i64_2d,
+)
 from saem_gguf.stage.detector import NO_EVENTS, StageDetector, StageEvent
 from saem_gguf.stage.implicit import ImplicitDetector, new_stage_kernel, update_kernel
 from saem_gguf.stage.matcher import CueMatcher, feed_kernel, pack_pieces
@@ -112,6 +114,18 @@ class DetectorPair:
         self.implicit = ImplicitDetector(self.n_seq, L, E, K, replace(cfg.implicit, min_stage_tokens=self.min_stage))
         self.scale = cfg.combined_scale  # cues are on: a shift must be this much stronger
         self._fetch_books(0)
+        # bind_step's slots and rows, and pair_entry's compiled entry point for them
+        self._bound_seq: np.ndarray | None = None
+        self._bound_rows: np.ndarray | None = None
+        self._bound_entry = pair_entry
+
+    def bind_step(self, seq_idx: np.ndarray, experts: np.ndarray) -> None:
+        """Later ``feed_checked`` calls with these very slots and rows (kept) and pieces whose
+        lengths pack as bytes call ``pair_entry``'s compiled entry point, untyped
+        (kernel_books.entry_point): the engine's decode step, whose rows are one view of the
+        native routing sink."""
+        self._bound_entry = entry_point(pair_entry, seq_idx, b"", b"", experts, self.min_stage, self._tab)
+        self._bound_seq, self._bound_rows = seq_idx, experts
 
     def _fetch_books(self, n_bytes: int) -> None:
         """``pair_kernel``'s books as one table (``PAIR_BOOKS``), made once and again only when a
@@ -153,7 +167,10 @@ class DetectorPair:
         buf, lens = pack_pieces(pieces)
         if len(buf) > self._room:
             self._fetch_books(len(buf))
-        n_cue, combined = pair_entry(seq_idx, buf, lens, experts, self.min_stage, self._tab)
+        # the entry point only for the bound arrays and bytes lengths (CueMatcher.feed_checked)
+        kernel = (self._bound_entry if seq_idx is self._bound_seq and experts is self._bound_rows
+                  and type(lens) is bytes else pair_entry)
+        n_cue, combined = kernel(seq_idx, buf, lens, experts, self.min_stage, self._tab)
         if n_cue == 0:
             return NO_EVENTS, bool(combined)
         if n_cue < 0:
