@@ -425,8 +425,8 @@ class CueMatcher:
         self._books = KernelBooks(MATCHER_BOOKS, {"delta": self.tables.delta, "blob": self._blob,
                                                   "state": self.state, "ev": self._ev})
         self._tab = self._books.table
-        # bind_step's slots and feed_entry's compiled entry point for them (None: every call
-        # goes through the dispatcher)
+        # bind_step's slots and feed_entry's compiled entry point for them (until then the
+        # dispatcher itself)
         self._bound_seq: np.ndarray | None = None
         self._bound_entry = feed_entry
         for i in range(n_seq):
