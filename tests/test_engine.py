@@ -80,11 +80,13 @@ def test_the_decode_steps_kernels_are_bound_to_the_routing_sink(qwen3_path, refe
     the native routing sink that every decode refills; the tokens stay the reference's."""
     from saem_gguf.policies.adaptive import adaptive_entry
     from saem_gguf.policies.caching import caching_entry
+    from saem_gguf.policies.saem import stage_books
     from saem_gguf.stage.matcher import feed_entry
 
     eng = Engine(EngineConfig(model=qwen3_path, n_ctx=256, policy="saem", ecr=0.25, n_threads=2))
     try:
-        for pol, slots, entry in (("saem", 8, adaptive_entry), ("lfu-cpu", 4, caching_entry), ("gpu-all", 16, None)):
+        for pol, slots, entry in (("saem", 8, adaptive_entry), ("lfu-cpu", 4, caching_entry),
+                                  ("saem-cue", 4, stage_books), ("gpu-all", 16, None)):
             eng.set_placement(pol, slots)
             assert greedy(eng)[0] == reference[0]
             pl = eng.placement

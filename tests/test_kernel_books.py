@@ -176,8 +176,8 @@ def _strided(rows):
 
 
 def test_a_bound_step_takes_the_entry_point_only_for_its_own_arrays():
-    """bind_step (the engine's decode step): a policy, the link meter, the cue matcher and the
-    detector pair call their kernel's compiled entry point, untyped, only with the very arrays
+    """bind_step (the engine's decode step): a policy (a cache, the adaptive saem, SAEM's stage
+    rule), the link meter, the cue matcher and the detector pair call their kernel's compiled entry point, untyped, only with the very arrays
     they were bound to. Steps given other arrays (strided views, which the entry point would read
     as C-ordered rows) or a piece of 256 bytes or more (lengths as an int64 array, not bytes)
     are typed by the dispatcher. Against unbound twins fed the same steps, every decision,
@@ -195,7 +195,7 @@ def test_a_bound_step_takes_the_entry_point_only_for_its_own_arrays():
                         calib_counts=rng.random((L, E)))
     bound_rows = np.zeros((1, L, K), np.int16)  # the sink's view: rewritten in place each step
     seq0 = np.zeros(1, np.int64)
-    for name in ("lfu-cpu", "saem"):
+    for name in ("lfu-cpu", "saem", "saem-stage"):
         a, b = make_policy(name), make_policy(name)
         a.start(ctx)
         b.start(ctx)
@@ -214,6 +214,10 @@ def test_a_bound_step_takes_the_entry_point_only_for_its_own_arrays():
             if ca is not None:
                 np.testing.assert_array_equal(ca.ops, cb.ops)
         np.testing.assert_array_equal(a.state.slot_of, b.state.slot_of)
+        books = [k for k in ("_key", "_stamp", "_score", "_counts", "_det") if hasattr(a, k)]
+        assert books
+        for k in books:  # the books too (SAEM's stage rule decides nothing on quiet steps)
+            np.testing.assert_array_equal(getattr(a, k), getattr(b, k), err_msg=f"{name} {k}")
 
     a, b = LinkMeter(cost, E), LinkMeter(cost, E)
     bound_map = np.where(rng.random((L, E)) < 0.3, 0, -1).astype(np.int32)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from saem_gguf.kernel_books import entry_point
 from saem_gguf.policies.base import MISS_CPU, MISS_RULE, MISS_TRANSFER, Policy, PolicyContext
 from saem_gguf.policies.cue_profiles import START
 from saem_gguf.policies.ranking import plan_from_scores
@@ -164,7 +165,15 @@ class SaemPolicy(Policy):
         # read once: after a decode every property or method call per step costs microseconds
         self._wants_combined = self.uses_combined_events
         self._implicit = self.cfg.implicit
+        self._bound_rows: np.ndarray | None = None  # bind_step's rows and stage_books' entry point for them
+        self._bound_entry = stage_books
         return state
+
+    def bind_step(self, routing_rows: np.ndarray) -> None:
+        # the books are this policy's own C-ordered arrays, made in start: their types are fixed
+        self._bound_entry = entry_point(stage_books, routing_rows, self.state.slot_of, self._counts, False, self._det,
+                                        self._ring, 0)
+        self._bound_rows = routing_rows
 
     def begin_group(self, block: RoutingBlock) -> ResidencyChange | None:
         self._group_steps = 0
@@ -228,8 +237,10 @@ class SaemPolicy(Policy):
         """The step's books (stage counts, the built-in detector, the schedule's clocks); returns
         the boundary due after the step ("" for none)."""
         builtin = self._implicit and events.combined is None  # _builtin_detector
-        decoded, fired = stage_books(routing_rows, self.state.slot_of, self._counts, builtin, self._det, self._ring,
-                                     self._ring_pos)
+        # the entry point only for the bound rows: it would read any other array as their type
+        kernel = self._bound_entry if routing_rows is self._bound_rows else stage_books
+        decoded, fired = kernel(routing_rows, self.state.slot_of, self._counts, builtin, self._det, self._ring,
+                                self._ring_pos)
         return self._boundary_after_step(builtin, decoded, fired, events)
 
     def _boundary_scores(self, events: StepEvents, reason: str) -> np.ndarray:
