@@ -97,6 +97,10 @@ def test_shapes_travel_with_the_address():
     assert _rank4(books.table) == ((2, 3, 4, 5), (7,), x[1, 2, 3, 4], 6)
 
 
+def _random_rows(rng, B, L, E, K):
+    return np.stack([rng.permutation(E)[:K] for _ in range(B * L)]).reshape(B, L, K).astype(np.int16)
+
+
 def test_the_link_meter_entry_equals_its_kernel_on_random_steps():
     """estimate_entry (books in a table) against estimate_step (every book an argument), on two
     meters fed the same random steps."""
@@ -107,7 +111,7 @@ def test_the_link_meter_entry_equals_its_kernel_on_random_steps():
     slot_of = np.where(rng.random((L, E)) < 0.3, 0, -1).astype(np.int32)
     for step in range(50):
         B = int(rng.integers(1, 4))
-        rows = np.stack([rng.permutation(E)[:K] for _ in range(B * L)]).reshape(B, L, K).astype(np.int16)
+        rows = _random_rows(rng, B, L, E, K)
         if rng.random() < 0.2:
             rows[0] = -1
         advance = bool(rng.random() < 0.5)
@@ -139,7 +143,7 @@ def test_a_deep_copy_of_a_started_policy_decides_on_its_own_arrays():
         assert b._tab is b._books.table and b._tab[0, 0] != a._tab[0, 0]
         quiet = StepEvents(n_rows=1, combined=False if a.uses_combined_events else None)
         for _ in range(40):
-            rows = np.stack([rng.permutation(E)[:K] for _ in range(L)])[None].astype(np.int16)
+            rows = _random_rows(rng, 1, L, E, K)
             ca, cb = a.observe(rows, quiet), b.observe(rows, quiet)
             assert (ca is None) == (cb is None)
             if ca is not None:
@@ -162,10 +166,6 @@ def test_entry_point_is_the_compiled_overload_for_the_arguments_types():
     assert fn is kernel.overloads[kernel.signatures[0]].entry_point and len(kernel.signatures) == 1
     assert fn(rows, b"abc", 4, True) == kernel(rows, b"abc", 4, True) == 15 + 3 + 4 + 1
     assert entry_point(kernel, rows, b"x", 7, True) is fn  # the same types: the same overload
-
-
-def _random_rows(rng, B, L, E, K):
-    return np.stack([rng.permutation(E)[:K] for _ in range(B * L)]).reshape(B, L, K).astype(np.int16)
 
 
 def _strided(rows):

@@ -527,8 +527,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             "gain_of": self._gain_of, "scratch": self._scratch, "ops": self._ops, "counts": self._counts,
             "det": self._det, "ring": self._ring})
         self._tab = self._books.table
-        self._bound_rows: np.ndarray | None = None  # bind_step's rows and adaptive_entry's entry point for them
-        self._bound_entry = adaptive_entry
+        self._bound_entry = adaptive_entry  # the kernel for bind_step's rows (SaemPolicy.start set them to None)
         return state
 
     def bind_step(self, routing_rows: np.ndarray) -> None:
