@@ -2,6 +2,7 @@
 policy, ``n-cpu-moe`` and the oracle, per trace family x ECR x batch (issue 12, item 4).
 
     python bench/bench_policies.py [--trace default60.npz] [--families a,b,...] [--json OUT]
+    python bench/bench_policies.py --search 24 [--seed 0] [--json OUT]
 
 Families (synthetic ones are generated like ``simulate --synthetic``: 8 sequences replayed, 4
 calibration sequences from another seed):
@@ -22,6 +23,10 @@ calibration sequences from another seed):
 * ``fastdrift-skewed``: cued stages, skewed routing (1.5) whose hot set moves every 8 tokens
   (keeping 50 %);
 * ``short-nocue``: very short cue-less stages (x0.05) sharing little (coherence 0.5);
+* ``drawn-S-i`` (``--search N``, in place of the named families): N generator settings drawn
+  at random with seed S (``drawn_families``: skew, coherence, stage lengths, cue share, kinds,
+  in-stage drift, token noise), each its own family: workloads nobody chose, as the traces
+  that will check the figures are;
 * ``model``: ``--trace`` (e.g. the embedded model's 60 held-out questions recorded with
   ``trace``, as bench_default_model.py does), the last 25 % calibrating, the stage detector on
   ``--cues`` (qwen3: the set the engine's detector uses on a qwen3moe model).
@@ -37,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -73,13 +79,42 @@ SYNTHETIC = {
 }
 
 
-def family_traces(name: str, trace: str | None, seed: int):
+def drawn_families(n: int, seed: int) -> dict[str, SyntheticConfig]:
+    """``n`` generator settings drawn at random (``--search``), each with its own trace seed. The
+    ranges span the named families and beyond: flat to very skewed routing, unrelated to nearly
+    identical successive stages, stages 0.05x to 2x the paper's length, no cue / some / all,
+    recurring kinds or none, a hot set moving every 4 to 48 tokens or never, token noise."""
+    rng = random.Random(seed)
+    out = {}
+    for i in range(n):
+        p = dict(skew=round(rng.uniform(0.8, 1.8), 2), coherence=round(rng.uniform(0.0, 0.95), 2),
+                 stage_len_scale=rng.choice([0.05, 0.1, 0.25, 0.5, 1.0, 2.0]), cue_prob=rng.choice([0.0, 0.3, 1.0]),
+                 n_kinds=rng.choice([0, 0, 3, 6]), drift_every=rng.choice([0, 0, 4, 8, 16, 48]),
+                 drift_keep=round(rng.uniform(0.4, 0.9), 2), token_noise=rng.choice([0.0, 0.0, 0.1, 0.3]))
+        out[f"drawn-{seed}-{i}"] = SyntheticConfig(seed=1000 + i + 100 * seed, **p)
+    return out
+
+
+def family_traces(name: str, trace: str | None, seed: int, drawn: dict[str, SyntheticConfig] | None = None):
+    """(replayed traces, calibration traces) of family ``name``: 8 sequences and 4 of another seed
+    for a synthetic family (a drawn one has its own seed); the model trace split 3:1."""
     if name == "model":
         if not trace:
             raise SystemExit("the model family needs --trace")
         return split_calibration(load_traces(trace), 0.25)
-    base = dataclasses.replace(SYNTHETIC[name], n_sequences=8, seed=seed)
-    return make_stage_traces(base), make_stage_traces(dataclasses.replace(base, n_sequences=4, seed=seed + 1_000_003))
+    if drawn and name in drawn:
+        base = dataclasses.replace(drawn[name], n_sequences=8)
+    else:
+        base = dataclasses.replace(SYNTHETIC[name], n_sequences=8, seed=seed)
+    calib = dataclasses.replace(base, n_sequences=4, seed=base.seed + 1_000_003)
+    return make_stage_traces(base), make_stage_traces(calib)
+
+
+def _changed_fields(cfg: SyntheticConfig) -> dict:
+    """The settings of a drawn family that differ from the generator's defaults."""
+    default = SyntheticConfig()
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name not in ("seed", "n_sequences") and getattr(cfg, f.name) != getattr(default, f.name)}
 
 
 def main(argv=None) -> int:
@@ -90,10 +125,13 @@ def main(argv=None) -> int:
                    help="comma-separated expert cache ratios: 25%% or 0.25 (the CLI's one unit)")
     p.add_argument("--batch", default="1,8")
     p.add_argument("--cues", default="qwen3", help="cue set of the model family's stage detector (qwen3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families (of the draw with --search)")
+    p.add_argument("--search", type=int, default=0, metavar="N",
+                   help="N randomly drawn generator settings instead of --families")
     p.add_argument("--json", help="write every row here")
     a = p.parse_args(argv)
-    fams = [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
+    drawn = drawn_families(a.search, a.seed) if a.search > 0 else {}
+    fams = list(drawn) if drawn else [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
     pols = ("saem", *OTHERS, "oracle")
     cfg = SimConfig(policies=pols, ecrs=tuple(100.0 * e for e in a.ecr),  # SimConfig counts in percent
                     batches=tuple(int(x) for x in a.batch.split(",")))
@@ -102,7 +140,9 @@ def main(argv=None) -> int:
     out = []
     worst = float("inf")
     for fam in fams:
-        ts, calib = family_traces(fam, a.trace, a.seed)
+        if fam in drawn:
+            print(f"{fam}: {_changed_fields(drawn[fam])}", flush=True)
+        ts, calib = family_traces(fam, a.trace, a.seed, drawn)
         fcfg = dataclasses.replace(cfg, cues=a.cues) if fam == "model" else cfg
         res = simulate(ts, fcfg, default_cost(ts), calib=calib)
         for B in cfg.batches:
@@ -113,6 +153,8 @@ def main(argv=None) -> int:
                        "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
                        "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
                        "tok_s": tok}
+                if fam in drawn:
+                    row["config"] = _changed_fields(drawn[fam])
                 worst = min(worst, row["vs_best"])
                 out.append(row)
                 print(f"{fam:<12} {e:>6g} {B:>5} {tok['saem']:>10.1f} {best + f' {tok[best]:.1f}':>22} "

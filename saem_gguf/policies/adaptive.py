@@ -200,7 +200,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     behind uint8 [L]: 1 where the real layer may differ from the leader's (a switch, the
     leader's own loads, a stage re-rank, copies the budget deferred, a cache leader's entrants
     not used yet: only those layers are compared); budget: copies the link budget allows this
-    step (the real cache's; shadow caches copy nothing); gain_of float64 [>= B + 1]: what a
+    step for a fixed set's entrants (a cache leader's loads are not held to it; shadow caches
+    copy nothing); gain_of float64 [>= B + 1]: what a
     held expert used by c tokens of the step earns (``hit_gains``); scratch int32:
     ``state.scratch_buffer``; ops int32 [>= 2 L E, 4]:
     (layer, expert, slot, OP_*) rows in issue order, per layer each entrant (best first) after
@@ -289,14 +290,16 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             for i in range(n):
                 cnt[uniq[i]] = 0
             continue
-        # the real layer moves to the leader's set as far as the link budget allows: the entrants
-        # best first by the leader's priority (a cache leader's own load order, the ranking's
-        # order for a fixed set), each into a free slot or the slot of the leaver the leader
-        # values least; the rest wait for a later step (the layer stays behind). A cache
-        # leader's entrants come in when a step uses one (as the cache loads its own misses):
-        # copying its whole set at a switch would slow the CPU experts for experts that may
-        # never be used before the cache drops them; a fixed set (a stage placement, the
-        # calibrated one) is copied at once, as SAEM places a stage
+        # the real layer moves to the leader's set: the entrants best first by the leader's
+        # priority (a cache leader's own load order, the ranking's order for a fixed set), each
+        # into a free slot or the slot of the leaver the leader values least. A cache leader's
+        # entrants come in when a step uses one (as the cache loads its own misses): copying its
+        # whole set at a switch would slow the CPU experts for experts that may never be used
+        # before the cache drops them. A fixed set (a stage placement, the calibrated one) is
+        # copied at once, as SAEM places a stage, as far as the link budget allows; the rest wait
+        # for a later step (the layer stays behind). A cache leader's loads are not held to the
+        # budget, as the -cpu caches' own are not: a load deferred under fast drift missed the
+        # uses that came while it waited (up to 0.4 % slower than temporal-cpu; docs/POLICIES.md)
         n_new = 0
         waiting = 0
         lazy = int(cand[lead, CAND_KIND]) != KIND_FIXED
@@ -313,8 +316,11 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 j -= 1
             entrants[j] = e
             n_new += 1
-        take = min(n_new, budget)
-        budget -= take
+        if lazy:
+            take = n_new
+        else:
+            take = min(n_new, budget)
+            budget -= take
         behind[l] = 1 if take < n_new or waiting > 0 else 0
         for i in range(take):
             e = entrants[i]
@@ -542,7 +548,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     @property
     def uses_link_budget(self) -> bool:
-        """The real cache's copies (following the leader) stay within the link budget."""
+        """The real cache's copies of a fixed set (following the stage rule or the calibrated
+        placement) stay within the link budget; a cache leader's loads are made as it makes them."""
         return True
 
     @property
