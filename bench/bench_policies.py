@@ -91,7 +91,7 @@ def drawn_families(n: int, seed: int) -> dict[str, SyntheticConfig]:
                  stage_len_scale=rng.choice([0.05, 0.1, 0.25, 0.5, 1.0, 2.0]), cue_prob=rng.choice([0.0, 0.3, 1.0]),
                  n_kinds=rng.choice([0, 0, 3, 6]), drift_every=rng.choice([0, 0, 4, 8, 16, 48]),
                  drift_keep=round(rng.uniform(0.4, 0.9), 2), token_noise=rng.choice([0.0, 0.0, 0.1, 0.3]))
-        out[f"drawn-{seed}-{i}"] = SyntheticConfig(seed=1000 + i + 100 * seed, **p)
+        out[f"drawn-{seed}-{i}"] = SyntheticConfig(seed=1000 + 10_000 * seed + i, **p)  # n <= 10,000
     return out
 
 

@@ -134,7 +134,7 @@ def test_link_budget_defers_a_fixed_sets_copies_and_they_catch_up():
     assert one[0].max() == 1 and one[0].sum() > 0
     assert none[0].sum() == 0
     assert np.array_equal(none[1].state.slot_of, AdaptiveSaemPolicy().start(ctx).slot_of)
-    # the last placement (the stage rule's refresh) is 50 steps before the end: caught up by then
+    # the last placement (the stage rule's refresh) is some 50 steps before the end: caught up by then
     lead = int(one[1]._ctl[CTL_LEADER])
     assert np.array_equal(one[1].state.slot_of >= 0, one[1]._c_slot[:, :, lead] >= 0)
 
