@@ -111,10 +111,12 @@ def family_traces(name: str, trace: str | None, seed: int, drawn: dict[str, Synt
 
 
 def _changed_fields(cfg: SyntheticConfig) -> dict:
-    """The settings of a drawn family that differ from the generator's defaults."""
+    """The settings of a drawn family that differ from the generator's defaults (``drift_keep``
+    only where the hot set drifts: without ``drift_every`` it has no effect)."""
     default = SyntheticConfig()
+    inert = ("seed", "n_sequences") + (("drift_keep",) if not cfg.drift_every else ())
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if f.name not in ("seed", "n_sequences") and getattr(cfg, f.name) != getattr(default, f.name)}
+            if f.name not in inert and getattr(cfg, f.name) != getattr(default, f.name)}
 
 
 def main(argv=None) -> int:

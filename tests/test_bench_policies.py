@@ -47,3 +47,10 @@ def test_search_rows_carry_their_setting(tmp_path, monkeypatch, capsys):
     assert rows[0]["config"]["stage_len_scale"] == 0.05 and "skew" in rows[0]["config"]
     assert rows[0]["best_other"] in bp.OTHERS and rows[0]["vs_best"] > 0
     assert "drawn-5-0: {" in capsys.readouterr().out
+
+
+def test_a_settings_inert_drift_keep_is_not_printed():
+    still = bp.SyntheticConfig(skew=1.57, drift_every=0, drift_keep=0.5)
+    moving = dataclasses.replace(still, drift_every=4)
+    assert bp._changed_fields(still) == {"skew": 1.57}
+    assert bp._changed_fields(moving) == {"skew": 1.57, "drift_every": 4, "drift_keep": 0.5}

@@ -128,3 +128,22 @@ def test_where_whole_layers_pay_saem_is_not_behind_n_cpu_moe():
            "uniform": run_policy("saem", [blk], ctx, {"layout": "uniform"})["tok_s"]}
     assert tok["uniform"] < tok["n-cpu-moe"], tok  # the case the layout decision exists for
     assert tok["saem"] >= tok["n-cpu-moe"] * (1 - 1e-9), tok  # same layout here: equal up to rounding
+
+
+def test_a_named_count_of_resident_layers_is_kept_as_asked():
+    """layout="resident-N" is auto's candidate with N whole layers (clamped to what the budget
+    holds): what bench_layout.py measures auto's choice against."""
+    L, E, K = 6, 32, 4
+    calib = _skewed_calib(L, E, K, skew=0.3)
+    budget = np.full(L, 16, np.int32)  # 96 slots: at most 3 whole layers
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=budget, cost=SMALL, calib_counts=calib)
+    for n, whole in ((0, 0), (2, 2), (3, 3), (9, 3)):
+        slots, _, _ = choose_layout(calib, K, budget, 1, SMALL.array, resident=n)
+        assert int((slots == E).sum()) == whole and slots.sum() == budget.sum()
+        state = make_policy("saem", layout=f"resident-{n}").start(ctx)
+        assert state.n_slots.tolist() == slots.tolist()
+    zero, _, _ = choose_layout(calib, K, budget, 1, SMALL.array, resident=0)
+    assert zero.tolist() == [16] * L  # no whole layer: the uniform layout
+    for bad in ("resident", "resident-x", "resident--1", "whole-2", "Auto"):
+        with pytest.raises(ValueError, match="resident-N"):
+            make_policy("saem", layout=bad)

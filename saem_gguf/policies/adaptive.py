@@ -154,7 +154,9 @@ class AdaptiveConfig:
     # measured family best (docs/POLICIES.md, "Measured: does saem lead?")
     copy_price: float = 0.5
     # "auto": split the slot budget over the layers by pricing layouts (layout.py: from uniform to
-    # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer
+    # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer;
+    # "resident-N": auto's candidate with N whole layers resident (at most what the budget
+    # holds), to measure auto's choice against the others (bench/bench_layout.py)
     layout: str = "auto"
     # the candidate the real cache follows at start (the policy's default: DEFAULT_START_LEADER
     # when it is a candidate, else the stage rule)
@@ -437,6 +439,17 @@ def copy_cost_in_hits(cost: np.ndarray, busy_link: bool = False) -> float:
     return float(busy * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
 
 
+def resident_layers(layout: str) -> int | None:
+    """The resident layers a ``layout`` option names ("resident-N" -> N; "auto" and "uniform"
+    -> None); ValueError for anything else."""
+    if layout in ("auto", "uniform"):
+        return None
+    head, _, n = layout.partition("-")
+    if head == "resident" and n.isdigit():
+        return int(n)
+    raise ValueError(f"layout must be 'auto', 'uniform' or 'resident-N' (N whole layers resident), not {layout!r}")
+
+
 def estimated_step_s(ctx: PolicyContext, n_slots: np.ndarray) -> float:
     """A decode step's expected time on the cost model with ``n_slots`` per layer holding the
     calibrated hot experts (layout.layer_time_table), plus the dense parts and the step's fixed
@@ -468,8 +481,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                        copy_cost=copy_cost, copy_price=float(copy_price), layout=layout,
                                        start_leader=start_leader, first_switch=int(first_switch),
                                        load_slope=float(load_slope))
-        if layout not in ("auto", "uniform"):
-            raise ValueError("layout must be 'auto' or 'uniform'")
+        self._resident = resident_layers(layout)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
@@ -480,7 +492,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         """The budget's bytes split over the layers as the cost model prices best (layout.py)."""
         if self.adaptive.layout == "uniform":
             return ctx.n_slots
-        slots, _, _ = choose_layout(ctx.calib, ctx.top_k, ctx.n_slots, ctx.batch, ctx.cost.array)
+        slots, _, _ = choose_layout(ctx.calib, ctx.top_k, ctx.n_slots, ctx.batch, ctx.cost.array,
+                                    resident=self._resident)
         return slots
 
     def start(self, ctx: PolicyContext) -> CacheState:

@@ -85,10 +85,12 @@ def spread(total: int, layers: np.ndarray, n_expert: int, table: np.ndarray) -> 
 
 
 def choose_layout(calib: np.ndarray, top_k: int, budget: np.ndarray, batch: int, cost: np.ndarray,
-                  min_gain: float = MIN_GAIN) -> tuple[np.ndarray, float, float]:
+                  min_gain: float = MIN_GAIN, resident: int | None = None) -> tuple[np.ndarray, float, float]:
     """(slots per layer, its expected step time, the uniform layout's) for the slot ``budget``
     [L] (the same total bytes), see the module docstring; a layout with resident layers is
-    kept only when it saves ``min_gain`` of the uniform layout's time."""
+    kept only when it saves ``min_gain`` of the uniform layout's time. ``resident``: the
+    candidate with that many resident layers (at most what the budget holds) instead of the
+    cheapest, to measure the estimate against (bench/bench_layout.py)."""
     L, E = calib.shape
     total = int(np.asarray(budget).sum())
     table = layer_time_table(expert_use_probability(calib, top_k), max(int(batch), 1), cost)
@@ -106,6 +108,9 @@ def choose_layout(calib: np.ndarray, top_k: int, budget: np.ndarray, batch: int,
         slots = np.full(L, E, np.int32)
         slots[rest] = spread(total - r * E, rest, E, table)
         t = float(table[rows, slots].sum())
-        if t < best_t and t < uniform_t * (1.0 - min_gain):
+        if resident is not None:
+            if r <= resident:
+                best, best_t = slots, t
+        elif t < best_t and t < uniform_t * (1.0 - min_gain):
             best, best_t = slots, t
     return best, best_t, uniform_t

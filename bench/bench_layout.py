@@ -1,0 +1,140 @@
+"""Does ``saem`` choose the best slot layout? Simulated tokens/s of the default ``saem`` (its
+layout chosen at load by ``layout.choose_layout``) against the same policy held to each of a
+grid of layouts, from uniform (no whole layer resident) to as many whole layers as the budget
+holds (``layout="resident-N"``), per family x ECR x batch (issue 12, item 4).
+
+    python bench/bench_layout.py [--families a,b,...] [--trace default60.npz] [--json OUT]
+    python bench/bench_layout.py --search 24 [--seed 0] [--jobs 2] [--json OUT]
+
+The families are bench_policies.py's (the named ones, ``model`` with ``--trace``, or ``--search
+N`` drawn settings). ``chosen/best`` is the chosen layout's tokens/s over the best of the grid
+and the chosen one: 1.0 where the estimate found the best layout measured, below 1 by what a
+better estimate would gain. ``uniform/best`` is the same for the uniform layout, the scale of
+what the choice is worth. Every layout runs the whole policy on the whole replay, so a cell
+costs (points + 1) ``saem`` simulations; ``--jobs`` runs (family, ECR) tasks in parallel
+processes (one per free core: simulation is CPU-heavy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from multiprocessing import Pool
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
+
+import numpy as np  # noqa: E402
+
+from bench_policies import SYNTHETIC, drawn_families, family_traces  # noqa: E402
+from saem_gguf.cli.common import ecr_list_arg  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
+from saem_gguf.policies.base import budget_slots  # noqa: E402
+from saem_gguf.policies.layout import choose_layout  # noqa: E402
+from saem_gguf.simulator import SimConfig, calibration_counts, default_cost, simulate  # noqa: E402
+
+
+def grid(whole_max: int, points: int) -> list[int]:
+    """``points`` counts of whole resident layers spread evenly over 0..whole_max (fewer when
+    they coincide)."""
+    if points < 2 or whole_max == 0:
+        return [0]
+    return sorted({round(k * whole_max / (points - 1)) for k in range(points)})
+
+
+def measure(task: tuple) -> list[dict]:
+    """The rows of one family at one ECR (every batch): the chosen layout and each of the grid."""
+    fam, ecr, batches, points, trace, seed, cues, drawn = task
+    ts, calib = family_traces(fam, trace, seed, drawn)
+    cost = default_cost(ts)
+    L, E, K = int(ts.signature.n_layer), int(ts.signature.n_expert), int(ts.signature.n_expert_used)
+    cfg = SimConfig(policies=("saem",), ecrs=(ecr,), batches=batches)
+    if fam == "model":
+        cfg = dataclasses.replace(cfg, cues=cues)
+    budget = np.full(L, budget_slots(ecr, E), np.int32)
+    whole_max = min(L, int(budget.sum()) // E)
+    layouts = {"auto": None, **{f"resident-{n}": n for n in grid(whole_max, points)}}
+    tok = {}
+    for layout in layouts:
+        res = simulate(ts, cfg, cost, calib=calib, policy_kwargs={"saem": {"layout": layout}})
+        for B in batches:
+            tok[layout, B] = res.select(batch=B, ecr=ecr)[0]["tok_s"]
+    counts = calibration_counts(calib, L, E)
+    rows = []
+    for B in batches:
+        slots, _, _ = choose_layout(counts, K, budget, B, cost.array)
+        best = max((lay for lay in layouts if lay != "auto"), key=lambda lay: tok[lay, B])
+        top = max(tok[best, B], tok["auto", B])
+        rows.append({"family": fam, "ecr": ecr, "batch": B, "chosen_whole": int((slots == E).sum()),
+                     "chosen_tok_s": tok["auto", B], "best_grid": best, "best_grid_tok_s": tok[best, B],
+                     "chosen_vs_best": tok["auto", B] / top, "uniform_vs_best": tok["resident-0", B] / top,
+                     "tok_s": {lay: tok[lay, B] for lay in layouts}})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", default=",".join([*SYNTHETIC, "model"]))
+    p.add_argument("--trace", help="recorded traces for the model family")
+    p.add_argument("--ecr", type=ecr_list_arg, default="25%,50%",
+                   help="comma-separated expert cache ratios: 25%% or 0.25 (the CLI's one unit)")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--cues", default="qwen3", help="cue set of the model family's stage detector (qwen3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families (of the draw with --search)")
+    p.add_argument("--search", type=int, default=0, metavar="N",
+                   help="N randomly drawn generator settings instead of --families")
+    p.add_argument("--points", type=int, default=7, help="layouts in the grid, uniform to all whole layers")
+    p.add_argument("--jobs", type=int, default=1, help="parallel processes (at most one per free core)")
+    p.add_argument("--json", help="write every row here")
+    a = p.parse_args(argv)
+    if a.points < 1 or a.jobs < 1:
+        p.error("--points and --jobs must be at least 1")
+    try:
+        batches = tuple(int(x) for x in a.batch.split(","))
+    except ValueError:
+        p.error(f"--batch {a.batch!r}: a comma-separated list of whole numbers")
+    drawn = drawn_families(a.search, a.seed) if a.search > 0 else {}
+    fams = list(drawn) if drawn else [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
+    unknown = [f for f in fams if f not in SYNTHETIC and f != "model" and f not in drawn]
+    if unknown:
+        p.error(f"unknown families: {', '.join(unknown)} (known: {', '.join([*SYNTHETIC, 'model'])})")
+    tasks = [(f, 100.0 * e, batches, a.points, a.trace, a.seed, a.cues, drawn) for f in fams for e in a.ecr]
+    print(f"{'family':<18} {'ECR %':>6} {'batch':>5} {'chosen':>6} {'tok/s':>7} {'best of grid':>18} "
+          f"{'chosen/best':>11} {'uniform/best':>12}")
+    out = []
+    with Pool(a.jobs) if a.jobs > 1 else _Serial() as pool:
+        for rows in pool.imap(measure, tasks):
+            for r in rows:
+                out.append(r)
+                best = f"{r['best_grid']} {r['best_grid_tok_s']:.2f}"
+                print(f"{r['family']:<18} {r['ecr']:>6g} {r['batch']:>5} {r['chosen_whole']:>6} "
+                      f"{r['chosen_tok_s']:>7.2f} {best:>18} {r['chosen_vs_best']:>10.4f}x "
+                      f"{r['uniform_vs_best']:>11.4f}x", flush=True)
+    ratios = np.array([r["chosen_vs_best"] for r in out])
+    if ratios.size:
+        print(f"chosen/best over {ratios.size} cells: geometric mean {np.exp(np.log(ratios).mean()):.5f}, "
+              f"worst {ratios.min():.4f}, {int((ratios < 0.995).sum())} below 0.995")
+    if a.json:
+        write_text_atomic(a.json, json.dumps(out, indent=1))
+    return 0
+
+
+class _Serial:
+    """Pool's imap in this process (--jobs 1: no worker, tracebacks where they happen)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    @staticmethod
+    def imap(fn, tasks):
+        return map(fn, tasks)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""bench/bench_layout.py: the chosen layout against a grid of whole-layer counts, on the real
+simulator. With every count in the grid, the chosen layout is one of them: its tokens/s equal
+that entry's, and no ratio exceeds 1."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from bench_scripts import load_bench
+
+bl = load_bench("bench_layout")
+
+
+def test_grid_spans_uniform_to_every_whole_layer():
+    assert bl.grid(24, 7) == [0, 4, 8, 12, 16, 20, 24]
+    assert bl.grid(3, 7) == [0, 1, 2, 3]
+    assert bl.grid(0, 7) == [0] and bl.grid(12, 1) == [0]
+
+
+def test_the_chosen_layout_is_measured_against_every_count(tmp_path, monkeypatch, capsys):
+    import bench_policies as bp
+
+    real = bp.drawn_families
+
+    def small(n, seed):  # short stages: a few hundred tokens per sequence
+        return {k: dataclasses.replace(v, stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)
+                for k, v in real(n, seed).items()}
+
+    monkeypatch.setattr(bl, "drawn_families", small)
+    out = tmp_path / "rows.json"
+    # ECR 6.25 % of 128 experts over 48 layers: 3 whole layers at most, so 4 points cover all
+    assert bl.main(["--search", "1", "--seed", "2", "--ecr", "6.25%", "--batch", "1", "--points", "4",
+                    "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert set(row["tok_s"]) == {"auto", "resident-0", "resident-1", "resident-2", "resident-3"}
+    assert row["tok_s"]["auto"] == row["tok_s"][f"resident-{row['chosen_whole']}"]
+    assert 0 < row["chosen_vs_best"] <= 1 and 0 < row["uniform_vs_best"] <= 1
+    assert "chosen/best over 1 cells" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["--points", "0"], ["--batch", "a"], ["--families", "nosuch"]])
+def test_bad_arguments_get_one_line_and_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        bl.main(args)
+    assert e.value.code == 2
+    assert "error: " in capsys.readouterr().err.strip().splitlines()[-1]
