@@ -29,8 +29,7 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 import numpy as np  # noqa: E402
 
-from bench_policies import SYNTHETIC, drawn_families, family_traces  # noqa: E402
-from saem_gguf.cli.common import ecr_list_arg  # noqa: E402
+from bench_policies import add_workload_args, family_traces, selected_families  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
 from saem_gguf.policies.layout import choose_layout  # noqa: E402
@@ -77,15 +76,7 @@ def measure(task: tuple) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", default=",".join([*SYNTHETIC, "model"]))
-    p.add_argument("--trace", help="recorded traces for the model family")
-    p.add_argument("--ecr", type=ecr_list_arg, default="25%,50%",
-                   help="comma-separated expert cache ratios: 25%% or 0.25 (the CLI's one unit)")
-    p.add_argument("--batch", default="1,8")
-    p.add_argument("--cues", default="qwen3", help="cue set of the model family's stage detector (qwen3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families (of the draw with --search)")
-    p.add_argument("--search", type=int, default=0, metavar="N",
-                   help="N randomly drawn generator settings instead of --families")
+    add_workload_args(p, "25%,50%")
     p.add_argument("--points", type=int, default=7, help="layouts in the grid, uniform to all whole layers")
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (at most one per free core)")
     p.add_argument("--json", help="write every row here")
@@ -96,11 +87,7 @@ def main(argv=None) -> int:
         batches = tuple(int(x) for x in a.batch.split(","))
     except ValueError:
         p.error(f"--batch {a.batch!r}: a comma-separated list of whole numbers")
-    drawn = drawn_families(a.search, a.seed) if a.search > 0 else {}
-    fams = list(drawn) if drawn else [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
-    unknown = [f for f in fams if f not in SYNTHETIC and f != "model" and f not in drawn]
-    if unknown:
-        p.error(f"unknown families: {', '.join(unknown)} (known: {', '.join([*SYNTHETIC, 'model'])})")
+    fams, drawn = selected_families(p, a)
     tasks = [(f, 100.0 * e, batches, a.points, a.trace, a.seed, a.cues, drawn) for f in fams for e in a.ecr]
     print(f"{'family':<18} {'ECR %':>6} {'batch':>5} {'chosen':>6} {'tok/s':>7} {'best of grid':>18} "
           f"{'chosen/best':>11} {'uniform/best':>12}")

@@ -119,21 +119,36 @@ def _changed_fields(cfg: SyntheticConfig) -> dict:
             if f.name not in inert and getattr(cfg, f.name) != getattr(default, f.name)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser, ecr: str) -> None:
+    """The options that say which workloads a bench replays (this script's and bench_layout.py's)."""
     p.add_argument("--families", default=",".join([*SYNTHETIC, "model"]))
     p.add_argument("--trace", help="recorded traces for the model family")
-    p.add_argument("--ecr", type=ecr_list_arg, default="6.25%,12.5%,25%,50%",
+    p.add_argument("--ecr", type=ecr_list_arg, default=ecr,
                    help="comma-separated expert cache ratios: 25%% or 0.25 (the CLI's one unit)")
     p.add_argument("--batch", default="1,8")
     p.add_argument("--cues", default="qwen3", help="cue set of the model family's stage detector (qwen3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families (of the draw with --search)")
     p.add_argument("--search", type=int, default=0, metavar="N",
                    help="N randomly drawn generator settings instead of --families")
-    p.add_argument("--json", help="write every row here")
-    a = p.parse_args(argv)
+
+
+def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[str], dict[str, SyntheticConfig]]:
+    """(family names, the drawn settings among them) of add_workload_args' options; an unknown
+    name is argparse's one-line error. ``model`` is skipped without ``--trace``."""
     drawn = drawn_families(a.search, a.seed) if a.search > 0 else {}
     fams = list(drawn) if drawn else [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
+    unknown = [f for f in fams if f not in SYNTHETIC and f != "model" and f not in drawn]
+    if unknown:
+        p.error(f"unknown families: {', '.join(unknown)} (known: {', '.join([*SYNTHETIC, 'model'])})")
+    return fams, drawn
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p, "6.25%,12.5%,25%,50%")
+    p.add_argument("--json", help="write every row here")
+    a = p.parse_args(argv)
+    fams, drawn = selected_families(p, a)
     pols = ("saem", *OTHERS, "oracle")
     cfg = SimConfig(policies=pols, ecrs=tuple(100.0 * e for e in a.ecr),  # SimConfig counts in percent
                     batches=tuple(int(x) for x in a.batch.split(",")))

@@ -21,15 +21,15 @@ def test_grid_spans_uniform_to_every_whole_layer():
 
 
 def test_the_chosen_layout_is_measured_against_every_count(tmp_path, monkeypatch, capsys):
-    import bench_policies as bp
-
-    real = bp.drawn_families
+    # the bench_policies module bench_layout imported (a test may have loaded another since)
+    where = bl.selected_families.__globals__
+    real = where["drawn_families"]
 
     def small(n, seed):  # short stages: a few hundred tokens per sequence
         return {k: dataclasses.replace(v, stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)
                 for k, v in real(n, seed).items()}
 
-    monkeypatch.setattr(bl, "drawn_families", small)
+    monkeypatch.setitem(where, "drawn_families", small)
     out = tmp_path / "rows.json"
     # ECR 6.25 % of 128 experts over 48 layers: 3 whole layers at most, so 4 points cover all
     assert bl.main(["--search", "1", "--seed", "2", "--ecr", "6.25%", "--batch", "1", "--points", "4",
