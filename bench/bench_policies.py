@@ -47,7 +47,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from saem_gguf.cli.common import ecr_list_arg  # noqa: E402
+from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies import POLICIES  # noqa: E402
 from saem_gguf.simulator import NOT_IMPLEMENTABLE, SimConfig, default_cost, simulate, split_calibration  # noqa: E402
@@ -125,7 +125,7 @@ def add_workload_args(p: argparse.ArgumentParser, ecr: str) -> None:
     p.add_argument("--trace", help="recorded traces for the model family")
     p.add_argument("--ecr", type=ecr_list_arg, default=ecr,
                    help="comma-separated expert cache ratios: 25%% or 0.25 (the CLI's one unit)")
-    p.add_argument("--batch", default="1,8")
+    p.add_argument("--batch", type=int_list_arg, default="1,8", help="batch sizes, comma-separated")
     p.add_argument("--cues", default="qwen3", help="cue set of the model family's stage detector (qwen3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families (of the draw with --search)")
     p.add_argument("--search", type=int, default=0, metavar="N",
@@ -134,7 +134,10 @@ def add_workload_args(p: argparse.ArgumentParser, ecr: str) -> None:
 
 def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[str], dict[str, SyntheticConfig]]:
     """(family names, the drawn settings among them) of add_workload_args' options; an unknown
-    name is argparse's one-line error. ``model`` is skipped without ``--trace``."""
+    name or a batch size below 1 is argparse's one-line error. ``model`` is skipped without
+    ``--trace``."""
+    if not a.batch or min(a.batch) < 1:
+        p.error("--batch values must be >= 1")
     drawn = drawn_families(a.search, a.seed) if a.search > 0 else {}
     fams = list(drawn) if drawn else [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
     unknown = [f for f in fams if f not in SYNTHETIC and f != "model" and f not in drawn]
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
     fams, drawn = selected_families(p, a)
     pols = ("saem", *OTHERS, "oracle")
     cfg = SimConfig(policies=pols, ecrs=tuple(100.0 * e for e in a.ecr),  # SimConfig counts in percent
-                    batches=tuple(int(x) for x in a.batch.split(",")))
+                    batches=a.batch)
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
           f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")
     out = []

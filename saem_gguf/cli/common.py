@@ -38,6 +38,14 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def int_list_arg(text: str) -> tuple[int, ...]:
+    """Comma-separated integers ("1,8"; empty items skipped), for list options such as --batch."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _usage(parse: Callable[[str], object]) -> Callable[[str], object]:
     """``parse`` with its SaemError turned into argparse's usage error (exit 2, one line)."""
     from saem_gguf.errors import SaemError

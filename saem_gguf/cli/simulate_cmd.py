@@ -10,16 +10,9 @@ from saem_gguf.errors import SaemError
 from saem_gguf.fileio import PLOT_SUFFIXES, check_output_path, write_text_atomic
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     from saem_gguf.budget import ECR_HELP
-    from saem_gguf.cli.common import ecr_list_arg
+    from saem_gguf.cli.common import ecr_list_arg, int_list_arg
     from saem_gguf.costmodel import DEFAULT_HW, HW_PRESETS, MODEL_PRESETS
     from saem_gguf.policies import DEFAULT_POLICIES, POLICIES
 
@@ -35,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated policy names, or 'all' (default: %(default)s)")
     p.add_argument("--ecr", type=ecr_list_arg, default="3.125%,6.25%,12.5%,25%,50%",
                    help="comma-separated; each an " + ECR_HELP + " (default: %(default)s)")
-    p.add_argument("--batch", type=_ints, default=(1,), help="batch sizes, comma-separated (default: 1)")
+    p.add_argument("--batch", type=int_list_arg, default=(1,), help="batch sizes, comma-separated (default: 1)")
     p.add_argument("--hw", default=DEFAULT_HW,
                    help=f"hardware: {', '.join(HW_PRESETS)}, measure[:PRESET] (CPU side measured here) "
                         "or FILE.json (default: %(default)s)")
