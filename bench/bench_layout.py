@@ -32,16 +32,8 @@ import numpy as np  # noqa: E402
 from bench_policies import add_workload_args, family_traces, selected_families  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
-from saem_gguf.policies.layout import choose_layout  # noqa: E402
-from saem_gguf.simulator import SimConfig, calibration_counts, default_cost, simulate  # noqa: E402
-
-
-def grid(whole_max: int, points: int) -> list[int]:
-    """``points`` counts of whole resident layers spread evenly over 0..whole_max (fewer when
-    they coincide)."""
-    if points < 2 or whole_max == 0:
-        return [0]
-    return sorted({round(k * whole_max / (points - 1)) for k in range(points)})
+from saem_gguf.policies.layout import GRID_POINTS, whole_layer_grid  # noqa: E402
+from saem_gguf.simulator import SimConfig, default_cost, simulate  # noqa: E402
 
 
 def measure(task: tuple) -> list[dict]:
@@ -49,25 +41,24 @@ def measure(task: tuple) -> list[dict]:
     fam, ecr, batches, points, trace, seed, cues, drawn = task
     ts, calib = family_traces(fam, trace, seed, drawn)
     cost = default_cost(ts)
-    L, E, K = int(ts.signature.n_layer), int(ts.signature.n_expert), int(ts.signature.n_expert_used)
+    L, E = int(ts.signature.n_layer), int(ts.signature.n_expert)
     cfg = SimConfig(policies=("saem",), ecrs=(ecr,), batches=batches)
     if fam == "model":
         cfg = dataclasses.replace(cfg, cues=cues)
     budget = np.full(L, budget_slots(ecr, E), np.int32)
     whole_max = min(L, int(budget.sum()) // E)
-    layouts = {"auto": None, **{f"resident-{n}": n for n in grid(whole_max, points)}}
-    tok = {}
+    layouts = {"auto": None, **{f"resident-{n}": n for n in whole_layer_grid(whole_max, points)}}
+    tok, whole = {}, {}
     for layout in layouts:
         res = simulate(ts, cfg, cost, calib=calib, policy_kwargs={"saem": {"layout": layout}})
         for B in batches:
-            tok[layout, B] = res.select(batch=B, ecr=ecr)[0]["tok_s"]
-    counts = calibration_counts(calib, L, E)
+            row = res.select(batch=B, ecr=ecr)[0]
+            tok[layout, B], whole[layout, B] = row["tok_s"], row["whole_layers"]
     rows = []
     for B in batches:
-        slots, _, _ = choose_layout(counts, K, budget, B, cost.array)
         best = max((lay for lay in layouts if lay != "auto"), key=lambda lay: tok[lay, B])
         top = max(tok[best, B], tok["auto", B])
-        rows.append({"family": fam, "ecr": ecr, "batch": B, "chosen_whole": int((slots == E).sum()),
+        rows.append({"family": fam, "ecr": ecr, "batch": B, "chosen_whole": whole["auto", B],
                      "chosen_tok_s": tok["auto", B], "best_grid": best, "best_grid_tok_s": tok[best, B],
                      "chosen_vs_best": tok["auto", B] / top, "uniform_vs_best": tok["resident-0", B] / top,
                      "tok_s": {lay: tok[lay, B] for lay in layouts}})
@@ -77,7 +68,7 @@ def measure(task: tuple) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p, "25%,50%")
-    p.add_argument("--points", type=int, default=7, help="layouts in the grid, uniform to all whole layers")
+    p.add_argument("--points", type=int, default=GRID_POINTS, help="layouts in the grid, uniform to all whole layers")
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (at most one per free core)")
     p.add_argument("--json", help="write every row here")
     a = p.parse_args(argv)

@@ -617,26 +617,34 @@ class Engine:
                             "a trace, not on a live model")
         if not self.info.is_moe:
             raise SaemError(f"{self.info.architecture} is a dense model: no experts to place")
-        detector, calib, cue_counts = self._make_detector(policy)
+        detector, calib, cue_counts, routing = self._make_detector(policy)
         cost = CostModel.from_expert_bytes(self.info.moe_layers[0].bytes_per_expert, get_hw(self.cfg.hw))
         policy_args = dict(policy_args or {})
         if policy == "n-cpu-moe" and self.cfg.n_cpu_moe is not None:
             policy_args["n_cpu_layers"] = self._n_cpu_moe_layers()
         self.placement = None
         self.placement = Placement(self.llm.ctx, policy, slots, cost, detector,
-                                   calib_counts=calib, cue_counts=cue_counts, record=self.cfg.record,
-                                   policy_args=policy_args)
+                                   calib_counts=calib, cue_counts=cue_counts, calib_routing=routing,
+                                   record=self.cfg.record, policy_args=policy_args)
         self.policy_name = policy
         if self.ram_tier is not None:  # the RAM tier outlives a policy switch (bench); its counts restart
             self.ram_tier.reset_stats()
             self.placement.tiers.append(self.ram_tier)
         self.note(f"policy {policy}: {self.placement.policy.summary}")
+        prices = getattr(self.placement.policy, "layout_prices", None)
+        if prices:
+            n_slots = self.placement.state.n_slots
+            whole = int((n_slots >= self.info.n_expert).sum())
+            tried = ", ".join(f"{n}: {tok:.4g}" for n, tok in prices.items())
+            self.note(f"slot layout: {whole} of {n_slots.size} MoE layers fully resident, the rest cached "
+                      f"(the fastest replaying the calibration sample; estimated tok/s by whole layers {tried})")
         if policy == "saem-cue" and not cue_counts:
             self.note("saem-cue has no cue profiles (make them with `calibrate` and pass --profile): "
                       "it ranks like saem")
 
     def _make_detector(self, policy: str):
-        """(stage detector, calibration counts or None, per-cue stage counts or None).
+        """(stage detector, calibration counts or None, per-cue stage counts or None, the
+        calibration routing sample or None).
 
         With ``--profile``: the profile's detector and statistics. On the embedded model without
         one: the family cue detector (short stages) and the packaged profile's statistics only.
@@ -655,8 +663,9 @@ class Engine:
 
             path = default_profile_path()
         prof = Profile.load(path, expect=self.signature()) if path is not None else None
-        calib = cue_counts = extra = None
+        calib = cue_counts = extra = routing = None
         if prof is not None:
+            routing = prof.routing
             where = f"profile {path}"
             counts = prof.stats.get("expert_counts")
             calib = np.asarray(counts, np.float64) if counts is not None else None
@@ -674,13 +683,13 @@ class Engine:
         if self.cfg.profile is not None:
             if extra is not None:
                 prof = dataclasses.replace(prof, cues=_with_extra(prof.cues, extra))
-            return StageDetector.from_profile(prof, self.cfg.n_parallel), calib, cue_counts
+            return StageDetector.from_profile(prof, self.cfg.n_parallel), calib, cue_counts, routing
         cues = CueSet.load(FAMILY_CUES.get(info.architecture, "general"))
         if extra is not None:
             cues = _with_extra(cues, extra)
         # the default minimum stage length (32 tokens) suits the embedded model too: its stages
         # run a median 62 tokens (docs/DEFAULT_MODEL.md), and its profile is calibrated with 32
-        return StageDetector(self.cfg.n_parallel, cues, DetectorConfig(), **shape), calib, cue_counts
+        return StageDetector(self.cfg.n_parallel, cues, DetectorConfig(), **shape), calib, cue_counts, routing
 
     # --- the hook ----------------------------------------------------------------------------
     def _on_ubatch(self, tokens: list[int]) -> None:

@@ -30,8 +30,10 @@ from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import (
     OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, record_decision, step_uses,
 )
+from saem_gguf.simulator import calibration_pricer, sample_blocks
 from saem_gguf.stage.detector import StageDetector, StageEvent
 from saem_gguf.stage.pair import DetectorPair
+from saem_gguf.trace import TraceSet
 
 
 # Policies whose misses wait for a load mid-step: the native layer offers no such wait, so the
@@ -75,7 +77,8 @@ class Placement:
 
     def __init__(self, ctx, policy_name: str, slots_per_layer: int, cost, detector: StageDetector,
                  calib_counts: np.ndarray | None = None, cue_counts: dict[str, np.ndarray] | None = None,
-                 record: bool = False, policy_args: dict | None = None) -> None:
+                 calib_routing: TraceSet | None = None, record: bool = False,
+                 policy_args: dict | None = None) -> None:
         self.ctx = ctx
         n_layers = na.saem_moe_n_layers(ctx)
         infos = [na.saem_moe_get_layer_info(ctx, il) for il in range(n_layers)]
@@ -95,6 +98,10 @@ class Placement:
         pctx = PolicyContext(n_layer=L, n_expert=self.n_expert, top_k=self.top_k,
                              n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
                              calib_counts=calib_counts, cue_counts=cue_counts)
+        if calib_routing is not None:
+            # the calibration sample replayed under this detector's events, as the simulator
+            # replays it under its own (simulator.simulate): a policy prices its set-up on it
+            pctx.replay_calibration = calibration_pricer(sample_blocks(calib_routing, 1, template=detector), pctx)
         self.state: CacheState = self.policy.start(pctx)  # the policy's books (read only here)
         # the estimated link clock, for a policy that reads its link budget (the others are told
         # inf, as the simulator tells them)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import time
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -35,7 +37,7 @@ from saem_gguf.policies.state import (
 )
 from saem_gguf.pricing import price_placement, price_steps
 from saem_gguf.stage.coherence import stage_histogram
-from saem_gguf.trace import TraceSet, validate_traces
+from saem_gguf.trace import SequenceTrace, TraceSet, validate_traces
 
 DEFAULT_ECRS: tuple[float, ...] = (3.125, 6.25, 12.5, 25.0, 50.0)
 # Not comparable with a live placement (the engine cannot run them): an upper bound, the future,
@@ -215,6 +217,71 @@ def split_calibration(ts: TraceSet, frac: float) -> tuple[TraceSet, TraceSet | N
     rep = TraceSet(signature=ts.signature, sequences=ts.sequences[: n - k], source=ts.source, meta=meta_r)
     cal = TraceSet(signature=ts.signature, sequences=ts.sequences[n - k:], source=ts.source, meta={})
     return rep, cal
+
+
+# the calibration tokens a policy is replayed over at load (calibration_sample): enough that the
+# adaptive saem's layout choice measured no worse than on every calibration token
+# (docs/POLICIES.md, "Is the chosen layout the best one?"), few enough to replay a 48-layer model
+# at 7 layouts in seconds
+CALIBRATION_REPLAY_TOKENS = 4096
+
+
+def calibration_sample(ts: TraceSet, max_tokens: int = CALIBRATION_REPLAY_TOKENS) -> TraceSet:
+    """The calibration routing a policy is replayed over at load (PolicyContext.replay_calibration):
+    every sequence of ``ts`` with its prompt and its first ``n`` decoded tokens (all of a shorter
+    one), ``n`` the largest that keeps the decoded tokens within ``max_tokens``. Every
+    sequence's opening rather than the first sequences whole: one long sequence would otherwise
+    stand for the set (measured: docs/POLICIES.md, "Is the chosen layout the best one?"). A
+    calibration profile embeds it (stage.calibrate), so the engine replays what the simulator does."""
+    decoded = np.array([sq.n_tokens - sq.prompt_len for sq in ts.sequences], np.int64)
+    lo, hi = 0, int(decoded.max(initial=0))
+    while lo < hi:  # the largest per-sequence cut within the budget
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if int(np.minimum(decoded, mid).sum()) <= max_tokens else (lo, mid - 1)
+    out = [_cut(sq, sq.prompt_len + lo) for sq in ts.sequences] if lo > 0 else []
+    meta = {"boundary_cues": sequence_cues(ts)} if "boundary_cues" in ts.meta and out else {}
+    return TraceSet(signature=ts.signature, sequences=out, source=ts.source, meta=meta)
+
+
+def _cut(sq: SequenceTrace, n: int) -> SequenceTrace:
+    """``sq``'s first ``n`` tokens (``sq`` itself when it has no more)."""
+    if sq.n_tokens <= n:
+        return sq
+    starts = np.asarray(sq.stage_starts)
+    return dataclasses.replace(sq, token_ids=sq.token_ids[:n], pieces=sq.pieces[:n], experts=sq.experts[:n],
+                               stage_starts=starts[starts < n], weights=None if sq.weights is None else sq.weights[:n])
+
+
+def calibration_pricer(blocks: Callable[[], list[RoutingBlock]], ctx: PolicyContext) -> Callable[[Policy], float]:
+    """PolicyContext.replay_calibration: the estimated tokens/s of a fresh policy replayed over
+    ``blocks()`` (the calibration sample's routing, built at the first call: most policies never
+    ask) on ``ctx``'s budget, batch and cost model. The policy starts on ``ctx`` without a
+    pricer: what it prices is a set-up already fixed."""
+    bare = dataclasses.replace(ctx, replay_calibration=None)
+
+    def price(policy: Policy) -> float:
+        policy.start(bare)
+        acct = Accounting()
+        replay(policy, blocks(), acct)
+        return float(metrics(acct.counters, acct.clock, bare.cost)["tok_s"])
+
+    return price
+
+
+def sample_blocks(sample: TraceSet, batch: int, events: str = "detector", cues: str = "general",
+                  template=None) -> Callable[[], list[RoutingBlock]]:
+    """The calibration sample's routing blocks at ``batch``, built once at the first call, with
+    the stage events of the detector the replayed sequences get (the cue set ``cues``, or the
+    engine's own detector as ``template``), as ``simulate`` builds the replayed traces'."""
+    built: list[list[RoutingBlock]] = []
+
+    def blocks() -> list[RoutingBlock]:
+        if not built:
+            detected = detector_events(sample, cues, template) if events == "detector" else None
+            built.append(build_blocks(sample, batch, events, detected=detected))
+        return built[0]
+
+    return blocks
 
 
 # --------------------------------------------------------------------------------------------
@@ -420,6 +487,7 @@ def run_policy(name: str, blocks: list[RoutingBlock], ctx: PolicyContext, policy
     m = metrics(acct.counters, acct.clock, ctx.cost)
     m["wall_s"] = wall
     m["slots_per_layer_used"] = float(state.n_slots.mean())
+    m["whole_layers"] = int(np.count_nonzero(state.n_slots >= ctx.n_expert))  # fully resident (the layout)
     if tier is not None:
         m.update(tier.metrics(m["tokens"], m["time_s"]))
     return m
@@ -535,14 +603,19 @@ def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | No
     })
     cues = sequence_cues(ts)
     detected = detector_events(ts, cfg.cues) if cfg.events == "detector" else None
+    sample = calibration_sample(calib) if calib is not None else None
+    sample = sample if sample is not None and sample.sequences else None  # no decoded token: nothing to replay
     for B in cfg.batches:
         blocks = build_blocks(ts, B, cfg.events, cues, detected)
         n_events = int(sum(b.event_steps.size for b in blocks))
+        calib_blocks = sample_blocks(sample, B, cfg.events, cfg.cues) if sample is not None else None
         for ecr in cfg.ecrs:
             S = budget_slots(ecr, E)
             for name in cfg.policies:
                 ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, S, np.int32), cost=cost,
                                     calib_counts=calib_counts, batch=B, cue_counts=cue_counts)
+                if calib_blocks is not None:
+                    ctx.replay_calibration = calibration_pricer(calib_blocks, ctx)
                 m = run_policy(name, blocks, ctx, (policy_kwargs or {}).get(name), ram)
                 res.rows.append({"policy": name, "ecr": float(ecr), "batch": int(B), "slots": S,
                                  "events": n_events, **m})

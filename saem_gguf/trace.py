@@ -148,6 +148,15 @@ def check_signature(ts: TraceSet, expected: ModelSignature, where: str = "trace"
 
 def save_traces(ts: TraceSet, path: str, compress: bool = True) -> None:
     """Write ``ts`` to ``path`` (.npz). Validates first, so a bad trace never reaches disk."""
+    data = traces_to_bytes(ts, compress)
+    # Built in memory, then written atomically: a failure never leaves a half-written file.
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def traces_to_bytes(ts: TraceSet, compress: bool = True) -> bytes:
+    """``ts`` in the trace file format (validated first): what ``save_traces`` writes, and what a
+    profile embeds of its calibration routing (stage.calibrate)."""
     validate_traces(ts)
     seqs = ts.sequences
     lens = np.array([s.n_tokens for s in seqs], np.int64)
@@ -190,11 +199,9 @@ def save_traces(ts: TraceSet, path: str, compress: bool = True) -> None:
     except (TypeError, ValueError) as e:
         raise TraceError(f"trace meta is not JSON-serialisable: {e}") from None
     arrays["header"] = np.frombuffer(hdr, np.uint8)
-    # Built in memory, then written atomically: a failure never leaves a half-written file.
     buf = io.BytesIO()
     (np.savez_compressed if compress else np.savez)(buf, **arrays)
-    with atomic_open(path, "wb") as f:
-        f.write(buf.getvalue())
+    return buf.getvalue()
 
 
 def _json_default(o):
@@ -216,10 +223,14 @@ def read_header(path: str) -> dict:
 def _open_npz(path: str):
     if not os.path.exists(path):
         raise TraceError(f"{path}: no such trace file")
+    return _load_npz(path, path)
+
+
+def _load_npz(source, where: str):
     try:
-        return np.load(path, allow_pickle=False)
+        return np.load(source, allow_pickle=False)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-        raise TraceError(f"{path}: not a saem trace (.npz) file: {e}") from None
+        raise TraceError(f"{where}: not a saem trace (.npz) file: {e}") from None
 
 
 def _header(z, path: str) -> dict:
@@ -243,7 +254,16 @@ def _header(z, path: str) -> dict:
 def load_traces(path: str, expect: ModelSignature | None = None) -> TraceSet:
     """Read a trace file written by ``save_traces``; validates it, and checks the model
     signature against ``expect`` when given. Any problem raises TraceError with the path."""
-    with _open_npz(path) as z:
+    return _read(_open_npz(path), path, expect)
+
+
+def traces_from_bytes(data: bytes, where: str, expect: ModelSignature | None = None) -> TraceSet:
+    """``load_traces`` of ``traces_to_bytes``' output; TraceError naming ``where``."""
+    return _read(_load_npz(io.BytesIO(data), where), where, expect)
+
+
+def _read(npz, path: str, expect: ModelSignature | None) -> TraceSet:
+    with npz as z:
         hdr = _header(z, path)
         missing = [k for k in _REQUIRED if k not in z.files]
         if missing:

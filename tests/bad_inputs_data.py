@@ -3,6 +3,7 @@ once per session from a small generated model and a synthetic trace."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import struct
@@ -161,8 +162,9 @@ def make_bad_inputs(root: Path) -> BadInputs:
 
 def _profiles(root: Path, model: Path) -> dict[str, Path]:
     from saem_gguf.gguf_info import read_model_info
-    from saem_gguf.stage.calibrate import PROFILE_FORMAT, PROFILE_VERSION
+    from saem_gguf.stage.calibrate import PROFILE_FORMAT, PROFILE_VERSION, encode_routing
     from saem_gguf.stage.cues import CueSet
+    from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
 
     info = read_model_info(model)
     L, E = len(info.moe_layers), info.n_expert
@@ -185,6 +187,13 @@ def _profiles(root: Path, model: Path) -> dict[str, Path]:
         "no_cues": {"cues": None},
         "thresholds_list": {"thresholds": [1]},
         "min_stage_negative": {"thresholds": {"min_stage_tokens": -3}},
+        # the calibration sample the adaptive saem replays at load (stage.calibrate.encode_routing)
+        "routing_number": {"stats": {"calibration_routing": 5}},
+        "routing_not_base64": {"stats": {"calibration_routing": "not base64!"}},
+        "routing_not_a_trace": {"stats": {"calibration_routing": base64.b64encode(b"hello").decode()}},
+        "routing_other_model": {"stats": {"calibration_routing": encode_routing(make_stage_traces(
+            SyntheticConfig(n_layer=L + 1, n_expert=E, top_k=info.n_expert_used, n_sequences=1,
+                            stage_len_scale=0.05)))}},
     }
     out = {}
     for name, over in variants.items():

@@ -166,7 +166,9 @@ for _name, _needle in (("counts_string", "expert_counts"), ("counts_ragged", "ex
                        ("wrong_version", "version"), ("no_cues", "cues"),
                        ("thresholds_list", "thresholds"), ("min_stage_negative", "min_stage_tokens"),
                        ("not_json", "not valid JSON"), ("not_utf8", "not valid JSON"),
-                       ("array", "JSON object")):
+                       ("array", "JSON object"), ("routing_number", "calibration_routing"),
+                       ("routing_not_base64", "calibration_routing"), ("routing_not_a_trace", "calibration_routing"),
+                       ("routing_other_model", "calibration_routing")):
     for _policy in ("saem", "saem-cue"):
         add(Case(f"profile-{_name}-{_policy}",
                  lambda b, d, n=_name, p=_policy: ["generate", "-m", _m(b), "-p", "hi", "-n", "1",

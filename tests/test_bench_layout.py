@@ -14,12 +14,6 @@ from bench_scripts import load_bench
 bl = load_bench("bench_layout")
 
 
-def test_grid_spans_uniform_to_every_whole_layer():
-    assert bl.grid(24, 7) == [0, 4, 8, 12, 16, 20, 24]
-    assert bl.grid(3, 7) == [0, 1, 2, 3]
-    assert bl.grid(0, 7) == [0] and bl.grid(12, 1) == [0]
-
-
 def test_the_chosen_layout_is_measured_against_every_count(tmp_path, monkeypatch, capsys):
     # the bench_policies module bench_layout imported (a test may have loaded another since)
     where = bl.selected_families.__globals__

@@ -12,7 +12,10 @@ import pytest
 
 from conftest import REPO, run_cli, spec_for
 from saem_gguf.engine import Engine, EngineConfig
+from saem_gguf.simulator import calibration_sample
+from saem_gguf.stage.calibrate import Profile
 from saem_gguf.testmodels import ensure_model
+from saem_gguf.trace import load_traces
 
 PROMPT = "First, compute 12 + 7. Wait, let me verify the sum. Alternatively, count up from 12."
 POLICIES = ["cpu-moe", "n-cpu-moe", "static-hot", "lru", "lfu", "temporal", "saem", "saem-implicit", "saem-cue",
@@ -189,9 +192,10 @@ def test_pieces_are_the_exact_text_and_cues_across_tokens_are_seen(qwen3_path):
         eng.close()
 
 
-def test_saem_cue_with_a_calibrated_profile_on_the_embedded_model(tmp_path):
-    """trace -> calibrate -> engine --profile with saem-cue: the profile carries per-cue stage
-    routing, the policy ranks by it at cue boundaries, and the output equals cpu-moe's."""
+def test_saem_cue_and_saem_with_a_calibrated_profile_on_the_embedded_model(tmp_path):
+    """trace -> calibrate -> engine --profile with saem-cue and saem: the profile carries per-cue
+    stage routing, saem-cue ranks by it at cue boundaries; it carries a sample of the routing,
+    which saem replays at load to choose its layout (and says so); the output equals cpu-moe's."""
     from saem_gguf.defaultmodel import corpus
 
     prompts = tmp_path / "q.txt"
@@ -206,18 +210,26 @@ def test_saem_cue_with_a_calibrated_profile_on_the_embedded_model(tmp_path):
     kept = {c for c, g in profiles["gain"].items() if g["keep"]}
     assert kept and kept <= set(cue_counts)  # some cue's profile beat the previous stage
     assert {c["text"] for c in profiles["cues"]["cues"]} == kept
+    sample = Profile.load(prof).routing
+    expect = calibration_sample(load_traces(str(trace)))
+    assert [s.n_tokens for s in sample.sequences] == [s.n_tokens for s in expect.sequences]
+    assert all(np.array_equal(a.experts, b.experts) for a, b in zip(sample.sequences, expect.sequences))
 
     question = corpus.heldout_examples(1, seed=32)[0].question
     outs = {}
-    for policy in ("cpu-moe", "saem-cue"):
-        eng = Engine(EngineConfig(policy=policy, ecr=0.25, n_threads=2, profile=prof if policy == "saem-cue" else None,
-                                  progress=False), log=lambda m: None)
+    for policy in ("cpu-moe", "saem-cue", "saem"):
+        notes = []
+        eng = Engine(EngineConfig(policy=policy, ecr=0.25, n_threads=2, profile=prof if policy != "cpu-moe" else None,
+                                  progress=False), log=notes.append)
         try:
             outs[policy] = eng.generate(eng.chat_prompt([{"role": "user", "content": question}]), 200).tokens
+            pol = eng.placement.policy
             if policy == "saem-cue":
-                pol = eng.placement.policy
                 assert set(pol.ctx.cue_counts) == set(cue_counts)
                 assert "cue" in {reason for _, reason in pol.boundaries}
+            if policy == "saem":  # 25 % of 6 x 32 experts: at most 1 whole layer
+                assert list(pol.layout_prices) == [0, 1]
+                assert any(m.startswith("slot layout: ") for m in notes), notes
         finally:
             eng.close()
-    assert outs["saem-cue"] == outs["cpu-moe"]
+    assert outs["saem-cue"] == outs["cpu-moe"] == outs["saem"]

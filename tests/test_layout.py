@@ -9,7 +9,11 @@ import pytest
 from saem_gguf.costmodel import C_SYNC, HW_PRESETS, MODEL_PRESETS, CostModel, t_gpu
 from saem_gguf.policies import make_policy
 from saem_gguf.policies.base import PolicyContext
-from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table
+from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
+from saem_gguf.simulator import (
+    SimConfig, calibration_counts, calibration_pricer, calibration_sample, run_policy, sample_blocks, simulate,
+)
+from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
 
 HW = HW_PRESETS["rtx4090-ddr5"]
 # a tiny expert (the embedded test model's size class): per-layer fixed costs dominate
@@ -147,3 +151,65 @@ def test_a_named_count_of_resident_layers_is_kept_as_asked():
     for bad in ("resident", "resident-x", "resident--1", "whole-2", "Auto"):
         with pytest.raises(ValueError, match="resident-N"):
             make_policy("saem", layout=bad)
+
+
+def test_whole_layer_grid_spans_uniform_to_every_whole_layer():
+    assert whole_layer_grid(24, 7) == [0, 4, 8, 12, 16, 20, 24]
+    assert whole_layer_grid(3) == [0, 1, 2, 3]
+    assert whole_layer_grid(0) == [0] and whole_layer_grid(12, 1) == [0]
+
+
+def _calibration(L, E, K, n_sequences=3, seed=5):
+    cfg = SyntheticConfig(n_layer=L, n_expert=E, top_k=K, n_sequences=n_sequences, stage_len_scale=0.1, seed=seed)
+    return make_stage_traces(cfg)
+
+
+def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_layout():
+    """With calibration routing in the context, saem's auto layout is the count of whole layers
+    (of whole_layer_grid) under which the policy itself replays that routing fastest. Each price
+    is what a plain replay of saem held to that count gives (nothing carries over from one
+    replay to the next), and the layout is that count's."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K)
+    sample = calibration_sample(calib, 1500)
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                        calib_counts=calibration_counts(calib, L, E))
+    ctx.replay_calibration = calibration_pricer(sample_blocks(sample, 1), ctx)
+    pol = make_policy("saem")
+    state = pol.start(ctx)
+    prices = pol.layout_prices
+    assert list(prices) == whole_layer_grid(3) == [0, 1, 2, 3]  # 96 slots: 3 whole layers at most
+    assert len(set(prices.values())) > 1, "every layout priced alike: the replay measured nothing"
+    best = min(n for n, tok in prices.items() if tok == max(prices.values()))
+    assert int((state.n_slots == E).sum()) == best
+    expect, _, _ = choose_layout(ctx.calib, K, ctx.n_slots, 1, SMALL.array, resident=best)
+    assert state.n_slots.tolist() == expect.tolist()
+    bare = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                         calib_counts=ctx.calib_counts)
+    blocks = sample_blocks(sample, 1)()
+    for n in reversed(list(prices)):  # in another order than the policy's
+        assert run_policy("saem", blocks, bare, {"layout": f"resident-{n}"})["tok_s"] == prices[n]
+    # a layout named or uniform replays nothing
+    for layout in ("uniform", "resident-2"):
+        named = make_policy("saem", layout=layout)
+        named.start(ctx)
+        assert named.layout_prices == {}
+
+
+def test_simulate_gives_saem_its_calibration_sample_to_replay():
+    """simulate() prices saem's layouts on calibration_sample(calib), at each batch size, with the
+    events of the detector the replayed traces get: the row's layout is that replay's choice."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K, n_sequences=4, seed=7)
+    ts = _calibration(L, E, K, n_sequences=2, seed=8)
+    cfg = SimConfig(policies=("saem",), ecrs=(50.0,), batches=(1, 2))
+    res = simulate(ts, cfg, SMALL, calib=calib)
+    sample = calibration_sample(calib)
+    for B in (1, 2):
+        ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                            calib_counts=calibration_counts(calib, L, E), batch=B)
+        ctx.replay_calibration = calibration_pricer(sample_blocks(sample, B, "detector", cfg.cues), ctx)
+        pol = make_policy("saem")
+        state = pol.start(ctx)
+        assert len(pol.layout_prices) == 4
+        assert res.select(batch=B, ecr=50.0)[0]["whole_layers"] == int((state.n_slots == E).sum())

@@ -87,6 +87,7 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
         ctx, detector, sig = pl.policy.ctx, pl.detector, eng.signature()
         live_boundaries = list(getattr(pl.policy, "boundaries", []))
         live_layout = pl.state.n_slots.copy()
+        live_prices = dict(getattr(pl.policy, "layout_prices", {}))
         n_expert = pl.n_expert
     finally:
         eng.close()
@@ -97,6 +98,10 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
     sim = make_policy(policy)
     state = sim.start(ctx)
     assert np.array_equal(state.n_slots, live_layout), "the simulator chose another slot layout"
+    if policy == "saem" and ecr == 0.25:
+        # the packaged profile's calibration sample, replayed at both layouts the budget allows
+        # (none or one of the 6 layers whole), priced alike by both drivers
+        assert list(live_prices) == [0, 1] and sim.layout_prices == live_prices
     acct = Accounting()
     replayed, replayed_budgets = [], []
     replay(sim, blocks, acct, replayed, link_budgets=replayed_budgets)

@@ -13,9 +13,10 @@ from saem_gguf.cli.main import main
 from saem_gguf.costmodel import HW_PRESETS, CostModel
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.simulator import (
-    SimConfig, build_blocks, calibration_counts, default_cost, replay, run_policy, simulate, split_calibration,
+    SimConfig, build_blocks, calibration_counts, calibration_sample, default_cost, replay, run_policy, simulate,
+    split_calibration,
 )
-from saem_gguf.trace import ModelSignature, SequenceTrace, TraceSet, save_traces
+from saem_gguf.trace import ModelSignature, SequenceTrace, TraceSet, save_traces, validate_traces
 
 EB = 1_000_000
 SIG = ModelSignature(arch="qwen3moe", n_layer=1, n_expert=4, n_expert_used=1, expert_bytes=EB, name="tiny")
@@ -314,3 +315,30 @@ def test_simulate_cli_ram_budget(capsys):
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["ram_policy"] for r in rows] == ["lfu-cpu", "lfu-cpu"]
     assert all(0 < r["tok_s_with_ram"] < r["tok_s"] and r["disk_mb_per_token"] > 0 for r in rows)
+
+
+def test_calibration_sample_keeps_every_sequences_opening():
+    """What a policy is replayed over at load: every sequence's prompt and first n decoded tokens
+    (a shorter sequence whole), n the largest that keeps the decoded tokens within the cap; its
+    routing, text and stage starts cut alike; a valid trace set; all of it under a larger cap."""
+    synthetic = pytest.importorskip("saem_gguf.synthetic")
+    cfg = synthetic.SyntheticConfig(n_layer=4, n_expert=16, top_k=2, n_sequences=3, stage_len_scale=0.25,
+                                    prompt_len=5, seed=9)
+    ts = synthetic.make_stage_traces(cfg)
+    decoded = [s.n_tokens - 5 for s in ts.sequences]
+    short = min(decoded)
+    n = max(decoded) // 3 + short // 2  # above the shortest for some caps, below it for others
+    for cap in (short * 3 - 1, 2 * n + short, 10):
+        smp = calibration_sample(ts, cap)
+        validate_traces(smp)
+        cut = max(k for k in range(max(decoded) + 1) if sum(min(d, k) for d in decoded) <= cap)
+        assert [s.n_tokens - s.prompt_len for s in smp.sequences] == [min(d, cut) for d in decoded]
+        for part, whole in zip(smp.sequences, ts.sequences):
+            k = part.n_tokens
+            assert part.prompt_len == 5 and np.array_equal(part.experts, whole.experts[:k])
+            assert part.pieces == whole.pieces[:k] and np.array_equal(part.token_ids, whole.token_ids[:k])
+            starts = np.asarray(whole.stage_starts)
+            assert part.stage_starts.tolist() == starts[starts < k].tolist()
+    everything = calibration_sample(ts, 10**9)
+    assert all(a is b for a, b in zip(everything.sequences, ts.sequences))
+    assert calibration_sample(ts, 0).sequences == []

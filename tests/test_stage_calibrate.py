@@ -109,6 +109,31 @@ def test_profile_round_trip_and_validation(tmp_path, planted_traces):
         Profile.load(tmp_path / "missing.json")
 
 
+def test_a_profile_carries_its_calibration_sample(tmp_path, planted_traces):
+    """stats.calibration_routing (what the adaptive saem replays at load) reads back as the
+    sample written, gate weights dropped; one made for another model shape is refused."""
+    from saem_gguf.simulator import calibration_sample
+    from saem_gguf.stage.calibrate import encode_routing
+
+    prof = calibrate_traceset(planted_traces, CueSet.load("general"), CalibrationConfig(min_stage_tokens=24))
+    assert prof.routing is None
+    sample = calibration_sample(planted_traces, 600)
+    prof.stats["calibration_routing"] = encode_routing(sample)
+    p = tmp_path / "profile.json"
+    prof.save(p)
+    back = Profile.load(p, expect=planted_traces.signature).routing
+    assert len(back.sequences) == len(sample.sequences) == len(planted_traces.sequences)
+    for a, b in zip(back.sequences, sample.sequences):
+        assert np.array_equal(a.experts, b.experts) and a.pieces == b.pieces and a.prompt_len == b.prompt_len
+        assert a.weights is None and a.stage_starts.tolist() == b.stage_starts.tolist()
+    other = make_stage_traces(SyntheticConfig(n_layer=12, n_sequences=1, stage_len_scale=0.05))
+    d = json.loads(p.read_text())
+    d["stats"]["calibration_routing"] = encode_routing(other)
+    p.write_text(json.dumps(d))
+    with pytest.raises(SaemError, match="calibration_routing: model mismatch"):
+        Profile.load(p)
+
+
 def test_calibration_input_checks(planted_traces):
     seqs = planted_traces.sequences
     with pytest.raises(SaemError):

@@ -1,6 +1,7 @@
 """`calibrate -m MODEL (--prompts FILE | --traces T ...) -o PROFILE.json`: the model's cue set Tmodel,
-thresholds, dominant-expert statistics (what static-hot and load-time placement use) and the
-routing of the stages each kept cue opens (what saem-cue ranks by)."""
+thresholds, dominant-expert statistics (what static-hot and load-time placement use), the
+routing of the stages each kept cue opens (what saem-cue ranks by) and a sample of the routing
+itself (what the adaptive saem replays to choose its slot layout)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from saem_gguf.cli.trace_cmd import check_n_predict
     from saem_gguf.engine import FAMILY_CUES
     from saem_gguf.errors import SaemError
-    from saem_gguf.simulator import calibration_counts
-    from saem_gguf.stage.calibrate import CalibrationConfig, calibrate_traceset
+    from saem_gguf.simulator import calibration_counts, calibration_sample
+    from saem_gguf.stage.calibrate import CalibrationConfig, calibrate_traceset, encode_routing
     from saem_gguf.stage.cues import CueSet
 
     check_output_path(args.output, "calibrate -o")
@@ -54,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     counts = calibration_counts(ts, ts.signature.n_layer, ts.signature.n_expert)
     prof.stats["expert_counts"] = counts.astype(int).tolist()
     prof.stats["cue_profiles"] = _cue_profiles(ts, candidates, args.min_stage_tokens)
+    # what the adaptive saem replays itself over at load to choose its slot layout
+    sample = calibration_sample(ts)
+    if sample.sequences:
+        prof.stats["calibration_routing"] = encode_routing(sample)
     prof.save(args.output)
     kept = ", ".join(c.text for c in prof.cues) or "(none: implicit detection only)"
     profiled = ", ".join(c["text"] for c in prof.stats["cue_profiles"]["cues"]["cues"]) or "(none)"

@@ -42,6 +42,10 @@ an idle link towards the busy-link price.
 
 Because the baselines' own rules are candidates, the real cache trails the best of them only by
 the switching copies and the lag of the average: robust by construction, not by tuning.
+
+The budget's split over the layers (``layout``, decided at load): where the context can replay
+the calibration routing (``PolicyContext.replay_calibration``), the count of whole resident
+layers under which this policy itself replays it fastest; else layout.py's static estimate.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.caching import (
     KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda, resident_floor,
 )
-from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table
+from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
 from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy, stage_books
 from saem_gguf.policies.state import (
@@ -153,8 +157,9 @@ class AdaptiveConfig:
     # varies with the workload (0.27-0.77 one-token runs measured), and half of it served every
     # measured family best (docs/POLICIES.md, "Measured: does saem lead?")
     copy_price: float = 0.5
-    # "auto": split the slot budget over the layers by pricing layouts (layout.py: from uniform to
-    # whole layers resident, as n-cpu-moe); "uniform": the budget's slots in every layer;
+    # "auto": split the slot budget over the layers, from uniform to whole layers resident as
+    # n-cpu-moe, as the policy replays its calibration routing fastest where the context can
+    # replay it, else as layout.py prices it; "uniform": the budget's slots in every layer;
     # "resident-N": auto's candidate with N whole layers resident (at most what the budget
     # holds), to measure auto's choice against the others (bench/bench_layout.py)
     layout: str = "auto"
@@ -473,6 +478,14 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
                  **overrides) -> None:
         super().__init__(config, **overrides)
+        # what a copy of this policy under another layout is built from (_replayed_layout)
+        self._args = dict(config=config, horizon_steps=horizon_steps, switch_margin=switch_margin,
+                          warm_start=warm_start, candidates=candidates, prior_tokens=prior_tokens,
+                          copy_cost=copy_cost, copy_price=copy_price, start_leader=start_leader,
+                          first_switch=first_switch, load_slope=load_slope, **overrides)
+        # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
+        # was chosen so (read by reports and tests)
+        self.layout_prices: dict[int, float] = {}
         if start_leader is None:
             start_leader = DEFAULT_START_LEADER if DEFAULT_START_LEADER in candidates else "stage"
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
@@ -489,12 +502,34 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             raise ValueError(f"the leader at start ({start_leader!r}) must be a candidate")
 
     def slots_for(self, ctx: PolicyContext) -> np.ndarray:
-        """The budget's bytes split over the layers as the cost model prices best (layout.py)."""
+        """The budget's bytes split over the layers: under ``auto``, as this policy ran fastest
+        on the calibration routing where the context can replay it, else as the cost model
+        prices the calibrated hot experts (layout.py)."""
         if self.adaptive.layout == "uniform":
             return ctx.n_slots
+        resident = self._resident
+        if resident is None and ctx.replay_calibration is not None:
+            resident = self._replayed_layout(ctx)
         slots, _, _ = choose_layout(ctx.calib, ctx.top_k, ctx.n_slots, ctx.batch, ctx.cost.array,
-                                    resident=self._resident)
+                                    resident=resident)
         return slots
+
+    def _replayed_layout(self, ctx: PolicyContext) -> int:
+        """The count of whole resident layers (of layout.whole_layer_grid) under which this policy
+        replays the calibration routing fastest; the fewest on a tie.
+
+        Why not the static estimate alone: it prices the calibrated hot experts as if they stayed
+        hot, so it cannot tell routing a cache follows (whole layers waste the bytes) from routing
+        it only chases (whole layers win); replaying the policy itself, its candidates, switches and
+        copies at each layout, can (docs/POLICIES.md, "Is the chosen layout the best one?")."""
+        whole_max = min(ctx.n_layer, int(ctx.n_slots.sum()) // max(ctx.n_expert, 1))
+        self.layout_prices = {}
+        if whole_max == 0:  # no whole layer fits: the uniform layout is the only one
+            return 0
+        for n in whole_layer_grid(whole_max):
+            self.layout_prices[n] = ctx.replay_calibration(type(self)(**self._args, layout=f"resident-{n}"))
+        best = max(self.layout_prices.values())
+        return min(n for n, tok in self.layout_prices.items() if tok == best)
 
     def start(self, ctx: PolicyContext) -> CacheState:
         state = super().start(ctx)

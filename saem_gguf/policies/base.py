@@ -33,7 +33,7 @@ import math
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 
@@ -52,7 +52,8 @@ MISS_TRANSFER = 2  # always transfer into the temporary slot (the paper's "no CP
 class PolicyContext:
     """What a policy may know before decoding: shapes, the slot budget, calibration counts
     (token-level routing counts [L, E] from a calibration set; per cue text, the counts of the
-    stages that cue opened, see cue_profiles.py) and the cost model."""
+    stages that cue opened, see cue_profiles.py), the cost model and, where calibration routing
+    is known, a way to price a policy on it (``replay_calibration``)."""
 
     n_layer: int
     n_expert: int
@@ -62,6 +63,11 @@ class PolicyContext:
     calib_counts: np.ndarray | None = None  # float64 [L, E]
     batch: int = 1
     cue_counts: dict[str, np.ndarray] | None = None  # cue text -> float64 [L, E]
+    # tokens/s of a fresh policy replayed over a sample of the calibration routing on this
+    # context's budget, batch and cost model (simulator.calibration_pricer); None where no
+    # calibration routing is known. What a policy may price a set-up fixed at load with (the
+    # adaptive saem's slot layout: docs/POLICIES.md, "Slot layout")
+    replay_calibration: Callable[[Policy], float] | None = None
 
     def __post_init__(self) -> None:
         self.n_slots = np.asarray(self.n_slots, np.int32)

@@ -17,6 +17,12 @@ experts resident (a static estimate; a cache does better on drifting routing, wh
 the cached layers' estimate pessimistic). The cheapest layout is kept; ties keep fewer
 resident layers (the uniform layout, whose cache can follow the routing).
 
+Where calibration routing is known (``PolicyContext.replay_calibration``) the adaptive saem
+does not use this estimate to pick the count of whole layers: it replays itself over that
+routing at each count of ``whole_layer_grid`` and keeps the fastest (adaptive.py), which
+measured closer to the best layout (docs/POLICIES.md, "Is the chosen layout the best one?").
+This module still prices which layers go whole and how the rest is spread.
+
 Because the estimate is pessimistic for the uniform layout's cache, a layout with resident
 layers must beat it by ``MIN_GAIN`` of the step's expert time. Measured with ``saem``
 on bench_policies' twelve families (docs/POLICIES.md): layouts estimated to save under 0.1 %
@@ -34,6 +40,8 @@ from saem_gguf.costmodel import C_OVERLAP, C_SYNC, t_cpu, t_gpu
 
 # the share of the uniform layout's estimated step time a layout with resident layers must save
 MIN_GAIN = 0.005
+# layouts priced by replaying the policy over its calibration routing (whole_layer_grid)
+GRID_POINTS = 7
 
 
 def expert_use_probability(calib: np.ndarray, top_k: int) -> np.ndarray:
@@ -82,6 +90,15 @@ def spread(total: int, layers: np.ndarray, n_expert: int, table: np.ndarray) -> 
         saving = table[layers, base] - table[layers, base + 1]
         out[np.argsort(-saving, kind="stable")[:extra]] += 1
     return out
+
+
+def whole_layer_grid(whole_max: int, points: int = GRID_POINTS) -> list[int]:
+    """``points`` counts of whole resident layers spread evenly over 0..whole_max (fewer when
+    they coincide): the layouts the adaptive saem replays on its calibration routing, and
+    bench/bench_layout.py on the replayed traces."""
+    if points < 2 or whole_max <= 0:
+        return [0]
+    return sorted({round(k * whole_max / (points - 1)) for k in range(points)})
 
 
 def choose_layout(calib: np.ndarray, top_k: int, budget: np.ndarray, batch: int, cost: np.ndarray,

@@ -15,6 +15,8 @@ docs/STAGES.md for the exact definitions and defaults):
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import time
@@ -37,7 +39,9 @@ from saem_gguf.stage.coherence import (
 from saem_gguf.stage.cues import CueSet
 from saem_gguf.stage.implicit import ImplicitConfig, score_trace
 from saem_gguf.stage.matcher import CueMatcher, compile_cues
-from saem_gguf.trace import ModelSignature, SequenceTrace, TraceSet
+from saem_gguf.trace import (
+    ModelSignature, SequenceTrace, TraceSet, check_signature, traces_from_bytes, traces_to_bytes,
+)
 
 PROFILE_FORMAT = "saem-stage-profile"
 PROFILE_VERSION = 1
@@ -100,6 +104,9 @@ class Profile:
     implicit: ImplicitConfig | None = None
     stats: dict = field(default_factory=dict)
     version: int = PROFILE_VERSION
+    # stats["calibration_routing"] decoded (checked at load): the calibration sample a policy is
+    # replayed over at load (simulator.calibration_sample; None in a profile without one)
+    routing: TraceSet | None = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:
         return {
@@ -149,7 +156,9 @@ class Profile:
         if not isinstance(stats, dict):
             raise SaemError(f"{where}: stats must be an object")
         _check_stats(stats, sig, where)
-        return cls(sig, cues, th, implicit, stats, ver)
+        routing = stats.get("calibration_routing")
+        routing = None if routing is None else decode_routing(routing, sig, f"{where}: stats.calibration_routing")
+        return cls(sig, cues, th, implicit, stats, ver, routing)
 
     @classmethod
     def load(cls, path: str | Path, expect: ModelSignature | None = None) -> Profile:
@@ -183,6 +192,29 @@ def _check_stats(stats: dict, sig: ModelSignature, where: str) -> None:
     profiles = stats.get("cue_profiles")
     if profiles is not None and not (isinstance(profiles, dict) and {"cues", "counts"} <= set(profiles)):
         raise SaemError(f"{where}: stats.cue_profiles must be an object with 'cues' and 'counts'")
+
+
+def encode_routing(ts: TraceSet) -> str:
+    """A calibration sample as the profile stores it (stats["calibration_routing"]): the trace
+    file format (trace.traces_to_bytes, gate weights dropped: no policy reads them), base64."""
+    bare = replace(ts, sequences=[replace(sq, weights=None) for sq in ts.sequences])
+    return base64.b64encode(traces_to_bytes(bare)).decode("ascii")
+
+
+def decode_routing(text, sig: ModelSignature, where: str) -> TraceSet:
+    """``encode_routing``'s output read back and checked against the profile's model; SaemError
+    naming ``where`` for anything else (a TraceError is one)."""
+    if not isinstance(text, str):
+        raise SaemError(f"{where}: must be a base64 string")
+    try:
+        data = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as e:
+        raise SaemError(f"{where}: not base64 ({e})") from None
+    ts = traces_from_bytes(data, where)
+    check_signature(ts, sig, where)
+    if not ts.sequences:
+        raise SaemError(f"{where}: holds no sequence")
+    return ts
 
 
 def _signature_from(d, where: str) -> ModelSignature:
