@@ -13,9 +13,9 @@ Metrics are defined in docs/POLICIES.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -584,7 +584,8 @@ def default_cost(ts: TraceSet, hw: HardwareProfile | str = "rtx4090-ddr5", model
 def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | None = None,
              progress=None, policy_kwargs: dict | None = None, ram: RamProjection | None = None) -> SimResult:
     """Replay ``ts`` under every policy x ECR x batch of ``cfg``. ``calib`` gives the
-    calibration counts (static-hot, initial placements, priors). ``progress(n)`` is called
+    calibration counts (static-hot, initial placements, priors) and the sample a policy may
+    replay itself over at load (calibration_sample; saem's slot layout). ``progress(n)`` is called
     after each run. ``ram``: project a RAM tier below each VRAM cache (RamTierReplay)."""
     validate_traces(ts)
     sig = ts.signature
