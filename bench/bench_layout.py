@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from bench_policies import add_workload_args, family_traces, selected_families  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
-from saem_gguf.policies.layout import GRID_POINTS, whole_layer_grid  # noqa: E402
+from saem_gguf.policies.layout import GRID_POINTS, max_whole_layers, whole_layer_grid  # noqa: E402
 from saem_gguf.simulator import SimConfig, default_cost, simulate  # noqa: E402
 
 
@@ -46,8 +46,7 @@ def measure(task: tuple) -> list[dict]:
     if fam == "model":
         cfg = dataclasses.replace(cfg, cues=cues)
     budget = np.full(L, budget_slots(ecr, E), np.int32)
-    whole_max = min(L, int(budget.sum()) // E)
-    layouts = {"auto": None, **{f"resident-{n}": n for n in whole_layer_grid(whole_max, points)}}
+    layouts = {"auto": None, **{f"resident-{n}": n for n in whole_layer_grid(max_whole_layers(budget, E), points)}}
     tok, whole = {}, {}
     for layout in layouts:
         res = simulate(ts, cfg, cost, calib=calib, policy_kwargs={"saem": {"layout": layout}})

@@ -66,7 +66,9 @@ from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.caching import (
     KIND_LFU, KIND_LRU, _touch, admit_after_use, initial_keys, lrfu_lambda, resident_floor,
 )
-from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
+from saem_gguf.policies.layout import (
+    choose_layout, expert_use_probability, layer_time_table, max_whole_layers, whole_layer_grid,
+)
 from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.saem import SaemConfig, SaemCuePolicy, stage_books
 from saem_gguf.policies.state import (
@@ -522,7 +524,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         hot, so it cannot tell routing a cache follows (whole layers waste the bytes) from routing
         it only chases (whole layers win); replaying the policy itself, its candidates, switches and
         copies at each layout, can (docs/POLICIES.md, "Is the chosen layout the best one?")."""
-        whole_max = min(ctx.n_layer, int(ctx.n_slots.sum()) // max(ctx.n_expert, 1))
+        whole_max = max_whole_layers(ctx.n_slots, ctx.n_expert)
         self.layout_prices = {}
         if whole_max == 0:  # no whole layer fits: the uniform layout is the only one
             return 0

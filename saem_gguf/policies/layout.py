@@ -92,6 +92,13 @@ def spread(total: int, layers: np.ndarray, n_expert: int, table: np.ndarray) -> 
     return out
 
 
+def max_whole_layers(budget: np.ndarray, n_expert: int) -> int:
+    """How many layers the slot ``budget`` [L] could make fully resident (its bytes, as whole
+    layers of ``n_expert`` slots): the largest candidate of choose_layout and of whole_layer_grid."""
+    budget = np.asarray(budget)
+    return min(budget.size, int(budget.sum()) // max(int(n_expert), 1))
+
+
 def whole_layer_grid(whole_max: int, points: int = GRID_POINTS) -> list[int]:
     """``points`` counts of whole resident layers spread evenly over 0..whole_max (fewer when
     they coincide): the layouts the adaptive saem replays on its calibration routing, and
@@ -107,7 +114,7 @@ def choose_layout(calib: np.ndarray, top_k: int, budget: np.ndarray, batch: int,
     [L] (the same total bytes), see the module docstring; a layout with resident layers is
     kept only when it saves ``min_gain`` of the uniform layout's time. ``resident``: the
     candidate with that many resident layers (at most what the budget holds) instead of the
-    cheapest, to measure the estimate against (bench/bench_layout.py)."""
+    cheapest: the count the adaptive saem replayed fastest, or one of bench_layout.py's grid."""
     L, E = calib.shape
     total = int(np.asarray(budget).sum())
     table = layer_time_table(expert_use_probability(calib, top_k), max(int(batch), 1), cost)
@@ -119,7 +126,7 @@ def choose_layout(calib: np.ndarray, top_k: int, budget: np.ndarray, batch: int,
     base = np.minimum(uniform, E)
     gain = table[rows, base] - table[:, E]  # what full residency saves in each layer
     by_gain = np.argsort(-gain, kind="stable")
-    for r in range(1, min(L, total // E) + 1):
+    for r in range(1, max_whole_layers(budget, E) + 1):
         full = by_gain[:r]
         rest = np.setdiff1d(rows, full)
         slots = np.full(L, E, np.int32)

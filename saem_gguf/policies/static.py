@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from saem_gguf.policies.base import Policy, PolicyContext
+from saem_gguf.policies.layout import max_whole_layers
 from saem_gguf.policies.state import ResidencyChange, ResidencyPlan, StepEvents
 
 
@@ -55,8 +56,7 @@ class NCpuMoePolicy(StaticPolicy):
 
     def slots_for(self, ctx: PolicyContext) -> np.ndarray:
         if self.n_cpu_layers is None:
-            n_res = int(ctx.n_slots.sum()) // ctx.n_expert  # whole layers that fit in the same bytes
-            n_cpu = ctx.n_layer - n_res
+            n_cpu = ctx.n_layer - max_whole_layers(ctx.n_slots, ctx.n_expert)  # whole layers in the same bytes
         else:
             n_cpu = min(self.n_cpu_layers, ctx.n_layer)
         out = np.zeros(ctx.n_layer, np.int32)
