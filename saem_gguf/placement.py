@@ -30,7 +30,7 @@ from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import (
     OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, record_decision, step_uses,
 )
-from saem_gguf.simulator import calibration_pricer, sample_blocks
+from saem_gguf.simulator import CalibrationReplay, calibration_pricer
 from saem_gguf.stage.detector import StageDetector, StageEvent
 from saem_gguf.stage.pair import DetectorPair
 from saem_gguf.trace import TraceSet
@@ -101,7 +101,7 @@ class Placement:
         if calib_routing is not None:
             # the calibration sample replayed under this detector's events, as the simulator
             # replays it under its own (simulator.simulate): a policy prices its set-up on it
-            pctx.replay_calibration = calibration_pricer(sample_blocks(calib_routing, 1, template=detector), pctx)
+            pctx.replay_calibration = calibration_pricer(CalibrationReplay(calib_routing, template=detector), pctx)
         self.state: CacheState = self.policy.start(pctx)  # the policy's books (read only here)
         # the estimated link clock, for a policy that reads its link budget (the others are told
         # inf, as the simulator tells them)

@@ -252,36 +252,38 @@ def _cut(sq: SequenceTrace, n: int) -> SequenceTrace:
                                stage_starts=starts[starts < n], weights=None if sq.weights is None else sq.weights[:n])
 
 
-def calibration_pricer(blocks: Callable[[], list[RoutingBlock]], ctx: PolicyContext) -> Callable[[Policy], float]:
+class CalibrationReplay:
+    """The calibration sample's routing as blocks to replay a policy over, built at first use:
+    the stage events once, with the detector the replayed sequences get (the cue set ``cues``,
+    or the engine's own detector as ``template``), and the blocks once per batch size, as
+    ``simulate`` builds the replayed traces'. Most policies never ask, and pay nothing."""
+
+    def __init__(self, sample: TraceSet, events: str = "detector", cues: str = "general", template=None) -> None:
+        self.sample, self.events, self.cues, self.template = sample, events, cues, template
+        self._detected: list | None = None
+        self._blocks: dict[int, list[RoutingBlock]] = {}
+
+    def blocks(self, batch: int) -> list[RoutingBlock]:
+        if batch not in self._blocks:
+            if self.events == "detector" and self._detected is None:
+                self._detected = detector_events(self.sample, self.cues, self.template)
+            self._blocks[batch] = build_blocks(self.sample, batch, self.events, detected=self._detected)
+        return self._blocks[batch]
+
+
+def calibration_pricer(calibration: CalibrationReplay, ctx: PolicyContext) -> Callable[[Policy], float]:
     """PolicyContext.replay_calibration: the estimated tokens/s of a fresh policy replayed over
-    ``blocks()`` (the calibration sample's routing, built at the first call: most policies never
-    ask) on ``ctx``'s budget, batch and cost model. The policy starts on ``ctx`` without a
-    pricer: what it prices is a set-up already fixed."""
+    the calibration sample's blocks at ``ctx``'s batch size, on its budget and cost model. The
+    policy starts on ``ctx`` without a pricer: what it prices is a set-up already fixed."""
     bare = dataclasses.replace(ctx, replay_calibration=None)
 
     def price(policy: Policy) -> float:
         policy.start(bare)
         acct = Accounting()
-        replay(policy, blocks(), acct)
+        replay(policy, calibration.blocks(max(int(bare.batch), 1)), acct)
         return float(metrics(acct.counters, acct.clock, bare.cost)["tok_s"])
 
     return price
-
-
-def sample_blocks(sample: TraceSet, batch: int, events: str = "detector", cues: str = "general",
-                  template=None) -> Callable[[], list[RoutingBlock]]:
-    """The calibration sample's routing blocks at ``batch``, built once at the first call, with
-    the stage events of the detector the replayed sequences get (the cue set ``cues``, or the
-    engine's own detector as ``template``), as ``simulate`` builds the replayed traces'."""
-    built: list[list[RoutingBlock]] = []
-
-    def blocks() -> list[RoutingBlock]:
-        if not built:
-            detected = detector_events(sample, cues, template) if events == "detector" else None
-            built.append(build_blocks(sample, batch, events, detected=detected))
-        return built[0]
-
-    return blocks
 
 
 # --------------------------------------------------------------------------------------------
@@ -605,18 +607,18 @@ def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | No
     cues = sequence_cues(ts)
     detected = detector_events(ts, cfg.cues) if cfg.events == "detector" else None
     sample = calibration_sample(calib) if calib is not None else None
-    sample = sample if sample is not None and sample.sequences else None  # no decoded token: nothing to replay
+    # no decoded token: nothing to replay
+    calibration = CalibrationReplay(sample, cfg.events, cfg.cues) if sample is not None and sample.sequences else None
     for B in cfg.batches:
         blocks = build_blocks(ts, B, cfg.events, cues, detected)
         n_events = int(sum(b.event_steps.size for b in blocks))
-        calib_blocks = sample_blocks(sample, B, cfg.events, cfg.cues) if sample is not None else None
         for ecr in cfg.ecrs:
             S = budget_slots(ecr, E)
             for name in cfg.policies:
                 ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, S, np.int32), cost=cost,
                                     calib_counts=calib_counts, batch=B, cue_counts=cue_counts)
-                if calib_blocks is not None:
-                    ctx.replay_calibration = calibration_pricer(calib_blocks, ctx)
+                if calibration is not None:
+                    ctx.replay_calibration = calibration_pricer(calibration, ctx)
                 m = run_policy(name, blocks, ctx, (policy_kwargs or {}).get(name), ram)
                 res.rows.append({"policy": name, "ecr": float(ecr), "batch": int(B), "slots": S,
                                  "events": n_events, **m})

@@ -11,7 +11,7 @@ from saem_gguf.policies import make_policy
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
 from saem_gguf.simulator import (
-    SimConfig, calibration_counts, calibration_pricer, calibration_sample, run_policy, sample_blocks, simulate,
+    CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_sample, run_policy, simulate,
 )
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
 
@@ -174,7 +174,7 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
     sample = calibration_sample(calib, 1500)
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
                         calib_counts=calibration_counts(calib, L, E))
-    ctx.replay_calibration = calibration_pricer(sample_blocks(sample, 1), ctx)
+    ctx.replay_calibration = calibration_pricer(CalibrationReplay(sample), ctx)
     pol = make_policy("saem")
     state = pol.start(ctx)
     prices = pol.layout_prices
@@ -186,7 +186,7 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
     assert state.n_slots.tolist() == expect.tolist()
     bare = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
                          calib_counts=ctx.calib_counts)
-    blocks = sample_blocks(sample, 1)()
+    blocks = CalibrationReplay(sample).blocks(1)
     for n in reversed(list(prices)):  # in another order than the policy's
         assert run_policy("saem", blocks, bare, {"layout": f"resident-{n}"})["tok_s"] == prices[n]
     # a layout named or uniform replays nothing
@@ -208,7 +208,7 @@ def test_simulate_gives_saem_its_calibration_sample_to_replay():
     for B in (1, 2):
         ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
                             calib_counts=calibration_counts(calib, L, E), batch=B)
-        ctx.replay_calibration = calibration_pricer(sample_blocks(sample, B, "detector", cfg.cues), ctx)
+        ctx.replay_calibration = calibration_pricer(CalibrationReplay(sample, "detector", cfg.cues), ctx)
         pol = make_policy("saem")
         state = pol.start(ctx)
         assert len(pol.layout_prices) == 4
