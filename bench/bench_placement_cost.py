@@ -22,7 +22,7 @@ median``; the same decisions, tests/test_bench_placement_cost.py). The two media
 in what the decode between two tokens leaves behind; the replayed one is the placement's own
 work. A third replay waits a token's median time, idle, before each token (``after an idle
 token``): it tells the decode's memory traffic from the time passing (on the 2-core development
-machine, a virtual machine, idling alone costs as much as a decode: docs/POLICIES.md, per-token
+machine, a virtual machine, idling alone costs as much as a decode: docs/POLICIES_HISTORY.md, per-token
 cost). Each policy's median is also given as a share of the whole token (llama.cpp's decode,
 sampling, detokenizing and the placement, from one on_token call to the next, in the same run).
 """

@@ -4,7 +4,7 @@ step, reached through one int64 table of (address, shape) rows instead of one ar
 Why: after a decode, each array argument of a kernel call costs about 0.6 us before the kernel
 runs (the dispatcher matches its type and unboxes it, with the caches cold). Measured token by
 token in the live engine: a kernel given 24 arrays took 19.5 us a call, the same kernel reaching
-them through one table 7.7 us, a kernel with no argument 4.1 us (docs/POLICIES.md, per-token
+them through one table 7.7 us, a kernel with no argument 4.1 us (docs/POLICIES_HISTORY.md, per-token
 cost). The per-step inputs (a step's routing, its pieces) stay arguments; only books kept between
 steps go into the table.
 
@@ -98,7 +98,7 @@ def entry_point(kernel, *args):
 
     Why: after a decode, a kernel call through its dispatcher spends about 7 us typing its
     arguments and finding the overload (measured in the live engine, alternating tokens: 17.1 us
-    through the dispatcher against 9.5 us through the entry point; docs/POLICIES.md, per-token
+    through the dispatcher against 9.5 us through the entry point; docs/POLICIES_HISTORY.md, per-token
     cost). A decode step makes two to four such calls.
 
     Unsafe by design: the entry point converts scalars (an int, a float, a bool), but takes any

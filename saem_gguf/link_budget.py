@@ -112,7 +112,7 @@ class LinkMeter:
         # the step last estimated decided no copies (yet) and the clock has not moved to its end:
         # the next estimate or placement moves it, so a quiet decode step makes one kernel call
         # and one method call, not two of each (after a decode each call costs a few us before
-        # its work: docs/POLICIES.md, per-token cost)
+        # its work: docs/POLICIES_HISTORY.md, per-token cost)
         self._advance = False
         # bind_step's rows and map, and estimate_entry's compiled entry point for them
         self._bound_rows: np.ndarray | None = None

@@ -573,7 +573,7 @@ class LastRoutingReader:
 
     It reads the native routing sink (``saem_moe_routing_sink``), which every decode fills, so a
     read makes no native call: after a decode has emptied the caches a ctypes call costs tens of
-    microseconds (docs/POLICIES.md, per-token cost), reading memory next to nothing. A ubatch whose
+    microseconds (docs/POLICIES_HISTORY.md, per-token cost), reading memory next to nothing. A ubatch whose
     routing exceeds ``cap`` entries is read with ``saem_moe_get_last_routing``. One reader per
     context: a later sink with a larger cap moves the buffer under an earlier reader."""
 

@@ -95,6 +95,10 @@ class Placement:
         n_slots = np.zeros(n_layers, np.int32)
         n_slots[self.moe_layers] = slots_per_layer
         self.policy = make_policy(ENGINE_VARIANT.get(policy_name, policy_name), **(policy_args or {}))
+        # batch stays 1 under `serve -np N` too: how many sequences will decode together is not
+        # known at load, and a policy priced for batch 1 lost at most 0.18 % run at batch 4 or 8,
+        # where one priced for batch 4 or 8 lost up to 1.8 % run at batch 1 (docs/POLICIES.md,
+        # "The batch a policy is priced for")
         pctx = PolicyContext(n_layer=L, n_expert=self.n_expert, top_k=self.top_k,
                              n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
                              calib_counts=calib_counts, cue_counts=cue_counts)

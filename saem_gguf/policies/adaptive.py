@@ -385,7 +385,7 @@ def adaptive_step(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key
     arguments, same order), then the stage candidate's books, ``saem.stage_books(rows, slot_of,
     counts, on, det, ring, pos)`` (its arguments after ``ops``). Returns (ops rows written,
     decoded, fired). One call, not two: after a decode each kernel call costs a few us before its
-    arguments, about 0.8 us for each array (docs/POLICIES.md, per-token cost)."""
+    arguments, about 0.8 us for each array (docs/POLICIES_HISTORY.md, per-token cost)."""
     n = decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led,
                         ctl, behind, budget, gain_of, scratch, ops)
     decoded, fired = stage_books(rows, slot_of, counts, on, det, ring, pos)

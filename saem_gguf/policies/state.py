@@ -312,7 +312,7 @@ def op_buffer(n_layer: int, n_expert: int) -> np.ndarray:
 
 # A decision kernel's scratch (``decide_caching``, ``decide_adaptive``) travels as one int32
 # array of SCRATCH_PER_EXPERT * E entries, not five: after a decode each array argument of a
-# kernel call costs about 0.8 us (docs/POLICIES.md, per-token cost). ``scratch_views`` names
+# kernel call costs about 0.8 us (docs/POLICIES_HISTORY.md, per-token cost). ``scratch_views`` names
 # its parts: cnt [E] (zeros between steps: ``gather``'s counts), uniq / miss / entrants [E],
 # admitted [E, 3] (``admit_after_use``'s rows).
 SCRATCH_PER_EXPERT = 7

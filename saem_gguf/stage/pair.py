@@ -35,7 +35,7 @@ from saem_gguf.stage.steps import check_pieces, routing_rows, step_slots
 def pair_kernel(seq_idx, buf, lens, experts, delta, blob, m_state, m_ev, cue_last, twin_last, min_stage, ist, cnt, fl,
                 ring, prm, i_ev, scores):
     """One step of both detectors in one kernel call (after a decode each kernel call costs a
-    few us before its work: docs/POLICIES.md, per-token cost).
+    few us before its work: docs/POLICIES_HISTORY.md, per-token cost).
 
     The step: slots ``seq_idx`` int64 [B], their pieces ``buf`` / ``lens`` (``pack_pieces``)
     and routing ``experts`` int16 [B, L, K]. The books: delta / blob / m_state / m_ev, the cue
