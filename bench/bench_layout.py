@@ -22,14 +22,13 @@ import dataclasses
 import json
 import os
 import sys
-from multiprocessing import Pool
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 import numpy as np  # noqa: E402
 
-from bench_policies import add_workload_args, family_traces, selected_families  # noqa: E402
+from bench_policies import add_workload_args, family_traces, selected_families, task_pool  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
 from saem_gguf.policies.layout import GRID_POINTS, max_whole_layers, whole_layer_grid  # noqa: E402
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     print(f"{'family':<18} {'ECR %':>6} {'batch':>5} {'chosen':>6} {'tok/s':>7} {'best of grid':>18} "
           f"{'chosen/best':>11} {'uniform/best':>12}")
     out = []
-    with Pool(a.jobs) if a.jobs > 1 else _Serial() as pool:
+    with task_pool(a.jobs) as pool:
         for rows in pool.imap(measure, tasks):
             for r in rows:
                 out.append(r)
@@ -93,20 +92,6 @@ def main(argv=None) -> int:
     if a.json:
         write_text_atomic(a.json, json.dumps(out, indent=1))
     return 0
-
-
-class _Serial:
-    """Pool's imap in this process (--jobs 1: no worker, tracebacks where they happen)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    @staticmethod
-    def imap(fn, tasks):
-        return map(fn, tasks)
 
 
 if __name__ == "__main__":

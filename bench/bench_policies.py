@@ -1,8 +1,8 @@
 """Does the default ``saem`` lead? Simulated tokens/s of ``saem`` against every implementable
 policy, ``n-cpu-moe`` and the oracle, per trace family x ECR x batch (issue 12, item 4).
 
-    python bench/bench_policies.py [--trace default60.npz] [--families a,b,...] [--json OUT]
-    python bench/bench_policies.py --search 24 [--seed 0] [--json OUT]
+    python bench/bench_policies.py [--trace default60.npz] [--families a,b,...] [--jobs 2] [--json OUT]
+    python bench/bench_policies.py --search 24 [--seed 0] [--jobs 2] [--json OUT]
 
 Families (synthetic ones are generated like ``simulate --synthetic``: 8 sequences replayed, 4
 calibration sequences from another seed):
@@ -33,7 +33,10 @@ calibration sequences from another seed):
 
 "Best other" is the best tokens/s among the implementable policies: every policy but
 ``gpu-all``, ``oracle`` and the wait-for-load caches (``simulator.NOT_IMPLEMENTABLE``).
-Simulation is CPU-heavy: run it under the project's lock on a shared machine.
+The last lines sum the cells up as item 4 asks: how many ``saem`` leads, how many it trails and
+by how much, and the geometric means of saem / best other, saem / n-cpu-moe and saem / oracle.
+Simulation is CPU-heavy: run it under the project's lock on a shared machine; ``--jobs`` runs
+families in parallel processes (at most one per free core).
 """
 
 from __future__ import annotations
@@ -44,8 +47,13 @@ import json
 import os
 import random
 import sys
+import multiprocessing
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# this folder too: a --jobs worker process imports this script by name (task_pool)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
+
+import numpy as np  # noqa: E402
 
 from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
@@ -146,44 +154,103 @@ def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tupl
     return fams, drawn
 
 
+def measure(task: tuple) -> list[dict]:
+    """The rows of one family (every ECR x batch): saem's tokens/s and its ratios to the others."""
+    fam, ecrs, batches, trace, seed, cues, drawn = task
+    ts, calib = family_traces(fam, trace, seed, drawn)
+    cfg = SimConfig(policies=("saem", *OTHERS, "oracle"), ecrs=ecrs, batches=batches)
+    if fam == "model":
+        cfg = dataclasses.replace(cfg, cues=cues)
+    res = simulate(ts, cfg, default_cost(ts), calib=calib)
+    rows = []
+    for B in batches:
+        for e in ecrs:
+            tok = {r["policy"]: r["tok_s"] for r in res.select(batch=B, ecr=e)}
+            best = max(OTHERS, key=tok.__getitem__)
+            row = {"family": fam, "ecr": e, "batch": B, "saem": tok["saem"], "best_other": best,
+                   "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
+                   "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
+                   "tok_s": tok}
+            if fam in drawn:
+                row["config"] = _changed_fields(drawn[fam])
+            rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Item 4's figures over ``rows``: cells where saem is at least the best other (to 1e-9,
+    float noise), below it, below 0.999; the worst cell; geometric means of saem / best other,
+    saem / n-cpu-moe (and its least) and saem / oracle."""
+    vs = np.array([r["vs_best"] for r in rows])
+    n_cpu = np.array([r["vs_n_cpu_moe"] for r in rows])
+    worst = min(rows, key=lambda r: r["vs_best"])
+
+    def gmean(a: np.ndarray) -> float:
+        return float(np.exp(np.log(a).mean()))
+
+    return {"cells": len(rows), "at_least_best": int((vs >= 1 - 1e-9).sum()), "below_1": int((vs < 1 - 1e-9).sum()),
+            "below_0999": int((vs < 0.999).sum()), "worst": float(vs.min()),
+            "worst_cell": f"{worst['family']} {worst['ecr']:g} % batch {worst['batch']} ({worst['best_other']})",
+            "geomean_vs_best": gmean(vs), "geomean_vs_n_cpu_moe": gmean(n_cpu), "min_vs_n_cpu_moe": float(n_cpu.min()),
+            "geomean_vs_oracle": gmean(np.array([r["vs_oracle"] for r in rows]))}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p, "6.25%,12.5%,25%,50%")
+    p.add_argument("--jobs", type=int, default=1, help="parallel processes (at most one per free core)")
     p.add_argument("--json", help="write every row here")
     a = p.parse_args(argv)
+    if a.jobs < 1:
+        p.error("--jobs must be at least 1")
     fams, drawn = selected_families(p, a)
-    pols = ("saem", *OTHERS, "oracle")
-    cfg = SimConfig(policies=pols, ecrs=tuple(100.0 * e for e in a.ecr),  # SimConfig counts in percent
-                    batches=a.batch)
+    ecrs = tuple(100.0 * e for e in a.ecr)  # SimConfig counts in percent
+    tasks = [(f, ecrs, a.batch, a.trace, a.seed, a.cues, drawn) for f in fams]
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
           f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")
     out = []
-    worst = float("inf")
-    for fam in fams:
-        if fam in drawn:
-            print(f"{fam}: {_changed_fields(drawn[fam])}", flush=True)
-        ts, calib = family_traces(fam, a.trace, a.seed, drawn)
-        fcfg = dataclasses.replace(cfg, cues=a.cues) if fam == "model" else cfg
-        res = simulate(ts, fcfg, default_cost(ts), calib=calib)
-        for B in cfg.batches:
-            for e in cfg.ecrs:
-                tok = {r["policy"]: r["tok_s"] for r in res.select(batch=B, ecr=e)}
-                best = max(OTHERS, key=tok.__getitem__)
-                row = {"family": fam, "ecr": e, "batch": B, "saem": tok["saem"], "best_other": best,
-                       "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
-                       "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
-                       "tok_s": tok}
-                if fam in drawn:
-                    row["config"] = _changed_fields(drawn[fam])
-                worst = min(worst, row["vs_best"])
+    with task_pool(a.jobs) as pool:
+        for fam, rows in zip(fams, pool.imap(measure, tasks)):
+            if fam in drawn:
+                print(f"{fam}: {_changed_fields(drawn[fam])}", flush=True)
+            for row in rows:
                 out.append(row)
-                print(f"{fam:<12} {e:>6g} {B:>5} {tok['saem']:>10.1f} {best + f' {tok[best]:.1f}':>22} "
+                best = f"{row['best_other']} {row['best_other_tok_s']:.1f}"
+                print(f"{fam:<12} {row['ecr']:>6g} {row['batch']:>5} {row['saem']:>10.1f} {best:>22} "
                       f"{row['vs_best']:>8.3f}x {row['vs_n_cpu_moe']:>13.2f}x {row['vs_oracle']:>10.3f}x",
                       flush=True)
-    print(f"worst saem/best-other: {worst:.3f}x")
+    if out:
+        s = summary(out)
+        print(f"saem at least the best other in {s['at_least_best']} of {s['cells']} cells; below it in "
+              f"{s['below_1']} ({s['below_0999']} by more than 0.1 %); worst {s['worst']:.5f}x "
+              f"({s['worst_cell']})")
+        print(f"geometric means: saem/best other {s['geomean_vs_best']:.5f}, saem/n-cpu-moe "
+              f"{s['geomean_vs_n_cpu_moe']:.4f} (least {s['min_vs_n_cpu_moe']:.4f}), saem/oracle "
+              f"{s['geomean_vs_oracle']:.4f}")
     if a.json:
         write_text_atomic(a.json, json.dumps(out, indent=1))
     return 0
+
+
+class _Serial:
+    """Pool's imap in this process (--jobs 1: no worker, tracebacks where they happen)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    @staticmethod
+    def imap(fn, tasks):
+        return map(fn, tasks)
+
+
+def task_pool(jobs: int):
+    """``jobs`` worker processes (a Pool), or, for 1, imap in this process. The workers are
+    spawned, not forked: a fork of a process whose Numba or BLAS threads hold a lock can hang
+    (it did, in a pytest process)."""
+    return multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else _Serial()
 
 
 if __name__ == "__main__":

@@ -54,3 +54,40 @@ def test_a_settings_inert_drift_keep_is_not_printed():
     moving = dataclasses.replace(still, drift_every=4)
     assert bp._changed_fields(still) == {"skew": 1.57}
     assert bp._changed_fields(moving) == {"skew": 1.57, "drift_every": 4, "drift_keep": 0.5}
+
+
+def _row(fam: str, vs_best: float, vs_n_cpu: float, vs_oracle: float, best: str = "lfu-cpu") -> dict:
+    return {"family": fam, "ecr": 25.0, "batch": 1, "best_other": best, "vs_best": vs_best,
+            "vs_n_cpu_moe": vs_n_cpu, "vs_oracle": vs_oracle}
+
+
+def test_summary_gives_item_4s_figures():
+    rows = [_row("a", 1.2, 1.5, 0.9), _row("b", 1 - 1e-12, 1.0, 1.1),  # float noise counts as a tie
+            _row("c", 0.9995, 1.2, 0.95, "temporal-cpu"), _row("d", 0.98, 0.9, 1.0, "n-cpu-moe")]
+    s = bp.summary(rows)
+    assert (s["cells"], s["at_least_best"], s["below_1"], s["below_0999"]) == (4, 2, 2, 1)
+    assert s["worst"] == 0.98 and s["worst_cell"] == "d 25 % batch 1 (n-cpu-moe)"
+    assert np.isclose(s["geomean_vs_best"], (1.2 * (1 - 1e-12) * 0.9995 * 0.98) ** 0.25)
+    assert np.isclose(s["geomean_vs_n_cpu_moe"], (1.5 * 1.0 * 1.2 * 0.9) ** 0.25)
+    assert s["min_vs_n_cpu_moe"] == 0.9
+    assert np.isclose(s["geomean_vs_oracle"], (0.9 * 1.1 * 0.95 * 1.0) ** 0.25)
+
+
+def test_jobs_give_the_same_rows_in_the_same_order(tmp_path, monkeypatch, capsys):
+    real = bp.drawn_families
+
+    def small(n, seed):
+        return {k: dataclasses.replace(v, stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)
+                for k, v in real(n, seed).items()}
+
+    monkeypatch.setattr(bp, "drawn_families", small)
+    outs = []
+    for jobs in (1, 2):
+        out = tmp_path / f"rows{jobs}.json"
+        assert bp.main(["--search", "2", "--seed", "4", "--ecr", "25%", "--batch", "1",
+                        "--jobs", str(jobs), "--json", str(out)]) == 0
+        outs.append(json.loads(out.read_text()))
+        printed = capsys.readouterr().out
+        assert "geometric means: saem/best other" in printed and "of 2 cells" in printed
+    assert [r["family"] for r in outs[0]] == ["drawn-4-0", "drawn-4-1"]
+    assert outs[0] == outs[1]
