@@ -32,6 +32,7 @@ from saem_gguf.budget import (
 from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo
 from saem_gguf.gpu_memory import gpu_memory
+from saem_gguf.grammar import GrammarDeadEnd, GrammarSampler, check_grammar
 from saem_gguf.interrupts import deferred_signals
 from saem_gguf.llama_lib import load_llama_cpp
 from saem_gguf.resources import checked_engine_inputs
@@ -142,6 +143,9 @@ class SamplingConfig:
     seed: int | None = None  # None: the engine's seed
     ignore_eos: bool = False  # end-of-generation tokens get logit -inf (llama.cpp's --ignore-eos)
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
+    # GBNF the output must follow (llama.cpp's --grammar; saem_gguf.grammar): checked against the
+    # model's vocabulary before generating; a dead end ends the generation ("stop")
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("temp", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
@@ -364,17 +368,31 @@ def _make_llama_class(llama_cpp):
                 raise _PromptCaptured(list(prompt), kw.get("stop"))
             return super().create_completion(prompt, *args, **kw)
 
-        def _init_sampler(self, *args, **kw):
+        def _init_sampler(self, *args, grammar=None, **kw):
             sampler = super()._init_sampler(*args, **kw)
+            chain = sampler.sampler
             if self._saem_logit_bias:
                 # llama.cpp's logit bias comes first in its chain: put it before the others
-                chain = sampler.sampler
                 members = [llama_cpp.llama_sampler_chain_remove(chain, 0)
                            for _ in range(llama_cpp.llama_sampler_chain_n(chain))]
                 sampler.add_logit_bias(self.n_vocab(), self._saem_logit_bias)
                 for m in members:
                     llama_cpp.llama_sampler_chain_add(chain, m)
-            return sampler
+            if grammar is None:
+                return sampler
+            # where llama-cpp-python adds it: after the penalties (after the logit bias, first),
+            # before the samplers; sampled by GrammarSampler, which stops at a dead end
+            check_grammar(llama_cpp, self._model.vocab, grammar._grammar)
+            names = [llama_cpp.llama_sampler_name(llama_cpp.llama_sampler_chain_get(chain, i))
+                     for i in range(llama_cpp.llama_sampler_chain_n(chain))]
+            at = next(i for i, n in enumerate(names) if n.endswith(b"penalties")) + 1
+            rest = [llama_cpp.llama_sampler_chain_remove(chain, at)
+                    for _ in range(llama_cpp.llama_sampler_chain_n(chain) - at)]
+            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_grammar(
+                self._model.vocab, grammar._grammar.encode("utf-8"), grammar._root.encode("utf-8")))
+            for m in rest:
+                llama_cpp.llama_sampler_chain_add(chain, m)
+            return GrammarSampler(llama_cpp, sampler, at, self.n_vocab())
 
         @property
         def context_params(self):
@@ -809,6 +827,8 @@ class Engine:
         if len(toks) >= n_ctx:
             raise SaemError(f"the prompt ({len(toks)} tokens) does not fit the context ({n_ctx} tokens per "
                             f"sequence)")
+        if sampling.grammar is not None:  # before any work: a grammar llama.cpp cannot parse is one line
+            check_grammar(self._llama_cpp, llm._model.vocab, sampling.grammar)
         room = n_ctx - len(toks)
         limit = room if n_predict < 0 else min(n_predict, room)
         seed = self.seed if sampling.seed is None else resolve_seed(sampling.seed)
@@ -835,12 +855,17 @@ class Engine:
         llm._saem_logit_bias = {t: -math.inf for t in self.eog_tokens} if sampling.ignore_eos else None
         text = StopText(stops)
         out.finish_reason = "length"
+        grammar = None
+        if sampling.grammar is not None:
+            from llama_cpp.llama_grammar import LlamaGrammar
+
+            grammar = LlamaGrammar.from_string(sampling.grammar)
         try:
             for tok in llm.generate(out.prompt_token_ids, top_k=sampling.top_k, top_p=sampling.top_p,
                                     min_p=sampling.min_p, typical_p=sampling.typical_p,
                                     temp=max(sampling.temp, 0.0), repeat_penalty=sampling.repeat_penalty,
                                     frequency_penalty=sampling.frequency_penalty,
-                                    presence_penalty=sampling.presence_penalty, reset=True):
+                                    presence_penalty=sampling.presence_penalty, reset=True, grammar=grammar):
                 self._in_prompt = False
                 if lc.llama_vocab_is_eog(llm._model.vocab, tok):
                     out.finish_reason = "stop"
@@ -853,6 +878,9 @@ class Engine:
                 yield tok, piece
                 if stopped or last:
                     return
+        except GrammarDeadEnd as e:  # nothing was accepted: the text so far stands
+            out.finish_reason = "stop"
+            self.note(str(e))
         finally:
             llm._saem_logit_bias = None
         rest = text.flush()

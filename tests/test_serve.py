@@ -188,6 +188,19 @@ def test_concurrent_greedy_replies_equal_the_lone_ones(client):
     assert together == alone
 
 
+def test_json_schema_response_format_equals_generate_j(client, server):
+    """OpenAI's structured output (response_format json_schema) is the CLI's -j on the same schema."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    cli = _generate("--chat", "-p", QUESTION, "-n", str(N), "-j", json.dumps(schema))
+    r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}], max_tokens=N,
+                                       temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "answer", "schema": schema, "strict": True}})
+    assert r.choices[0].message.content == cli["text"] and cli["text"].lstrip().startswith("{")
+    assert r.choices[0].finish_reason == cli["finish_reason"]
+    bad = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "grammar": "root ::= x"})
+    assert bad.status_code == 400 and "Undefined rule identifier 'x'" in bad.json()["error"]["message"]
+
+
 # --- bad requests -------------------------------------------------------------------------------
 def _post(server, path: str, body: bytes | dict, **kw) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -74,7 +74,8 @@ BAD_BODIES = [
     ("content-image", _body({}, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), ChatRequest, "not supported"),
     ("tools", _body(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), ChatRequest, "tools"),
-    ("json-mode", _body(CHAT, response_format={"type": "json_object"}), ChatRequest, "response_format"),
+    ("format-unknown", _body(CHAT, response_format={"type": "xml"}), ChatRequest, "response_format.type"),
+    ("schema-missing", _body(CHAT, response_format={"type": "json_schema"}), ChatRequest, "json_schema.schema"),
     ("top-logprobs-21", _body(CHAT, logprobs=True, top_logprobs=21), ChatRequest, "top_logprobs"),
     ("logprobs-int-in-chat", _body(CHAT, logprobs=3), ChatRequest, "logprobs"),
 ]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 from saem_gguf.budget import ECR_HELP, parse_ecr, parse_ecr_list, parse_size, parse_vram_budget
 from saem_gguf.engine import KV_CACHE_TYPES
+from saem_gguf.errors import SaemError
 from saem_gguf.numa import LLAMA_NUMA_STRATEGIES
 
 if TYPE_CHECKING:
@@ -308,6 +309,15 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
                    help="ignore end-of-generation tokens and continue generating")
     g.add_argument("-r", "--reverse-prompt", dest="reverse_prompt", action="append", default=[],
                    metavar="PROMPT", help="stop generating at PROMPT (the text ends before it); repeatable")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                   help="BNF-like grammar (GBNF, llama.cpp's) to constrain generations to")
+    c.add_argument("--grammar-file", default=None, metavar="FNAME", help="file to read the grammar from")
+    c.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                   help="JSON schema to constrain generations to (https://json-schema.org/), e.g. `{}` for "
+                        "any JSON object")
+    c.add_argument("-jf", "--json-schema-file", default=None, metavar="FILE",
+                   help="file to read the JSON schema from")
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -327,4 +337,28 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
                           typical_p=args.typical, repeat_penalty=args.repeat_penalty,
                           repeat_last_n=args.repeat_last_n, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos,
-                          stop=tuple(args.reverse_prompt))
+                          stop=tuple(args.reverse_prompt), grammar=grammar_arg(args))
+
+
+def grammar_arg(args: argparse.Namespace) -> str | None:
+    """The GBNF of --grammar / --grammar-file / -j / -jf (a JSON schema turned into a grammar as
+    llama-cpp-python does), or None; an unreadable file or a bad schema is one SaemError line.
+    Whether llama.cpp parses the grammar is checked against the model's vocabulary at load."""
+    from saem_gguf.grammar import json_schema_grammar
+
+    def read(path: str, flag: str) -> str:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SaemError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+
+    if args.grammar is not None:
+        return args.grammar
+    if args.grammar_file is not None:
+        return read(args.grammar_file, "--grammar-file")
+    if args.json_schema is not None:
+        return json_schema_grammar(args.json_schema, "-j/--json-schema")
+    if args.json_schema_file is not None:
+        return json_schema_grammar(read(args.json_schema_file, "-jf/--json-schema-file"),
+                                   f"-jf/--json-schema-file {args.json_schema_file}")
+    return None

@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
                           n_threads_batch=threads.n_threads_batch)
         try:
             scheduler = Scheduler(eng, n_parallel=args.n_parallel, queue_max=args.queue_max)
+            if sampling.grammar is not None:  # every request without its own grammar gets it
+                scheduler.check_grammar(sampling.grammar, "the grammar")
             cfg = ServeConfig(model_id=args.alias or eng.path.name, sampling=sampling,
                               max_tokens=args.n_predict, n_ctx_per_sequence=eng.n_ctx_seq,
                               api_keys=args.api_keys or (), system=args.system)

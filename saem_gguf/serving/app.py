@@ -122,6 +122,8 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     gen = generation(req, state.cfg.sampling, state.cfg.max_tokens)
     sched = state.scheduler
     try:
+        if gen.sampling.grammar is not None and gen.sampling.grammar is not state.cfg.sampling.grammar:
+            await run_in_threadpool(sched.check_grammar, gen.sampling.grammar)
         if chat:
             prompt = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system))
             tokens, extra_stops = prompt.tokens, tuple(prompt.stop)

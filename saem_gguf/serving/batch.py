@@ -42,6 +42,7 @@ import numpy as np
 
 from saem_gguf.engine import ChatPrompt, Engine, SamplingConfig, StopText, resolve_seed
 from saem_gguf.errors import SaemError
+from saem_gguf.grammar import GrammarDeadEnd, check_grammar
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class Scheduler:
         self.queue_max = queue_max
         self._lc = engine._llama_cpp
         self._ctx = engine.llm.ctx
+        self._llama_ctx = engine.llm._ctx  # the LlamaContext a sampler's sample() takes
         self._mem = self._lc.llama_get_memory(self._ctx)
         self._n_ctx_seq = engine.n_ctx_seq
         self._n_ubatch = int(self._lc.llama_n_ubatch(self._ctx))
@@ -205,6 +207,11 @@ class Scheduler:
         return self._n_ctx_seq
 
     # --- requests in ---------------------------------------------------------------------------
+    def check_grammar(self, grammar: str, what: str = "the request's grammar") -> None:
+        """SaemError (one line) where llama.cpp cannot parse ``grammar`` for this model (the
+        sampler is built on the decode thread, where a NULL grammar would be too late to refuse)."""
+        check_grammar(self._lc, self._vocab, grammar, what)
+
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """A raw prompt's tokens by ``Engine.prompt_tokens``'s rules (thread-safe)."""
         with self._tokenize_lock:
@@ -432,6 +439,8 @@ class Scheduler:
     def _make_sampler(self, sampling: SamplingConfig, seed: int):
         """``sampling``'s chain with ``seed``, as llama-cpp-python builds it for ``generate``
         (Engine._steps)."""
+        from llama_cpp.llama_grammar import LlamaGrammar  # llama_cpp is loaded: the engine is
+
         llm = self.engine.llm
         saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias
         try:
@@ -442,7 +451,8 @@ class Scheduler:
             return llm._init_sampler(
                 top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, typical_p=sampling.typical_p,
                 temp=max(sampling.temp, 0.0), repeat_penalty=sampling.repeat_penalty,
-                frequency_penalty=sampling.frequency_penalty, presence_penalty=sampling.presence_penalty)
+                frequency_penalty=sampling.frequency_penalty, presence_penalty=sampling.presence_penalty,
+                grammar=None if sampling.grammar is None else LlamaGrammar.from_string(sampling.grammar))
         finally:
             llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias = saved
 
@@ -503,7 +513,11 @@ class Scheduler:
         """Sample ``seq``'s next token from the logits of batch row ``batch_index`` and release
         what it adds; the sequence ends at end of generation, a stop string or its limit."""
         lc = self._lc
-        tok = lc.llama_sampler_sample(seq.sampler.sampler, self._ctx, batch_index)
+        try:  # a LlamaSampler, or a GrammarSampler where the request has a grammar
+            tok = seq.sampler.sample(self._llama_ctx, batch_index)
+        except GrammarDeadEnd:  # nothing was accepted: the text so far stands
+            self._finish(seq, "stop", seq.text.flush())
+            return
         logprobs = self._logprobs(batch_index, tok, seq.handle.request.n_probs)
         if lc.llama_vocab_is_eog(self._vocab, tok):
             self._finish(seq, "stop", seq.text.flush())

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from saem_gguf.engine import SEED_RANDOM, SamplingConfig
 from saem_gguf.errors import SaemError
+from saem_gguf.grammar import json_object_grammar, json_schema_grammar
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat); completions' logprobs use the same
 
@@ -112,6 +113,10 @@ class _Common(_Strict):
     ignore_eos: bool = False
     n_probs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     logit_bias: dict[str, float] | None = None
+    # constrained output, as llama-server and llama-cpp-python's server take it: GBNF, or a JSON
+    # schema turned into GBNF (at most one of these and a chat's response_format)
+    grammar: str | None = None
+    json_schema: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -178,8 +183,29 @@ class CompletionRequest(_Common):
         return self.logprobs if self.logprobs is not None else self.n_probs
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``: the schema and what names it (``strict`` is
+    accepted and always holds: the grammar admits nothing else)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]  # json_object / json_schema would need a grammar: refused
+    """``text``; ``json_object`` (any JSON object, or llama-cpp-python's ``schema`` extension);
+    ``json_schema`` (OpenAI's structured outputs)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    schema_: dict | None = Field(default=None, alias="schema")
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs response_format.json_schema.schema")
+        return self
 
 
 class ChatRequest(_Common):
@@ -248,6 +274,9 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
     if req.ignore_eos:
         over["ignore_eos"] = True
     over["stop"] = defaults.stop + req.stops()
+    grammar = request_grammar(req)
+    if grammar is not None:
+        over["grammar"] = grammar
     try:
         sampling = replace(defaults, **over)
     except SaemError as e:
@@ -256,6 +285,34 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
     return Generation(default_max_tokens if max_tokens is None else max_tokens, sampling, req.top_n())
+
+
+def request_grammar(req: _Common) -> str | None:
+    """The GBNF a request constrains its output to (None: the server's default, if any): its
+    ``grammar``, ``json_schema``, or a chat's ``response_format`` (json_object, json_schema; as
+    llama-cpp-python's chat handler turns them into grammars). More than one is a 400."""
+    given = {"grammar": req.grammar, "json_schema": req.json_schema}
+    fmt = req.response_format if isinstance(req, ChatRequest) else None
+    if fmt is not None and fmt.type != "text":
+        given["response_format"] = fmt
+    named = [k for k, v in given.items() if v is not None]
+    if len(named) > 1:
+        raise bad_request(f"give one of {', '.join(named)}: each constrains the output", named[1])
+    if not named:
+        return None
+    try:
+        if named[0] == "grammar":
+            if not req.grammar.strip():
+                raise bad_request("grammar: the grammar is empty", "grammar")
+            return req.grammar
+        if named[0] == "json_schema":
+            return json_schema_grammar(json.dumps(req.json_schema), "json_schema")
+        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else fmt.schema_
+        if schema is None:
+            return json_object_grammar()
+        return json_schema_grammar(json.dumps(schema), "response_format's schema")
+    except SaemError as e:
+        raise bad_request(str(e), named[0]) from None
 
 
 # --- responses -----------------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""Grammar-constrained sampling (llama.cpp's ``--grammar``, ``--json-schema``; the server's
+``response_format``), on llama.cpp's own grammar sampler, with the two ways it can abort the
+process taken out.
+
+llama-cpp-python puts the grammar into its sampler chain after the penalties and before the
+samplers (``Llama._init_sampler``), and ``llama_sampler_sample`` applies the chain and accepts the
+chosen token. Two inputs abort the process there:
+
+* a grammar llama.cpp cannot parse: ``llama_sampler_init_grammar`` returns NULL, which
+  llama-cpp-python adds to the chain as it is;
+* a dead end: a grammar that allows no token at a step (the model's vocabulary cannot spell
+  what it requires next, or ``--ignore-eos`` bars the end-of-generation token a completed
+  grammar allows alone). Every candidate is then at -inf, the sampler picks one anyway, and
+  the grammar's accept of a token it does not allow throws (``llama_grammar_accept_impl``:
+  "Unexpected empty grammar stack") or aborts (``GGML_ABORT`` on an end-of-generation token) in
+  C++, which ends the process.
+
+Here the grammar is parsed once against the model's vocabulary first (``check_grammar``), and
+``GrammarSampler`` does what ``llama_sampler_sample`` does, one chain member at a time, so that
+after the grammar's member it can see a dead end and stop the generation (``GrammarDeadEnd``)
+before any member accepts a token. Where the grammar allows a token, the members, their order
+and their inputs are llama-cpp-python's, so the tokens are the same (tests/test_fidelity.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import sys
+import tempfile
+import threading
+
+import numpy as np
+
+from saem_gguf.errors import SaemError
+from saem_gguf.llama_lib import load_llama_cpp
+
+# llama_token_data {int32 id; float logit; float p}: 12 bytes, no padding
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+GRAMMAR_ROOT = "root"
+# fd 2 is the process's: two server threads checking grammars at once would each save the other's
+# redirection and could leave fd 2 on a deleted temporary file
+_FD2_LOCK = threading.Lock()
+
+
+class GrammarDeadEnd(SaemError):
+    """The grammar allows no token at this step: the generation ends here (llama.cpp would
+    abort)."""
+
+
+def json_schema_grammar(schema: str, what: str = "the JSON schema") -> str:
+    """GBNF for a JSON schema, by llama-cpp-python's converter (``json_schema_to_gbnf``, the
+    one its server uses for ``response_format``); a schema that is not JSON or that the
+    converter refuses is one SaemError line naming ``what``."""
+    load_llama_cpp()  # the package binds its library on import: the patched one
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        json.loads(schema)
+    except ValueError as e:
+        raise SaemError(f"{what} is not JSON: {e}") from None
+    try:
+        return json_schema_to_gbnf(schema)
+    except Exception as e:  # noqa: BLE001 - the converter raises what it meets (KeyError, TypeError, ...)
+        raise SaemError(f"{what} cannot be turned into a grammar: {type(e).__name__}: {e}") from None
+
+
+def json_object_grammar() -> str:
+    """Any JSON object: llama-cpp-python's ``JSON_GBNF`` (its ``response_format`` json_object)."""
+    load_llama_cpp()
+    from llama_cpp.llama_grammar import JSON_GBNF
+
+    return JSON_GBNF
+
+
+def check_grammar(lc, vocab, grammar: str, what: str = "the grammar") -> None:
+    """Parse ``grammar`` (GBNF) against ``vocab`` as the sampler will, and free it: a grammar
+    llama.cpp cannot parse is one SaemError line with the parser's reason, not a NULL sampler in
+    the chain. (The parser prints its error and the whole grammar to fd 2: caught here, so the
+    user sees one line.)"""
+    if not grammar.strip():
+        raise SaemError(f"{what} is empty")
+    with _FD2_LOCK, tempfile.TemporaryFile() as caught:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(caught.fileno(), 2)
+            smpl = lc.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), GRAMMAR_ROOT.encode())
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if smpl:
+            lc.llama_sampler_free(smpl)
+            return
+        caught.seek(0)
+        printed = caught.read().decode("utf-8", "replace")
+    reason = re.search(r"error parsing grammar: ([^\n]*)", printed)
+    raise SaemError(f"llama.cpp cannot parse {what}: " + (reason.group(1) if reason else
+                    f"no '{GRAMMAR_ROOT}' rule, or left recursion (GBNF: llama.cpp's grammars/README.md)"))
+
+
+class GrammarSampler:
+    """llama-cpp-python's sampler chain (``LlamaSampler``) with a grammar member at
+    ``grammar_index``, sampled as ``llama_sampler_sample`` samples it, but stopping at a dead end
+    before anything is accepted. Stands in for the ``LlamaSampler`` (``sample``, ``sampler``,
+    ``close``)."""
+
+    def __init__(self, lc, chain, grammar_index: int, n_vocab: int) -> None:
+        self._lc = lc
+        self.chain = chain  # the LlamaSampler: it owns (and frees) every member
+        self.sampler = chain.sampler
+        self._grammar_index = grammar_index
+        self._n = lc.llama_sampler_chain_n(self.sampler)
+        self._cur = np.empty(n_vocab, _TOKEN_DATA)
+        self._cur_p = lc.llama_token_data_array(
+            data=self._cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), size=n_vocab, selected=-1,
+            sorted=False)
+
+    def sample(self, ctx, idx: int = -1) -> int:
+        """The token sampled from the logits of output ``idx`` of ``ctx`` (a LlamaContext), accepted
+        by every member; GrammarDeadEnd where the grammar allows none (nothing accepted)."""
+        return self.sample_raw(ctx.ctx, idx)
+
+    def sample_raw(self, ctx_ptr, idx: int) -> int:
+        lc, cur, cur_p = self._lc, self._cur, self._cur_p
+        n = cur.shape[0]
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx_ptr, idx), shape=(n,))
+        cur["id"] = np.arange(n, dtype=np.int32)
+        cur["logit"] = logits
+        cur["p"] = 0.0
+        cur_p.size, cur_p.selected, cur_p.sorted = n, -1, False
+        ref = ctypes.byref(cur_p)
+        for i in range(self._n):
+            lc.llama_sampler_apply(lc.llama_sampler_chain_get(self.sampler, i), ref)
+            if i == self._grammar_index and not np.isfinite(cur["logit"][:cur_p.size]).any():
+                raise GrammarDeadEnd("the grammar allows no token here (the vocabulary cannot continue it, "
+                                     "or it is complete and the end of generation is barred): generation stopped")
+        if not 0 <= cur_p.selected < cur_p.size:
+            raise SaemError(f"the sampler chain selected no token ({cur_p.selected})")
+        token = int(cur_p.data[cur_p.selected].id)
+        lc.llama_sampler_accept(self.sampler, token)
+        return token
+
+    def close(self) -> None:
+        self.chain.close()
