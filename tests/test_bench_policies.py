@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import numpy as np
+import pytest
 
 from bench_scripts import load_bench
 
@@ -31,8 +32,9 @@ def test_a_drawn_family_replays_on_its_own_seed():
     assert all(np.array_equal(x.experts, y.experts) for x, y in zip(ts.sequences, again.sequences))
 
 
-def test_search_rows_carry_their_setting(tmp_path, monkeypatch, capsys):
-    # one drawn family made small, one cell: the script's own loop, rows and JSON
+@pytest.fixture
+def small_draws(monkeypatch):
+    """bench_policies' drawn families made small (short stages): the script's own loop, fast."""
     real = bp.drawn_families
 
     def small(n, seed):
@@ -40,6 +42,10 @@ def test_search_rows_carry_their_setting(tmp_path, monkeypatch, capsys):
                 for k, v in real(n, seed).items()}
 
     monkeypatch.setattr(bp, "drawn_families", small)
+
+
+def test_search_rows_carry_their_setting(tmp_path, small_draws, capsys):
+    # one drawn family made small, one cell: the script's own loop, rows and JSON
     out = tmp_path / "rows.json"
     assert bp.main(["--search", "1", "--seed", "5", "--ecr", "25%", "--batch", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
@@ -73,14 +79,7 @@ def test_summary_gives_item_4s_figures():
     assert np.isclose(s["geomean_vs_oracle"], (0.9 * 1.1 * 0.95 * 1.0) ** 0.25)
 
 
-def test_jobs_give_the_same_rows_in_the_same_order(tmp_path, monkeypatch, capsys):
-    real = bp.drawn_families
-
-    def small(n, seed):
-        return {k: dataclasses.replace(v, stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)
-                for k, v in real(n, seed).items()}
-
-    monkeypatch.setattr(bp, "drawn_families", small)
+def test_jobs_give_the_same_rows_in_the_same_order(tmp_path, small_draws, capsys):
     outs = []
     for jobs in (1, 2):
         out = tmp_path / f"rows{jobs}.json"
