@@ -32,7 +32,7 @@ from saem_gguf.budget import (
 from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo
 from saem_gguf.gpu_memory import gpu_memory
-from saem_gguf.grammar import GrammarDeadEnd, GrammarSampler, check_grammar
+from saem_gguf.grammar import GrammarDeadEnd, GrammarSampler, check_grammar, grammar_sampler
 from saem_gguf.interrupts import deferred_signals
 from saem_gguf.llama_lib import load_llama_cpp
 from saem_gguf.resources import checked_engine_inputs
@@ -382,14 +382,13 @@ def _make_llama_class(llama_cpp):
                 return sampler
             # where llama-cpp-python adds it: after the penalties (after the logit bias, first),
             # before the samplers; sampled by GrammarSampler, which stops at a dead end
-            check_grammar(llama_cpp, self._model.vocab, grammar._grammar)
+            member = grammar_sampler(llama_cpp, self._model.vocab, grammar._grammar)
             names = [llama_cpp.llama_sampler_name(llama_cpp.llama_sampler_chain_get(chain, i))
                      for i in range(llama_cpp.llama_sampler_chain_n(chain))]
             at = next(i for i, n in enumerate(names) if n.endswith(b"penalties")) + 1
             rest = [llama_cpp.llama_sampler_chain_remove(chain, at)
                     for _ in range(llama_cpp.llama_sampler_chain_n(chain) - at)]
-            llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_grammar(
-                self._model.vocab, grammar._grammar.encode("utf-8"), grammar._root.encode("utf-8")))
+            llama_cpp.llama_sampler_chain_add(chain, member)
             for m in rest:
                 llama_cpp.llama_sampler_chain_add(chain, m)
             return GrammarSampler(llama_cpp, sampler, at, self.n_vocab())

@@ -15,7 +15,8 @@ chosen token. Two inputs abort the process there:
   "Unexpected empty grammar stack") or aborts (``GGML_ABORT`` on an end-of-generation token) in
   C++, which ends the process.
 
-Here the grammar is parsed once against the model's vocabulary first (``check_grammar``), and
+Here the grammar is parsed against the model's vocabulary with its error caught
+(``grammar_sampler``, ``check_grammar``), and
 ``GrammarSampler`` does what ``llama_sampler_sample`` does, one chain member at a time, so that
 after the grammar's member it can see a dead end and stop the generation (``GrammarDeadEnd``)
 before any member accepts a token. Where the grammar allows a token, the members, their order
@@ -76,10 +77,16 @@ def json_object_grammar() -> str:
 
 
 def check_grammar(lc, vocab, grammar: str, what: str = "the grammar") -> None:
-    """Parse ``grammar`` (GBNF) against ``vocab`` as the sampler will, and free it: a grammar
-    llama.cpp cannot parse is one SaemError line with the parser's reason, not a NULL sampler in
-    the chain. (The parser prints its error and the whole grammar to fd 2: caught here, so the
-    user sees one line.)"""
+    """``grammar_sampler``'s check alone (the sampler freed): where the sampler is built later,
+    elsewhere (a server's decode thread), or after other work that should not happen first."""
+    lc.llama_sampler_free(grammar_sampler(lc, vocab, grammar, what))
+
+
+def grammar_sampler(lc, vocab, grammar: str, what: str = "the grammar"):
+    """llama.cpp's grammar sampler for ``grammar`` (GBNF) on ``vocab``: a grammar llama.cpp
+    cannot parse is one SaemError line with the parser's reason, not a NULL sampler in the chain.
+    (The parser prints its error and the whole grammar to fd 2: caught here, so the user sees one
+    line.)"""
     if not grammar.strip():
         raise SaemError(f"{what} is empty")
     with _FD2_LOCK, tempfile.TemporaryFile() as caught:
@@ -92,8 +99,7 @@ def check_grammar(lc, vocab, grammar: str, what: str = "the grammar") -> None:
             os.dup2(saved, 2)
             os.close(saved)
         if smpl:
-            lc.llama_sampler_free(smpl)
-            return
+            return smpl
         caught.seek(0)
         printed = caught.read().decode("utf-8", "replace")
     reason = re.search(r"error parsing grammar: ([^\n]*)", printed)
@@ -114,6 +120,7 @@ class GrammarSampler:
         self._grammar_index = grammar_index
         self._n = lc.llama_sampler_chain_n(self.sampler)
         self._cur = np.empty(n_vocab, _TOKEN_DATA)
+        self._ids = np.arange(n_vocab, dtype=np.int32)  # a step's candidates start in id order
         self._cur_p = lc.llama_token_data_array(
             data=self._cur.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), size=n_vocab, selected=-1,
             sorted=False)
@@ -121,13 +128,10 @@ class GrammarSampler:
     def sample(self, ctx, idx: int = -1) -> int:
         """The token sampled from the logits of output ``idx`` of ``ctx`` (a LlamaContext), accepted
         by every member; GrammarDeadEnd where the grammar allows none (nothing accepted)."""
-        return self.sample_raw(ctx.ctx, idx)
-
-    def sample_raw(self, ctx_ptr, idx: int) -> int:
         lc, cur, cur_p = self._lc, self._cur, self._cur_p
         n = cur.shape[0]
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx_ptr, idx), shape=(n,))
-        cur["id"] = np.arange(n, dtype=np.int32)
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx.ctx, idx), shape=(n,))
+        cur["id"] = self._ids
         cur["logit"] = logits
         cur["p"] = 0.0
         cur_p.size, cur_p.selected, cur_p.sorted = n, -1, False

@@ -40,7 +40,7 @@ from saem_gguf.stage.cues import CueSet
 from saem_gguf.stage.implicit import ImplicitConfig, score_trace
 from saem_gguf.stage.matcher import CueMatcher, compile_cues
 from saem_gguf.trace import (
-    ModelSignature, SequenceTrace, TraceSet, check_signature, traces_from_bytes, traces_to_bytes,
+    ModelSignature, SequenceTrace, TraceSet, traces_from_bytes, traces_to_bytes,
 )
 
 PROFILE_FORMAT = "saem-stage-profile"
@@ -210,8 +210,7 @@ def decode_routing(text, sig: ModelSignature, where: str) -> TraceSet:
         data = base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError) as e:
         raise SaemError(f"{where}: not base64 ({e})") from None
-    ts = traces_from_bytes(data, where)
-    check_signature(ts, sig, where)
+    ts = traces_from_bytes(data, where, expect=sig)
     if not ts.sequences:
         raise SaemError(f"{where}: holds no sequence")
     return ts
