@@ -29,6 +29,7 @@ import ctypes
 import json
 import os
 import re
+import resource
 import sys
 import tempfile
 import threading
@@ -41,6 +42,19 @@ from saem_gguf.llama_lib import load_llama_cpp
 # llama_token_data {int32 id; float logit; float p}: 12 bytes, no padding
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 GRAMMAR_ROOT = "root"
+# llama.cpp's grammar parser recurses once per nested group (about 450 bytes of stack each), and
+# its left-recursion check and stack expansion once per rule along a chain of leading references
+# (about 120 bytes each): on an 8 MiB stack 19,000 nested groups or 80,000 chained rules are a
+# segfault (measured; tests/test_grammar.py runs stock llama.cpp into it). A grammar may use a
+# quarter of the stack: 4,660 nested groups on 8 MiB. llama-cpp-python's schema converter nests
+# one group per character of a string's maxLength, and llama.cpp's own repetition bound refuses
+# those past about 1,000-1,500 deep, so no converted schema meets this bound.
+GROUP_STACK_BYTES = 450
+RULE_STACK_BYTES = 120
+_DEFAULT_STACK = 8 << 20  # glibc's thread stack where RLIMIT_STACK is unlimited is larger
+# GBNF as llama.cpp's parser reads it: literals, character classes and tokens (which may hold
+# parentheses), comments, definitions and groups
+_GBNF_LEXEME = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|<[^>]*>|#[^\r\n]*|::=|[()]', re.DOTALL)
 # fd 2 is the process's: two server threads checking grammars at once would each save the other's
 # redirection and could leave fd 2 on a deleted temporary file
 _FD2_LOCK = threading.Lock()
@@ -60,7 +74,7 @@ def json_schema_grammar(schema: str, what: str = "the JSON schema") -> str:
 
     try:
         json.loads(schema)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's decoder goes
         raise SaemError(f"{what} is not JSON: {e}") from None
     try:
         return json_schema_to_gbnf(schema)
@@ -89,6 +103,14 @@ def grammar_sampler(lc, vocab, grammar: str, what: str = "the grammar"):
     line.)"""
     if not grammar.strip():
         raise SaemError(f"{what} is empty")
+    depth, rules = grammar_shape(grammar)
+    max_depth, max_rules = grammar_bounds()
+    if depth > max_depth:
+        raise SaemError(f"{what} nests groups {depth} deep; llama.cpp's parser would overflow the stack "
+                        f"(at most {max_depth} with this stack size, ulimit -s)")
+    if rules > max_rules:
+        raise SaemError(f"{what} has {rules} rules and groups; llama.cpp would overflow the stack on a chain "
+                        f"of them (at most {max_rules} with this stack size, ulimit -s)")
     with _FD2_LOCK, tempfile.TemporaryFile() as caught:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -105,6 +127,36 @@ def grammar_sampler(lc, vocab, grammar: str, what: str = "the grammar"):
     reason = re.search(r"error parsing grammar: ([^\n]*)", printed)
     raise SaemError(f"llama.cpp cannot parse {what}: " + (reason.group(1) if reason else
                     f"no '{GRAMMAR_ROOT}' rule, or left recursion (GBNF: llama.cpp's grammars/README.md)"))
+
+
+def grammar_bounds(stack_bytes: int | None = None) -> tuple[int, int]:
+    """(deepest group nesting, most rules) a grammar may have on a thread stack of
+    ``stack_bytes`` (default: this process's, ``ulimit -s``): a quarter of it for llama.cpp's
+    recursion."""
+    if stack_bytes is None:
+        soft = resource.getrlimit(resource.RLIMIT_STACK)[0]
+        stack_bytes = _DEFAULT_STACK if soft == resource.RLIM_INFINITY else soft
+        threads = threading.stack_size()  # read once: another thread may set it meanwhile
+        if threads:  # set by someone in this process: new threads get that
+            stack_bytes = min(stack_bytes, threads)
+    return stack_bytes // 4 // GROUP_STACK_BYTES, stack_bytes // 4 // RULE_STACK_BYTES
+
+
+def grammar_shape(grammar: str) -> tuple[int, int]:
+    """(deepest group nesting, rules defined plus groups) of GBNF text: what llama.cpp's
+    recursion depends on. Parentheses inside literals, classes, tokens and comments do not count."""
+    depth = deepest = rules = 0
+    for m in _GBNF_LEXEME.finditer(grammar):
+        lexeme = m.group()
+        if lexeme == "(":
+            depth += 1
+            rules += 1
+            deepest = max(deepest, depth)
+        elif lexeme == ")":
+            depth = max(depth - 1, 0)
+        elif lexeme == "::=":
+            rules += 1
+    return deepest, rules
 
 
 class GrammarSampler:

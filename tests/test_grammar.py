@@ -100,6 +100,80 @@ def test_a_dead_end_ends_the_generation_where_stock_llama_cpp_aborts(model, stoc
         fresh.close()
 
 
+STOCK_DEEP = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+print("parsed" if llama_cpp.llama_sampler_init_grammar(llm._model.vocab, sys.stdin.read().encode(), b"root") else "null")
+"""
+DEEP_GROUPS = "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000
+LONG_CHAIN = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(70_000)) + 'r70000 ::= "a"\n'
+
+
+@pytest.mark.parametrize("grammar,words", [(DEEP_GROUPS, "nests groups 100000 deep"),
+                                           (LONG_CHAIN, "has 70002 rules and groups")])
+def test_a_grammar_that_overflows_stock_llama_cpp_is_one_line(model, stock_lib, llama_cpp, grammar, words):  # noqa: F811
+    """llama.cpp's parser recurses per nested group and per chained rule: stock llama.cpp dies of a
+    segfault on these two (the grammar is a request field of a server); here they are refused."""
+    from saem_gguf.grammar import check_grammar
+
+    r = subprocess.run([sys.executable, "-c", STOCK_DEEP, str(model)], input=grammar, capture_output=True, text=True,
+                       timeout=300, env=stock_env(stock_lib), cwd=REPO,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
+    assert r.returncode == -11 and "parsed" not in r.stdout, (r.returncode, r.stdout, r.stderr[-500:])
+    eng = engine(model, "cpu-moe")
+    try:
+        with pytest.raises(SaemError, match=re.escape(words)) as e:
+            check_grammar(llama_cpp, eng.llm._model.vocab, grammar)
+        assert "\n" not in str(e.value)
+    finally:
+        eng.close()
+
+
+def _at_bounds(depth: int, rules: int) -> tuple[str, str]:
+    return ("root ::= " + "(" * depth + '"a"' + ")" * depth,
+            "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(rules - 2)) + f'r{rules - 2} ::= "a"\n')
+
+
+def test_the_stack_bounds_leave_room_for_real_grammars(model, llama_cpp):
+    """At the bounds llama.cpp parses, on this process's stack and on a 1 MiB thread stack with that
+    stack's bounds; the schema converter's grammars fit (a string of maxLength 1,000 nests 1,000
+    groups: llama.cpp's own repetition bound refuses about 1,500); parentheses in literals, classes, tokens and comments do not count."""
+    import threading
+
+    from saem_gguf.grammar import check_grammar, grammar_bounds, grammar_shape
+
+    depth, rules = grammar_bounds()
+    assert grammar_bounds(8 << 20) == (4660, 17476) and depth >= 4000
+    at_depth, at_rules = _at_bounds(depth, rules)
+    assert grammar_shape(at_depth) == (depth, depth + 1) and grammar_shape(at_rules) == (0, rules)
+    assert grammar_shape('root ::= ( "(" [(\\]] <|(|> # ((( \n x ::= (a (b)) "\\"(" )') == (3, 5)
+    long_string = json_schema_grammar(json.dumps({"type": "string", "maxLength": 1000}))
+    assert grammar_shape(long_string)[0] == 1000
+    small = grammar_bounds(1 << 20)
+    eng = engine(model, "cpu-moe")
+    errors: list[BaseException] = []
+
+    def check(*grammars: str) -> None:
+        try:
+            for grammar in grammars:
+                check_grammar(llama_cpp, eng.llm._model.vocab, grammar)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    try:
+        check(at_depth, at_rules, long_string, json_object_grammar())
+        old = threading.stack_size(1 << 20)
+        try:
+            thread = threading.Thread(target=check, args=_at_bounds(*small))
+            thread.start()
+        finally:
+            threading.stack_size(old)
+        thread.join()
+    finally:
+        eng.close()
+    assert not errors, [str(e) for e in errors]
+
+
 @pytest.mark.parametrize("grammar,words", [
     ("root ::= foo", "Undefined rule identifier 'foo'"),
     ('root ::= "a', "unexpected end of input"),

@@ -199,6 +199,12 @@ def test_json_schema_response_format_equals_generate_j(client, server):
     assert r.choices[0].finish_reason == cli["finish_reason"]
     bad = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "grammar": "root ::= x"})
     assert bad.status_code == 400 and "Undefined rule identifier 'x'" in bad.json()["error"]["message"]
+    # a grammar deep enough to overflow llama.cpp's parser (a segfault: test_grammar.py) is a 400,
+    # and the server goes on
+    deep = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4,
+                                              "grammar": "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000})
+    assert deep.status_code == 400 and "nests groups 100000 deep" in deep.json()["error"]["message"]
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 # --- bad requests -------------------------------------------------------------------------------
