@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 
@@ -146,6 +146,10 @@ class SamplingConfig:
     # GBNF the output must follow (llama.cpp's --grammar; saem_gguf.grammar): checked against the
     # model's vocabulary before generating; a dead end ends the generation ("stop")
     grammar: str | None = None
+    # llama.cpp's --logit-bias: (token id, bias) pairs, in order, each added to its token's logit
+    # first in the chain (-inf bans the token; a token given twice gets both); the ids are checked
+    # against the vocabulary before generating
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("temp", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
@@ -160,6 +164,21 @@ class SamplingConfig:
             raise SaemError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
         if any(not s for s in self.stop):
             raise SaemError("a stop string must not be empty")
+        if any(math.isnan(bias) for _, bias in self.logit_bias):
+            raise SaemError("a logit bias must be a number or -inf, not NaN")
+
+    def chain_logit_bias(self, eog_tokens: Iterable[int]) -> list[tuple[int, float]]:
+        """The logit-bias member's entries: ``logit_bias``, then -inf for every end-of-generation
+        token under ``ignore_eos`` (llama.cpp appends them the same way)."""
+        return [*self.logit_bias, *((t, -math.inf) for t in eog_tokens if self.ignore_eos)]
+
+
+def check_logit_bias(logit_bias: Iterable[tuple[int, float]], n_vocab: int) -> None:
+    """SaemError (one line) for a biased token id outside the vocabulary (llama.cpp skips it
+    silently: a typo would go unnoticed)."""
+    bad = next((t for t, _ in logit_bias if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise SaemError(f"logit bias token {bad} is not in the vocabulary (0..{n_vocab - 1})")
 
 
 GREEDY = SamplingConfig()
@@ -334,7 +353,7 @@ def _make_llama_class(llama_cpp):
         # --- fidelity: the chat prompt's message contents stay literal; --ignore-eos ----------
         _saem_chat_contents: list[str] | None = None  # set while a chat prompt is tokenized
         _saem_capture = False  # create_completion raises _PromptCaptured instead of generating
-        _saem_logit_bias: dict[int, float] | None = None
+        _saem_logit_bias: list[tuple[int, float]] | None = None  # SamplingConfig.chain_logit_bias
         _saem_specials = None
 
         def create_chat_completion(self, messages, *args, **kw):
@@ -372,10 +391,14 @@ def _make_llama_class(llama_cpp):
             sampler = super()._init_sampler(*args, **kw)
             chain = sampler.sampler
             if self._saem_logit_bias:
-                # llama.cpp's logit bias comes first in its chain: put it before the others
+                # llama.cpp's logit bias comes first in its chain: put it before the others. Its
+                # entries in order, as a list (LlamaSampler.add_logit_bias takes a dict: one per token)
                 members = [llama_cpp.llama_sampler_chain_remove(chain, 0)
                            for _ in range(llama_cpp.llama_sampler_chain_n(chain))]
-                sampler.add_logit_bias(self.n_vocab(), self._saem_logit_bias)
+                entries = (llama_cpp.llama_logit_bias * len(self._saem_logit_bias))(
+                    *(llama_cpp.llama_logit_bias(t, b) for t, b in self._saem_logit_bias))
+                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_logit_bias(
+                    self.n_vocab(), len(self._saem_logit_bias), entries))
                 for m in members:
                     llama_cpp.llama_sampler_chain_add(chain, m)
             if grammar is None:
@@ -828,6 +851,7 @@ class Engine:
                             f"sequence)")
         if sampling.grammar is not None:  # before any work: a grammar llama.cpp cannot parse is one line
             check_grammar(self._llama_cpp, llm._model.vocab, sampling.grammar)
+        check_logit_bias(sampling.logit_bias, llm.n_vocab())
         room = n_ctx - len(toks)
         limit = room if n_predict < 0 else min(n_predict, room)
         seed = self.seed if sampling.seed is None else resolve_seed(sampling.seed)
@@ -851,7 +875,7 @@ class Engine:
             return
         llm.set_seed(out.seed)
         llm.last_n_tokens_size = sampling.repeat_last_n
-        llm._saem_logit_bias = {t: -math.inf for t in self.eog_tokens} if sampling.ignore_eos else None
+        llm._saem_logit_bias = sampling.chain_logit_bias(self.eog_tokens)
         text = StopText(stops)
         out.finish_reason = "length"
         grammar = None

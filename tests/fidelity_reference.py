@@ -5,7 +5,7 @@ saem_gguf (one libllama per process). Reads a JSON job on stdin, prints JSON res
 
     {"model": PATH, "n_ctx": N, "cases": [
         {"kind": "completion", "prompt": TEXT, "max_tokens": N, "temperature": T, "seed": S,
-         "stop": [TEXT, ...], "grammar": GBNF, "json_schema": TEXT},
+         "stop": [TEXT, ...], "grammar": GBNF, "json_schema": TEXT, "logit_bias": [[ID, BIAS], ...]},
         {"kind": "chat", "system": TEXT|null, "turns": [TEXT, ...], "max_tokens": N}]}
 
 Each result holds, per call, the prompt tokens create_completion / create_chat_completion handed
@@ -45,7 +45,8 @@ def run_case(model: str, n_ctx: int, case: dict) -> dict:
                 grammar = llama_cpp.LlamaGrammar.from_json_schema(case["json_schema"], verbose=False)
             r = llm.create_completion(case["prompt"], max_tokens=case["max_tokens"],
                                       temperature=case.get("temperature", 0.0), seed=case.get("seed"),
-                                      stop=case.get("stop", []), grammar=grammar)
+                                      stop=case.get("stop", []), grammar=grammar,
+                                      logit_bias={int(t): float(b) for t, b in case.get("logit_bias", [])} or None)
             c = r["choices"][0]
             calls.append({"prompt_tokens": llm.prompts[-1], "text": c["text"],
                           "finish_reason": c["finish_reason"]})

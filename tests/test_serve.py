@@ -207,6 +207,24 @@ def test_json_schema_response_format_equals_generate_j(client, server):
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_logit_bias_equals_generate_l(client, server, cli_raw):
+    """OpenAI's logit_bias is the CLI's -l; llama-server's forms (pairs, text, false) too; an id
+    outside the vocabulary is a 400 (llama-server skips it silently)."""
+    first = cli_raw["tokens"][0]
+    cli = _generate("-p", PROMPT, "-n", str(N), "-l", f"{first}-100")
+    r = client.completions.create(model="any", prompt=PROMPT, max_tokens=N, temperature=0,
+                                  logit_bias={str(first): -100})
+    assert r.choices[0].text == cli["text"] != cli_raw["text"]
+    banned = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                                               "logit_bias": [[first, False]]})
+    assert banned.status_code == 200 and banned.json()["choices"][0]["text"] == cli["text"]
+    text = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                                             "logit_bias": {cli_raw["text"]: False}})  # every token of it
+    assert text.status_code == 200 and cli_raw["text"].strip() not in text.json()["choices"][0]["text"]
+    bad = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"99999999": 1}})
+    assert bad.status_code == 400 and "logit bias token 99999999" in bad.json()["error"]["message"]
+
+
 # --- bad requests -------------------------------------------------------------------------------
 def _post(server, path: str, body: bytes | dict, **kw) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -16,7 +16,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from saem_gguf.engine import SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.serving.protocol import (
-    SSE_DONE, ApiError, ChatRequest, CompletionRequest, Reply, TokenLogprob, generation, parse_request, sse,
+    SSE_DONE, ApiError, ChatRequest, CompletionRequest, Reply, TokenLogprob, generation, parse_request,
+    request_logit_bias, sse,
 )
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -63,7 +64,11 @@ BAD_BODIES = [
     ("best-of", _body(COMPLETION, best_of=2), CompletionRequest, "best_of"),
     ("suffix", _body(COMPLETION, suffix="x"), CompletionRequest, "suffix"),
     ("logprobs-too-many", _body(COMPLETION, logprobs=21), CompletionRequest, "logprobs"),
-    ("logit-bias", _body(COMPLETION, logit_bias={"15": 2.0}), CompletionRequest, "logit_bias"),
+    ("logit-bias-string", _body(COMPLETION, logit_bias={"15": "up"}), CompletionRequest, "logit_bias"),
+    ("logit-bias-true", _body(COMPLETION, logit_bias={"15": True}), CompletionRequest, "false to ban"),
+    ("logit-bias-nan", b'{"prompt": "hi", "logit_bias": {"15": NaN}}', CompletionRequest, "logit_bias"),
+    ("logit-bias-triple", _body(COMPLETION, logit_bias=[[15, 1, 2]]), CompletionRequest, "pairs"),
+    ("logit-bias-number", _body(COMPLETION, logit_bias=15), CompletionRequest, "logit_bias"),
     ("stream-string", _body(COMPLETION, stream="yes"), CompletionRequest, "stream"),
     ("no-messages", b"{}", ChatRequest, "messages: Field required"),
     ("messages-empty", _body({}, messages=[]), ChatRequest, "messages"),
@@ -88,6 +93,22 @@ def test_bad_request_bodies_are_400_naming_the_problem(body, kind, words):
     assert "\n" not in e.message
     body = e.body()
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_logit_bias_reads_as_llama_servers():
+    """OpenAI's {"id": bias}; llama-server's [[id or text, bias]] and text keys (each of the text's
+    tokens), false for -inf; entries in order."""
+    def text_tokens(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def read(bias) -> tuple | None:
+        return request_logit_bias(parse_request(_body(COMPLETION, logit_bias=bias), CompletionRequest), text_tokens)
+
+    assert read(None) is None and read({}) == () and read([]) == ()
+    assert read({"15": 2.0, "7": -100, "3": False}) == ((15, 2.0), (7, -100.0), (3, -math.inf))
+    assert read([[15, 1.5], ["ab", False], [15, 1]]) == ((15, 1.5), (97, -math.inf), (98, -math.inf), (15, 1.0))
+    assert read({"ab": 3}) == ((97, 3.0), (98, 3.0))
+    assert read({"-1": 1}) == ((-1, 1.0),)  # an id: refused at submit, against the vocabulary
 
 
 def test_unknown_fields_are_ignored_and_known_ones_kept():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -228,6 +229,22 @@ def _finite_float(text: str) -> float:
     return v
 
 
+_LOGIT_BIAS = re.compile(r"\s*(\d+)\s*([+-])\s*(\S+)\s*")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """llama.cpp's ``TOKEN_ID(+/-)BIAS`` (``15043+1``, ``15043-inf``), stricter: the bias must be
+    a whole number (llama.cpp's stof reads ``1x`` as 1)."""
+    m = _LOGIT_BIAS.fullmatch(text)
+    try:
+        bias = float(m.group(3)) if m else math.nan
+    except ValueError:
+        bias = math.nan
+    if math.isnan(bias):
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf, got {text!r}")
+    return int(m.group(1)), -bias if m.group(2) == "-" else bias
+
+
 def _unit_float(text: str) -> float:
     v = _finite_float(text)
     if not 0.0 <= v <= 1.0:
@@ -307,6 +324,10 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
                         "--verbose and --json)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="ignore end-of-generation tokens and continue generating")
+    g.add_argument("-l", "--logit-bias", dest="logit_bias", type=_logit_bias, action="append", default=[],
+                   metavar="TOKEN_ID(+/-)BIAS",
+                   help="modifies the likelihood of a token appearing in the completion, e.g. 15043+1 or "
+                        "15043-1 (15043-inf bans it); repeatable")
     g.add_argument("-r", "--reverse-prompt", dest="reverse_prompt", action="append", default=[],
                    metavar="PROMPT", help="stop generating at PROMPT (the text ends before it); repeatable")
     c = g.add_mutually_exclusive_group()
@@ -337,7 +358,8 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
                           typical_p=args.typical, repeat_penalty=args.repeat_penalty,
                           repeat_last_n=args.repeat_last_n, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos,
-                          stop=tuple(args.reverse_prompt), grammar=grammar_arg(args))
+                          stop=tuple(args.reverse_prompt), grammar=grammar_arg(args),
+                          logit_bias=tuple(args.logit_bias))
 
 
 def grammar_arg(args: argparse.Namespace) -> str | None:

@@ -10,7 +10,7 @@ the stream), a non-streamed one by a watcher on the connection.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -31,7 +31,8 @@ from saem_gguf.serving.batch import (
 )
 from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
-    SSE_DONE, ApiError, ChatRequest, CompletionRequest, Reply, TokenLogprob, generation, parse_request, sse,
+    SSE_DONE, ApiError, ChatRequest, CompletionRequest, Reply, TokenLogprob, generation, parse_request,
+    request_logit_bias, sse,
 )
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
@@ -124,6 +125,9 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     try:
         if gen.sampling.grammar is not None and gen.sampling.grammar is not state.cfg.sampling.grammar:
             await run_in_threadpool(sched.check_grammar, gen.sampling.grammar)
+        bias = await run_in_threadpool(request_logit_bias, req, sched.text_tokens)
+        if bias is not None:
+            gen = replace(gen, sampling=replace(gen.sampling, logit_bias=bias))
         if chat:
             prompt = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system))
             tokens, extra_stops = prompt.tokens, tuple(prompt.stop)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from typing import AsyncIterator, Iterator
 
 import numpy as np
 
-from saem_gguf.engine import ChatPrompt, Engine, SamplingConfig, StopText, resolve_seed
+from saem_gguf.engine import ChatPrompt, Engine, SamplingConfig, StopText, check_logit_bias, resolve_seed
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import GrammarDeadEnd, check_grammar
 
@@ -212,6 +211,12 @@ class Scheduler:
         sampler is built on the decode thread, where a NULL grammar would be too late to refuse)."""
         check_grammar(self._lc, self._vocab, grammar, what)
 
+    def text_tokens(self, text: str) -> list[int]:
+        """``text``'s tokens alone: no BOS, special tokens not parsed (llama-server's
+        ``common_tokenize(vocab, text, false)``, for a logit bias given as text; thread-safe)."""
+        with self._tokenize_lock:
+            return self.engine.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """A raw prompt's tokens by ``Engine.prompt_tokens``'s rules (thread-safe)."""
         with self._tokenize_lock:
@@ -234,6 +239,7 @@ class Scheduler:
         if len(req.prompt_tokens) + 1 > self._n_ctx_seq:
             raise PromptTooLong(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context "
                                 f"({self._n_ctx_seq} tokens per sequence)")
+        check_logit_bias(req.sampling.logit_bias, self._n_vocab)
         if not 0 <= req.n_probs <= self._n_vocab:
             raise SaemError(f"n_probs must be in 0..{self._n_vocab}, got {req.n_probs}")
         handle = SequenceHandle(self, req, resolve_seed(req.sampling.seed))
@@ -446,8 +452,7 @@ class Scheduler:
         try:
             llm.set_seed(seed)
             llm.last_n_tokens_size = sampling.repeat_last_n
-            llm._saem_logit_bias = ({t: -math.inf for t in self.engine.eog_tokens}
-                                    if sampling.ignore_eos else None)
+            llm._saem_logit_bias = sampling.chain_logit_bias(self.engine.eog_tokens)
             return llm._init_sampler(
                 top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, typical_p=sampling.typical_p,
                 temp=max(sampling.temp, 0.0), repeat_penalty=sampling.repeat_penalty,

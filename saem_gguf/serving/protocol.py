@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -112,7 +113,9 @@ class _Common(_Strict):
     n: int | None = None
     ignore_eos: bool = False
     n_probs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's {"token id": bias}, and llama-server's [[id or text, bias], ...] and text keys (each of
+    # the text's tokens); a bias of false bans the token (request_logit_bias)
+    logit_bias: dict[str, Any] | list[Any] | None = None
     # constrained output, as llama-server and llama-cpp-python's server take it: GBNF, or a JSON
     # schema turned into GBNF (at most one of these and a chat's response_format)
     grammar: str | None = None
@@ -137,9 +140,16 @@ class _Common(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _bias_pairs(cls, v):
+        pairs = v.items() if isinstance(v, dict) else v or []
+        for pair in pairs:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], (str, int))
+                    and not isinstance(pair[0], bool)):
+                raise ValueError(f"expected [token id or text, bias] pairs, got {json.dumps(pair)[:80]}")
+            bias = pair[1]
+            if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                                      or math.isnan(bias)):
+                raise ValueError(f"a bias is a number, or false to ban the token; got {json.dumps(bias)[:80]}")
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -313,6 +323,25 @@ def request_grammar(req: _Common) -> str | None:
         return json_schema_grammar(json.dumps(schema), "response_format's schema")
     except SaemError as e:
         raise bad_request(str(e), named[0]) from None
+
+
+def request_logit_bias(req: _Common, text_tokens: Callable[[str], list[int]]) -> tuple[tuple[int, float], ...] | None:
+    """The request's ``logit_bias`` as (token id, bias) entries in order, as llama-server reads it:
+    a key or first element that is a whole number is a token id, any other text biases each of
+    its tokens (``text_tokens``), and false is -inf. None: the request gives none (the server's
+    default ``-l`` stands; a request's replaces it). The ids are checked against the vocabulary
+    at submit."""
+    if req.logit_bias is None:
+        return None
+    pairs = req.logit_bias.items() if isinstance(req.logit_bias, dict) else req.logit_bias
+    entries: list[tuple[int, float]] = []
+    for key, bias in pairs:
+        value = -math.inf if bias is False else float(bias)
+        if isinstance(key, int) or re.fullmatch(r"-?\d+", key):
+            entries.append((int(key), value))
+        else:
+            entries.extend((t, value) for t in text_tokens(key))
+    return tuple(entries)
 
 
 # --- responses -----------------------------------------------------------------------------------
