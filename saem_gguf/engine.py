@@ -29,6 +29,7 @@ from saem_gguf import numa
 from saem_gguf.budget import (
     AUTO, auto_margin, format_size, plan_auto, plan_from_budget, plan_from_ecr, slots_fitting,
 )
+from saem_gguf.detokenize import detokenize
 from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo
 from saem_gguf.gpu_memory import gpu_memory
@@ -381,6 +382,12 @@ def _make_llama_class(llama_cpp):
             bos = super().tokenize(b"", add_bos, False)  # [BOS] when the model adds one, else []
             return bos + tokenize_protected(text, spans, self._saem_specials,
                                             lambda b: super(SaemLlama, self).tokenize(b, False, False))
+
+        def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+            """llama-cpp-python's, with pieces longer than 32 bytes kept (saem_gguf.detokenize)."""
+            if type(self.tokenizer_) is not llama_cpp.llama_tokenizer.LlamaTokenizer:  # an HF tokenizer
+                return super().detokenize(tokens, prev_tokens, special)
+            return detokenize(llama_cpp, self._model.vocab, tokens, special, self._model.token_bos())
 
         def create_completion(self, prompt, *args, **kw):
             if self._saem_capture:
@@ -752,8 +759,7 @@ class Engine:
     def piece(self, token: int) -> bytes:
         piece = self._piece_of.get(token)
         if piece is None:
-            # not LlamaModel.token_to_piece: it returns its whole 32-byte buffer, NULs included
-            piece = self._piece_of[token] = self.llm._model.detokenize([token], special=True)
+            piece = self._piece_of[token] = self.llm.detokenize([token], special=True)
         return piece
 
     # --- generation --------------------------------------------------------------------------

@@ -217,6 +217,27 @@ class Scheduler:
         with self._tokenize_lock:
             return self.engine.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
 
+    def tokenize_mixed(self, content: str | list[str | int], add_special: bool, parse_special: bool) -> list[int]:
+        """llama-server's ``tokenize_mixed`` (its /tokenize): strings tokenized, ``add_special``
+        only for the first element, token ids kept (checked against the vocabulary; thread-safe)."""
+        parts = [content] if isinstance(content, str) else content
+        out: list[int] = []
+        with self._tokenize_lock:
+            for i, part in enumerate(parts):
+                if isinstance(part, int):
+                    out.append(part)
+                else:
+                    out += self.engine.llm.tokenize(part.encode("utf-8"), add_bos=add_special and i == 0,
+                                                    special=parse_special)
+        self.check_tokens(out, "token")
+        return out
+
+    def check_tokens(self, tokens: list[int], what: str) -> None:
+        """SaemError naming the first of ``tokens`` outside the vocabulary."""
+        bad = next((t for t in tokens if not 0 <= t < self._n_vocab), None)
+        if bad is not None:
+            raise SaemError(f"{what} {bad} is not in the vocabulary (0..{self._n_vocab - 1})")
+
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """A raw prompt's tokens by ``Engine.prompt_tokens``'s rules (thread-safe)."""
         with self._tokenize_lock:
@@ -233,9 +254,7 @@ class Scheduler:
         SaemError for a token outside the vocabulary, a bad seed or ``n_probs``."""
         if not req.prompt_tokens:
             raise SaemError("empty prompt")
-        bad = next((t for t in req.prompt_tokens if not 0 <= t < self._n_vocab), None)
-        if bad is not None:
-            raise SaemError(f"prompt token {bad} is not in the vocabulary (0..{self._n_vocab - 1})")
+        self.check_tokens(req.prompt_tokens, "prompt token")
         if len(req.prompt_tokens) + 1 > self._n_ctx_seq:
             raise PromptTooLong(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context "
                                 f"({self._n_ctx_seq} tokens per sequence)")

@@ -246,7 +246,41 @@ class ChatRequest(_Common):
         return self.n_probs
 
 
-def parse_request(body: bytes, kind: type[_Common]) -> _Common:
+class TokenizeRequest(_Strict):
+    """llama-server's POST /tokenize: ``content`` a string, or strings and token ids mixed (its
+    ``tokenize_mixed``: ids kept, only the first element may get BOS)."""
+
+    content: str | list[str | int] = ""
+    add_special: bool = False  # BOS (and EOS) as the vocabulary adds them
+    parse_special: bool = True  # llama-server's default: <|im_start|> in the text is that token
+    with_pieces: bool = False  # [{"id", "piece"}]: the piece a string, or its bytes if not UTF-8
+
+
+class DetokenizeRequest(_Strict):
+    """llama-server's POST /detokenize: the text of ``tokens``, special tokens' text included."""
+
+    tokens: list[int] = []
+
+
+class ApplyTemplateRequest(_Strict):
+    """llama-server's POST /apply-template: the prompt a chat's messages become."""
+
+    messages: list[Message] = Field(min_length=1)
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def piece_json(piece: bytes) -> str | list[int]:
+    """A token's piece as llama-server's /tokenize gives it: the text, or the bytes where the piece
+    is not valid UTF-8 alone (a part of a character)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
+def parse_request(body: bytes, kind: type[_Strict]) -> _Strict:
     """The body as ``kind``, or a 400 naming the first field that is wrong."""
     if not body.strip():
         raise bad_request("the request body is empty (expected a JSON object)")
