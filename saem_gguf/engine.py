@@ -802,6 +802,14 @@ class Engine:
         return ChatPrompt(llm.detokenize(tokens, special=True).decode("utf-8", errors="replace"),
                           tokens, stop)
 
+    def chat_template_source(self) -> str:
+        """The Jinja text chats are rendered with (llama-server's /props ``chat_template``): a
+        --chat-template file's, else the GGUF's; "" for a named llama-cpp-python format."""
+        chosen = self.cfg.chat_template
+        if chosen is None:
+            return self.llm.metadata.get("tokenizer.chat_template", "")
+        return Path(chosen).read_text(encoding="utf-8") if Path(chosen).is_file() else ""
+
     def set_chat_template(self, template: str) -> None:
         """Use ``template`` for chat: a Jinja file (rendered like a GGUF's own template) or the
         name of one of llama-cpp-python's chat formats."""

@@ -23,6 +23,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO
+from fidelity_helpers import stock_env, stock_lib  # noqa: F401
 from serve_helpers import ServerProcess, wait_until
 from saem_gguf.serving.threads import serve_threads, usable_cpus
 
@@ -223,6 +224,71 @@ def test_logit_bias_equals_generate_l(client, server, cli_raw):
     assert text.status_code == 200 and cli_raw["text"].strip() not in text.json()["choices"][0]["text"]
     bad = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"99999999": 1}})
     assert bad.status_code == 400 and "logit bias token 99999999" in bad.json()["error"]["message"]
+
+
+STOCK_TOKENS = """
+import ctypes, json, sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+buf = ctypes.create_string_buffer(512)
+def piece(t):
+    n = llama_cpp.llama_token_to_piece(llm._model.vocab, t, buf, 512, 0, True)
+    return buf.raw[:n].hex()
+out = {}
+for text in json.loads(sys.argv[2]):
+    for add, special in ((False, True), (True, True), (False, False)):
+        toks = llm.tokenize(text.encode(), add_bos=add, special=special)
+        out[f"{add} {special} {text}"] = [toks, [piece(t) for t in toks]]
+print(json.dumps(out))
+"""
+
+
+def test_tokenize_and_detokenize_are_llama_servers(server, stock_lib):  # noqa: F811
+    """/tokenize is llama_tokenize as llama-server calls it (add_special off and parse_special on by
+    default), its pieces llama.cpp's common_token_to_piece; /detokenize joins those pieces. Checked
+    against stock llama-cpp-python's tokenize and llama_token_to_piece on the stock build."""
+    from saem_gguf.default_model import default_model_path
+
+    texts = ["Hello <|im_start|>user world", "  Alternatively, 12 + 7 = 19.\n", "é😀"]
+    r = subprocess.run([sys.executable, "-c", STOCK_TOKENS, str(default_model_path()), json.dumps(texts)],
+                       capture_output=True, text=True, timeout=300, env=stock_env(stock_lib), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    stock = json.loads(r.stdout)
+    for key, (want, pieces) in stock.items():
+        add, special, text = key.split(" ", 2)
+        body = {"content": text, "add_special": add == "True", "parse_special": special == "True"}
+        assert _post(server, "/tokenize", body).json() == {"tokens": want}, key
+        got = _post(server, "/tokenize", {**body, "with_pieces": True}).json()["tokens"]
+        assert [g["id"] for g in got] == want
+        for g, p in zip(got, pieces):  # a piece that is part of a character comes as its bytes
+            assert (g["piece"] if isinstance(g["piece"], list) else list(g["piece"].encode())) == \
+                list(bytes.fromhex(p)), key
+        assert _post(server, "/detokenize", {"tokens": want}).json() == {
+            "content": b"".join(bytes.fromhex(p) for p in pieces).decode("utf-8", "replace")}
+    assert any(isinstance(g["piece"], list) for g in _post(server, "/tokenize", {
+        "content": "😀", "with_pieces": True}).json()["tokens"])  # a byte-level BPE splits the emoji
+    # llama-server's mixed content: ids kept, BOS only for a first string
+    first = stock[f"False True {texts[0]}"][0]
+    assert _post(server, "/tokenize", {"content": [texts[0], 7, texts[0]]}).json() == {
+        "tokens": first + [7] + first}
+    for path, body in (("/tokenize", {"content": [10**6]}), ("/detokenize", {"tokens": [-1]}),
+                       ("/tokenize", {"content": {"a": 1}}), ("/detokenize", {"tokens": "1 2"})):
+        bad = _post(server, path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["message"], (path, body)
+
+
+def test_apply_template_and_props(server, cli_chat):
+    """/apply-template is the prompt a chat becomes (its tokens are generate --chat's prompt);
+    /props has llama-server's fields for this server."""
+    prompt = _post(server, "/apply-template", {"messages": [{"role": "user", "content": QUESTION}]}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n") and QUESTION in prompt
+    toks = _post(server, "/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]
+    assert toks == cli_chat["prompt_tokens"]
+    assert _post(server, "/apply-template", {"messages": []}).status_code == 400
+    props = httpx.get(server.url + "/props", timeout=30).json()
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 8192
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.0
+    assert props["chat_template"].startswith("{%- for message in messages") and props["eos_token"] == "<|im_end|>"
+    assert props["model_path"].endswith("default-model.gguf") and props["modalities"]["vision"] is False
 
 
 # --- bad requests -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ the stream), a non-streamed one by a watcher on the connection.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive
 
+from saem_gguf import __version__
+from saem_gguf.build.source import LLAMA_CPP_PYTHON_VERSION
 from saem_gguf.engine import SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.serving.auth import ApiKeyMiddleware
@@ -31,8 +34,8 @@ from saem_gguf.serving.batch import (
 )
 from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
-    SSE_DONE, ApiError, ChatRequest, CompletionRequest, Reply, TokenLogprob, generation, parse_request,
-    request_logit_bias, sse,
+    SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Reply,
+    TokenizeRequest, TokenLogprob, generation, parse_request, piece_json, request_logit_bias, sse,
 )
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
@@ -89,6 +92,38 @@ def create_app(state: ServerState) -> Starlette:
     async def stats(_: Request) -> Response:
         return JSONResponse(await run_in_threadpool(state.scheduler.stats))
 
+    async def tokenize(request: Request) -> Response:
+        req = parse_request(await _body(request), TokenizeRequest)
+        sched = state.scheduler
+        try:
+            tokens = await run_in_threadpool(sched.tokenize_mixed, req.content, req.add_special, req.parse_special)
+            if not req.with_pieces:
+                return JSONResponse({"tokens": tokens})
+            pieces = await run_in_threadpool(sched.token_pieces, tokens)
+        except SaemError as e:  # a token id outside the vocabulary
+            raise ApiError(400, str(e), param="content") from None
+        return JSONResponse({"tokens": [{"id": t, "piece": piece_json(p)} for t, p in zip(tokens, pieces)]})
+
+    async def detokenize(request: Request) -> Response:
+        req = parse_request(await _body(request), DetokenizeRequest)
+        try:
+            pieces = await run_in_threadpool(state.scheduler.token_pieces, req.tokens)
+        except SaemError as e:
+            raise ApiError(400, str(e), param="tokens") from None
+        return JSONResponse({"content": b"".join(pieces).decode("utf-8", errors="replace")})
+
+    async def apply_template(request: Request) -> Response:
+        req = parse_request(await _body(request), ApplyTemplateRequest)
+        try:
+            prompt = await run_in_threadpool(state.scheduler.tokenize_chat,
+                                             _with_system(req.message_dicts(), state.cfg.system))
+        except SaemError as e:  # the chat template failed on these messages
+            raise ApiError(400, str(e), param="messages") from None
+        return JSONResponse({"prompt": prompt.text})
+
+    async def props(_: Request) -> Response:
+        return JSONResponse(await run_in_threadpool(_props, state))
+
     async def chat(request: Request) -> Response:
         return await _complete(state, request, chat=True)
 
@@ -111,6 +146,11 @@ def create_app(state: ServerState) -> Starlette:
         Route("/chat/completions", counted("/v1/chat/completions", chat), methods=["POST"]),
         Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
         Route("/completions", counted("/v1/completions", completions), methods=["POST"]),
+        # llama-server's own
+        Route("/tokenize", counted("/tokenize", tokenize), methods=["POST"]),
+        Route("/detokenize", counted("/detokenize", detokenize), methods=["POST"]),
+        Route("/apply-template", counted("/apply-template", apply_template), methods=["POST"]),
+        Route("/props", counted("/props", props)),
     ]
     middleware = [Middleware(ApiKeyMiddleware, api_keys=state.cfg.api_keys)] if state.cfg.api_keys else []
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
@@ -152,6 +192,37 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         return StreamingResponse(_stream(handle, reply, include_usage, state.piece), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await _collect(handle, reply, request.receive, state.piece)
+
+
+def _props(state: ServerState) -> dict:
+    """llama-server's GET /props: the fields a client reads (its web UI, editor plugins), for this
+    server; ``default_generation_settings.params`` are the CLI's sampling flags under
+    llama-server's names."""
+    eng, cfg, d = state.scheduler.engine, state.cfg, state.cfg.sampling
+    text = eng.llm._model.token_get_text
+    bos, eos = eng.llm.token_bos(), eng.llm.token_eos()
+    return {
+        "default_generation_settings": {"n_ctx": cfg.n_ctx_per_sequence, "params": {
+            "n_predict": cfg.max_tokens, "temperature": d.temp, "top_k": d.top_k, "top_p": d.top_p,
+            "min_p": d.min_p, "typical_p": d.typical_p, "repeat_last_n": d.repeat_last_n,
+            "repeat_penalty": d.repeat_penalty, "presence_penalty": d.presence_penalty,
+            "frequency_penalty": d.frequency_penalty, "seed": -1 if d.seed is None else d.seed,
+            "ignore_eos": d.ignore_eos, "stop": list(d.stop),
+            "logit_bias": [[t, b if math.isfinite(b) else False] for t, b in d.logit_bias],
+            "grammar": d.grammar or ""}},
+        "total_slots": state.scheduler.n_parallel,
+        "model_alias": cfg.model_id,
+        "model_path": str(eng.path),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "chat_template": eng.chat_template_source(),
+        "bos_token": text(bos) if bos != -1 else "",
+        "eos_token": text(eos) if eos != -1 else "",
+        "build_info": f"saem_gguf {__version__}, llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}",
+        "endpoint_slots": False,
+        "endpoint_props": False,
+        "endpoint_metrics": True,
+        "is_sleeping": False,
+    }
 
 
 async def _body(request: Request) -> bytes:

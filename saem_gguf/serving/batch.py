@@ -39,6 +39,7 @@ from typing import AsyncIterator, Iterator
 
 import numpy as np
 
+from saem_gguf.detokenize import token_piece
 from saem_gguf.engine import ChatPrompt, Engine, SamplingConfig, StopText, check_logit_bias, resolve_seed
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import GrammarDeadEnd, check_grammar
@@ -231,6 +232,13 @@ class Scheduler:
                                                     special=parse_special)
         self.check_tokens(out, "token")
         return out
+
+    def token_pieces(self, tokens: list[int]) -> list[bytes]:
+        """Each token's text as llama.cpp's ``common_token_to_piece`` gives it (special tokens'
+        text included; what llama-server's /tokenize and /detokenize use); ids checked."""
+        self.check_tokens(tokens, "token")
+        vocab = self.engine.llm._model.vocab
+        return [token_piece(self._lc, vocab, t, True) for t in tokens]
 
     def check_tokens(self, tokens: list[int], what: str) -> None:
         """SaemError naming the first of ``tokens`` outside the vocabulary."""
