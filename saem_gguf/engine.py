@@ -31,7 +31,6 @@ from saem_gguf.budget import (
 )
 from saem_gguf.detokenize import detokenize
 from saem_gguf.errors import SaemError
-from saem_gguf.gguf_info import ModelInfo
 from saem_gguf.gpu_memory import gpu_memory
 from saem_gguf.grammar import GrammarDeadEnd, GrammarSampler, check_grammar, grammar_sampler
 from saem_gguf.interrupts import deferred_signals
@@ -1051,6 +1050,7 @@ class StopText:
         self.stops = stops
         self.text = bytearray()
         self.released = 0  # bytes of text handed out
+        self.hit: bytes | None = None  # the stop string that ended the text
 
     def add(self, piece: bytes, last: bool) -> tuple[bytes, bool]:
         """(the text to release now, whether a stop string ended the text). ``last``: no token
@@ -1059,6 +1059,7 @@ class StopText:
         text += piece
         hit = next((s for s in self.stops if s in text), None)
         if hit is not None:
+            self.hit = hit
             del text[text.index(hit):]
             out = bytes(text[self.released:])
             self.released = len(text)

@@ -291,6 +291,45 @@ def test_apply_template_and_props(server, cli_chat):
     assert props["model_path"].endswith("default-model.gguf") and props["modalities"]["vision"] is False
 
 
+def test_native_completion_is_llama_servers(server, cli_raw):
+    """/completion (and /completions): llama-server's own shape: the generate CLI's text and tokens,
+    stop_type limit / word / eos with the stopping word, timings, completion_probabilities; streamed
+    as chunks of content then the final object, without [DONE]; a mixed prompt of text and ids."""
+    r = _post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "n_probs": 2}).json()
+    assert (r["content"], r["tokens"]) == (cli_raw["text"], cli_raw["tokens"])
+    assert r["stop"] is True and r["stop_type"] == "limit" and r["stopping_word"] == ""
+    assert (r["tokens_predicted"], r["tokens_evaluated"]) == (N, len(cli_raw["prompt_tokens"]))
+    assert r["prompt"] == PROMPT and r["generation_settings"]["n_predict"] == N
+    assert r["timings"]["predicted_n"] == N and r["timings"]["predicted_per_second"] > 0
+    probs = r["completion_probabilities"]
+    assert [p["id"] for p in probs] == cli_raw["tokens"] and all(len(p["top_logprobs"]) == 2 for p in probs)
+    assert probs[0]["top_logprobs"][0]["id"] == probs[0]["id"] and probs[0]["logprob"] <= 0
+    # a stop word
+    word = cli_raw["text"].split()[2]
+    w = _post(server, "/completions", {"prompt": PROMPT, "max_tokens": N, "stop": [word]}).json()
+    assert w["stop_type"] == "word" and w["stopping_word"] == word
+    assert w["content"] == cli_raw["text"][:cli_raw["text"].index(word)]
+    # streamed: the chunks' content is the text, then the final object; no [DONE]
+    with httpx.stream("POST", server.url + "/completion", json={"prompt": PROMPT, "n_predict": N, "stream": True,
+                                                                "return_tokens": True}, timeout=60) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln]
+    events = [json.loads(ln.removeprefix("data: ")) for ln in lines]
+    assert all(ln.startswith("data: {") for ln in lines)
+    assert "".join(e["content"] for e in events) == cli_raw["text"]
+    assert sum((e["tokens"] for e in events[:-1]), []) == cli_raw["tokens"]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["content"] == "" and events[-1]["stop_type"] == "limit"
+    # text and token ids mixed, as llama-server takes them: the same tokens, the same answer
+    head, tail = cli_raw["prompt_tokens"][:2], cli_raw["prompt_tokens"][2:]
+    tail_text = _post(server, "/detokenize", {"tokens": tail}).json()["content"]
+    mixed = _post(server, "/completion", {"prompt": [*head, tail_text], "n_predict": N}).json()
+    assert mixed["tokens_evaluated"] == len(cli_raw["prompt_tokens"]) and mixed["content"] == cli_raw["text"]
+    for body, words in (({"prompt": "", "n_predict": 2}, "empty prompt"), ({"prompt": "x", "n_predict": -2}, "n_predict"),
+                        ({"prompt": [10**7], "n_predict": 2}, "not in the vocabulary"), ({"n_predict": 2}, "prompt")):
+        bad = _post(server, "/completion", body)
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], (body, bad.text)
+
+
 # --- bad requests -------------------------------------------------------------------------------
 def _post(server, path: str, body: bytes | dict, **kw) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -9,7 +9,6 @@ the stream), a non-streamed one by a watcher on the connection.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
@@ -34,8 +33,9 @@ from saem_gguf.serving.batch import (
 )
 from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
-    SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Reply,
-    TokenizeRequest, TokenLogprob, generation, parse_request, piece_json, request_logit_bias, sse,
+    SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Generation,
+    NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation, native_probs,
+    native_settings, parse_request, piece_json, request_logit_bias, sse,
 )
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
@@ -92,6 +92,9 @@ def create_app(state: ServerState) -> Starlette:
     async def stats(_: Request) -> Response:
         return JSONResponse(await run_in_threadpool(state.scheduler.stats))
 
+    async def native(request: Request) -> Response:
+        return await _complete_native(state, request)
+
     async def tokenize(request: Request) -> Response:
         req = parse_request(await _body(request), TokenizeRequest)
         sched = state.scheduler
@@ -145,8 +148,9 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", counted("/v1/chat/completions", chat), methods=["POST"]),
         Route("/chat/completions", counted("/v1/chat/completions", chat), methods=["POST"]),
         Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
-        Route("/completions", counted("/v1/completions", completions), methods=["POST"]),
         # llama-server's own
+        Route("/completion", counted("/completion", native), methods=["POST"]),
+        Route("/completions", counted("/completion", native), methods=["POST"]),
         Route("/tokenize", counted("/tokenize", tokenize), methods=["POST"]),
         Route("/detokenize", counted("/detokenize", detokenize), methods=["POST"]),
         Route("/apply-template", counted("/apply-template", apply_template), methods=["POST"]),
@@ -157,9 +161,109 @@ def create_app(state: ServerState) -> Starlette:
 
 
 async def _complete(state: ServerState, request: Request, chat: bool) -> Response:
+    """/v1/chat/completions and /v1/completions: OpenAI's shapes."""
     if state.stopping:
         raise SHUTTING_DOWN
     req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
+    sched = state.scheduler
+    if chat:
+        async def prompt() -> tuple[list[int], tuple[str, ...]]:
+            p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system))
+            return p.tokens, tuple(p.stop)
+    else:
+        async def prompt() -> tuple[list[int], tuple[str, ...]]:
+            return await run_in_threadpool(sched.tokenize_prompt, req.prompt_text()), ()
+    handle, gen = await _submit(state, req, prompt, "messages" if chat else "prompt")
+    reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
+    offset = 0  # characters of text streamed so far (completions' text_offset)
+    text = bytearray()  # decoded whole at the end: an event may end inside a character
+
+    def add(ev: TokenEvent) -> None:
+        text.extend(ev.text)
+        tokens = _token_logprobs(ev, reply.top_n, state.piece)
+        if tokens and reply.logprobs is not None:
+            reply.logprobs.extend(tokens)
+        if ev.finish_reason is not None:
+            reply.finish_reason, reply.usage = ev.finish_reason, ev.usage or (0, 0)
+
+    def chunks(ev: TokenEvent) -> list[bytes]:
+        nonlocal offset
+        out = []
+        piece = ev.text.decode("utf-8", errors="ignore")
+        tokens = _token_logprobs(ev, reply.top_n, state.piece)
+        if piece or tokens:
+            out.append(sse(reply.chunk(piece, tokens, text_offset=offset)))
+            offset += len(piece)
+        if ev.finish_reason is not None:
+            reply.usage = ev.usage or (0, 0)
+            out.append(sse(reply.chunk(finish_reason=ev.finish_reason)))
+            if req.stream_options and req.stream_options.include_usage:
+                out.append(sse(reply.usage_chunk()))
+            out.append(SSE_DONE)
+        return out
+
+    if req.stream:
+        opening = [sse(reply.chunk(text="", role=True))] if chat else []  # OpenAI's first chunk names the role
+        return _event_stream(_stream(handle, opening, chunks))
+    gone = await _collect(handle, request.receive, add)
+    if gone:
+        return gone
+    reply.text = text.decode("utf-8", errors="ignore")
+    return JSONResponse(reply.response())
+
+
+async def _complete_native(state: ServerState, request: Request) -> Response:
+    """/completion and /completions: llama-server's own shape (content, stop_type, timings, ...)."""
+    if state.stopping:
+        raise SHUTTING_DOWN
+    req = parse_request(await _body(request), NativeCompletionRequest)
+    sched = state.scheduler
+
+    async def prompt() -> tuple[list[int], tuple[str, ...]]:
+        if isinstance(req.prompt, str):  # as /v1/completions: BOS as the GGUF says, the text literal
+            return await run_in_threadpool(sched.tokenize_prompt, req.prompt), ()
+        return await run_in_threadpool(sched.tokenize_mixed, req.prompt, True, False), ()
+
+    handle, gen = await _submit(state, req, prompt, "prompt")
+    text = await run_in_threadpool(lambda: b"".join(sched.token_pieces(handle.request.prompt_tokens)))
+    reply = NativeReply(state.cfg.model_id, native_settings(gen.sampling, gen.max_tokens),
+                        text.decode("utf-8", errors="replace"), req.return_tokens)
+    n_predicted = 0
+
+    def probs(ev: TokenEvent) -> list[dict] | None:
+        return native_probs(ev.token_ids, ev.logprobs, state.piece) if gen.top_n and ev.logprobs else None
+
+    def add(ev: TokenEvent) -> None:
+        nonlocal final
+        reply.content += ev.text
+        reply.tokens += ev.token_ids
+        reply.probs += probs(ev) or []
+        if ev.finish_reason is not None:
+            final = reply.final(ev.finish_reason, ev.stop_word, ev.usage or (0, 0), ev.timings or (0.0, 0.0), False)
+
+    def chunks(ev: TokenEvent) -> list[bytes]:
+        nonlocal n_predicted
+        n_predicted += len(ev.token_ids)
+        out = []
+        if ev.text or ev.token_ids:
+            n_prompt = len(handle.request.prompt_tokens)
+            out.append(sse(reply.partial(ev.text, ev.token_ids, probs(ev), n_predicted, n_prompt)))
+        if ev.finish_reason is not None:  # llama-server ends its own stream without [DONE]
+            out.append(sse(reply.final(ev.finish_reason, ev.stop_word, ev.usage or (0, 0),
+                                       ev.timings or (0.0, 0.0), True)))
+        return out
+
+    if req.stream:
+        return _event_stream(_stream(handle, [], chunks))
+    final: dict = {}
+    gone = await _collect(handle, request.receive, add)
+    return gone or JSONResponse(final)
+
+
+async def _submit(state: ServerState, req, prompt: Callable[[], Awaitable[tuple[list[int], tuple[str, ...]]]],
+                  prompt_field: str) -> tuple[SequenceHandle, Generation]:
+    """Check the request's grammar and logit bias, tokenize its prompt (``prompt``: tokens and the
+    chat format's stop strings) and queue it; each failure is the status a client expects."""
     gen = generation(req, state.cfg.sampling, state.cfg.max_tokens)
     sched = state.scheduler
     try:
@@ -168,11 +272,7 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         bias = await run_in_threadpool(request_logit_bias, req, sched.text_tokens)
         if bias is not None:
             gen = replace(gen, sampling=replace(gen.sampling, logit_bias=bias))
-        if chat:
-            prompt = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system))
-            tokens, extra_stops = prompt.tokens, tuple(prompt.stop)
-        else:
-            tokens, extra_stops = await run_in_threadpool(sched.tokenize_prompt, req.prompt_text()), ()
+        tokens, extra_stops = await prompt()
         if state.stopping:
             raise SHUTTING_DOWN
         handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
@@ -182,34 +282,27 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     except QueueFull as e:
         raise ApiError(503, str(e), "unavailable_error", QUEUE_FULL_CODE) from None
     except PromptTooLong as e:
-        raise ApiError(400, str(e), "invalid_request_error", "context_length_exceeded",
-                       "messages" if chat else "prompt") from None
+        raise ApiError(400, str(e), "invalid_request_error", "context_length_exceeded", prompt_field) from None
     except SaemError as e:  # the chat template failed on these messages, an empty prompt, ...
         raise ApiError(400, str(e)) from None
-    reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(handle, reply, include_usage, state.piece), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _collect(handle, reply, request.receive, state.piece)
+    return handle, gen
+
+
+def _event_stream(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _props(state: ServerState) -> dict:
     """llama-server's GET /props: the fields a client reads (its web UI, editor plugins), for this
     server; ``default_generation_settings.params`` are the CLI's sampling flags under
     llama-server's names."""
-    eng, cfg, d = state.scheduler.engine, state.cfg, state.cfg.sampling
+    eng, cfg = state.scheduler.engine, state.cfg
     text = eng.llm._model.token_get_text
     bos, eos = eng.llm.token_bos(), eng.llm.token_eos()
     return {
-        "default_generation_settings": {"n_ctx": cfg.n_ctx_per_sequence, "params": {
-            "n_predict": cfg.max_tokens, "temperature": d.temp, "top_k": d.top_k, "top_p": d.top_p,
-            "min_p": d.min_p, "typical_p": d.typical_p, "repeat_last_n": d.repeat_last_n,
-            "repeat_penalty": d.repeat_penalty, "presence_penalty": d.presence_penalty,
-            "frequency_penalty": d.frequency_penalty, "seed": -1 if d.seed is None else d.seed,
-            "ignore_eos": d.ignore_eos, "stop": list(d.stop),
-            "logit_bias": [[t, b if math.isfinite(b) else False] for t, b in d.logit_bias],
-            "grammar": d.grammar or ""}},
+        "default_generation_settings": {"n_ctx": cfg.n_ctx_per_sequence,
+                                        "params": native_settings(cfg.sampling, cfg.max_tokens)},
         "total_slots": state.scheduler.n_parallel,
         "model_alias": cfg.model_id,
         "model_path": str(eng.path),
@@ -270,9 +363,9 @@ def _error_of(ev: TokenEvent) -> ApiError | None:
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: never sent, only counted
 
 
-async def _collect(handle: SequenceHandle, reply: Reply, receive: Receive,
-                   piece: Callable[[int], bytes]) -> Response:
-    text = bytearray()
+async def _collect(handle: SequenceHandle, receive: Receive, add: Callable[[TokenEvent], None]) -> Response | None:
+    """Hand the sequence's events to ``add`` up to its last one. None when it ended; a 499 when the
+    client left first (the sequence is cancelled then); raises what the last event's error means."""
     error: ApiError | None = None
     disconnected = False
 
@@ -289,16 +382,13 @@ async def _collect(handle: SequenceHandle, reply: Reply, receive: Receive,
         async with anyio.create_task_group() as watch:
             watch.start_soon(cancel_on_disconnect)
             async for ev in handle.aevents():
-                text += ev.text
-                tokens = _token_logprobs(ev, reply.top_n, piece)
-                if tokens and reply.logprobs is not None:
-                    reply.logprobs.extend(tokens)
                 if ev.finish_reason is not None:
                     finished = True
                     error = _error_of(ev)
-                    reply.finish_reason = ev.finish_reason
-                    reply.usage = ev.usage or (0, 0)
+                    if error is None:
+                        add(ev)
                     break
+                add(ev)
             watch.cancel_scope.cancel()
     finally:
         if not finished:
@@ -307,38 +397,29 @@ async def _collect(handle: SequenceHandle, reply: Reply, receive: Receive,
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if error is not None:
         raise error
-    reply.text = text.decode("utf-8", errors="ignore")
-    return JSONResponse(reply.response())
+    return None
 
 
-async def _stream(handle: SequenceHandle, reply: Reply, include_usage: bool,
-                  piece: Callable[[int], bytes]) -> AsyncIterator[bytes]:
-    """The chunks of a streamed answer. Starlette cancels this generator when the client
-    disconnects; ``finally`` then cancels the sequence."""
+async def _stream(handle: SequenceHandle, opening: list[bytes],
+                  chunks: Callable[[TokenEvent], list[bytes]]) -> AsyncIterator[bytes]:
+    """``opening``, then the chunks ``chunks`` makes of each event; an error on the last event is
+    an error event instead. Starlette cancels this generator when the client disconnects;
+    ``finally`` then cancels the sequence."""
     finished = False
     try:
-        if reply.chat:  # OpenAI's first chunk names the role
-            yield sse(reply.chunk(text="", role=True))
-        offset = 0
+        for chunk in opening:
+            yield chunk
         async for ev in handle.aevents():
-            text = ev.text.decode("utf-8", errors="ignore")
-            tokens = _token_logprobs(ev, reply.top_n, piece)
-            if text or tokens:
-                yield sse(reply.chunk(text, tokens, text_offset=offset))
-                offset += len(text)
-            if ev.finish_reason is None:
-                continue
-            finished = True
-            error = _error_of(ev)
-            if error is not None:
-                yield sse(error.body())  # the `openai` client raises APIError on it
+            if ev.finish_reason is not None:
+                finished = True
+                error = _error_of(ev)
+                if error is not None:
+                    yield sse(error.body())  # the `openai` client raises APIError on it
+                    return
+            for chunk in chunks(ev):
+                yield chunk
+            if finished:
                 return
-            reply.usage = ev.usage or (0, 0)
-            yield sse(reply.chunk(finish_reason=ev.finish_reason))
-            if include_usage:
-                yield sse(reply.usage_chunk())
-            yield SSE_DONE
-            return
     finally:
         if not finished:
             handle.cancel()

@@ -62,6 +62,9 @@ class TokenEvent:
     finish_reason: str | None  # None, then on the last event: stop | length | cancelled | error
     error: str | None = None  # one line, when finish_reason == "error"
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) on the last event
+    stop_word: str | None = None  # on the last event: the stop string that ended the text, if one did
+    # on the last event: (seconds from admission to the first sampled token, from there to the end)
+    timings: tuple[float, float] | None = None
 
 
 WARM_UP_TOKENS = 4  # tokens each slot decodes in Scheduler.warm_up
@@ -154,6 +157,8 @@ class _Sequence:
     n_past: int = 0  # tokens in its KV cells
     tokens: list[int] = field(default_factory=list)  # generated
     next_token: int | None = None  # sampled, to be decoded in the next step
+    t_admitted: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None  # when its first token was sampled (its prompt done)
 
     @property
     def n_prompt(self) -> int:
@@ -545,6 +550,8 @@ class Scheduler:
         """Sample ``seq``'s next token from the logits of batch row ``batch_index`` and release
         what it adds; the sequence ends at end of generation, a stop string or its limit."""
         lc = self._lc
+        if seq.t_first is None:
+            seq.t_first = time.perf_counter()
         try:  # a LlamaSampler, or a GrammarSampler where the request has a grammar
             tok = seq.sampler.sample(self._llama_ctx, batch_index)
         except GrammarDeadEnd:  # nothing was accepted: the text so far stands
@@ -588,8 +595,13 @@ class Scheduler:
             seq.next_token = None
             with self._lock:
                 self._slots[seq.slot] = None
+            now = time.perf_counter()
+            first = seq.t_first if seq.t_first is not None else now
+            hit = seq.text.hit
             seq.handle._push(TokenEvent(text, token_ids, logprobs, reason, error,
-                                        usage=(seq.n_prompt, len(seq.tokens))), self._step_wakes)
+                                        usage=(seq.n_prompt, len(seq.tokens)),
+                                        stop_word=None if hit is None else hit.decode("utf-8", "replace"),
+                                        timings=(first - seq.t_admitted, now - first)), self._step_wakes)
 
 
 def _set_all(flags: list[asyncio.Event]) -> None:

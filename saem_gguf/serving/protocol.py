@@ -18,7 +18,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -193,6 +193,27 @@ class CompletionRequest(_Common):
         return self.logprobs if self.logprobs is not None else self.n_probs
 
 
+class NativeCompletionRequest(_Common):
+    """llama-server's own POST /completion (and /completions): ``prompt`` a string, or strings and
+    token ids mixed (``tokenize_mixed``), ``n_predict`` (``max_tokens`` its alias),
+    ``repeat_last_n``, ``n_probs``, ``return_tokens``; the sampling fields are the OpenAI routes'."""
+
+    prompt: str | list[str | int]
+    n_predict: int | None = Field(default=None, ge=-1)
+    repeat_last_n: int | None = Field(default=None, ge=0)
+    return_tokens: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, v):
+        if not v:
+            raise ValueError("empty prompt")
+        return v
+
+    def top_n(self) -> int | None:
+        return self.n_probs or None
+
+
 class JsonSchemaFormat(_Strict):
     """OpenAI's ``response_format.json_schema``: the schema and what names it (``strict`` is
     accepted and always holds: the grammar admits nothing else)."""
@@ -313,6 +334,8 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
         ("typical_p", req.typical_p), ("repeat_penalty", req.repeat_penalty),
         ("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty))
         if value is not None}
+    if isinstance(req, NativeCompletionRequest) and req.repeat_last_n is not None:
+        over["repeat_last_n"] = req.repeat_last_n
     if req.seed is not None:
         over["seed"] = None if req.seed == -1 else req.seed
     if req.ignore_eos:
@@ -328,6 +351,8 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
     max_tokens = req.max_tokens
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
+    if isinstance(req, NativeCompletionRequest) and req.n_predict is not None:
+        max_tokens = req.n_predict
     return Generation(default_max_tokens if max_tokens is None else max_tokens, sampling, req.top_n())
 
 
@@ -480,6 +505,84 @@ class Reply:
         """The last chunk when stream_options.include_usage: no choices, the usage (OpenAI's shape)."""
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [], "usage": usage(*self.usage)}
+
+
+def _valid_utf8(b: bytes) -> str:
+    """``b`` up to an incomplete character at its end (llama-server's validate_utf8 cut)."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return b[:e.start].decode("utf-8", errors="replace")
+
+
+def native_probs(token_ids: tuple[int, ...], logprobs: tuple, piece: Callable[[int], bytes]) -> list[dict]:
+    """llama-server's ``completion_probabilities`` for generated tokens: id, token (its text up to
+    an incomplete character), bytes, logprob and the ``top_logprobs`` alternatives alike."""
+    def one(tok: int, lp: float) -> dict:
+        b = piece(tok)
+        return {"id": tok, "token": _valid_utf8(b), "bytes": list(b), "logprob": _finite(lp)}
+
+    return [{**one(tok, chosen), "top_logprobs": [one(t, lp) for t, lp in top]}
+            for tok, (chosen, top) in zip(token_ids, logprobs)]
+
+
+def native_settings(sampling: SamplingConfig, n_predict: int) -> dict:
+    """The sampling settings under llama-server's names (its ``generation_settings`` and
+    /props ``default_generation_settings.params``)."""
+    d = sampling
+    return {"n_predict": n_predict, "seed": -1 if d.seed is None else d.seed, "temperature": d.temp,
+            "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "typical_p": d.typical_p,
+            "repeat_last_n": d.repeat_last_n, "repeat_penalty": d.repeat_penalty,
+            "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
+            "ignore_eos": d.ignore_eos, "stop": list(d.stop),
+            "logit_bias": [[t, b if math.isfinite(b) else False] for t, b in d.logit_bias],
+            "grammar": d.grammar or ""}
+
+
+@dataclass
+class NativeReply:
+    """One /completion answer in llama-server's own shape, from the scheduler's events."""
+
+    model: str
+    settings: dict  # native_settings of the request
+    prompt: str  # the prompt's text (special tokens' text included)
+    return_tokens: bool
+    content: bytearray = field(default_factory=bytearray)
+    tokens: list[int] = field(default_factory=list)
+    probs: list[dict] = field(default_factory=list)
+
+    def partial(self, text: bytes, token_ids: tuple[int, ...], probs: list[dict] | None,
+                n_predicted: int, n_prompt: int) -> dict:
+        """A streamed chunk: the text this event releases."""
+        out = {"index": 0, "content": text.decode("utf-8", errors="ignore"),
+               "tokens": list(token_ids) if self.return_tokens else [], "stop": False, "id_slot": -1,
+               "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
+        if probs:
+            out["completion_probabilities"] = probs
+        return out
+
+    def final(self, finish_reason: str, stop_word: str | None, usage: tuple[int, int],
+              timings: tuple[float, float], streamed: bool) -> dict:
+        """The last object: the whole text (empty when streamed: the chunks carried it), why it
+        stopped (``stop_type`` eos / word / limit), the counts and llama-server's timings."""
+        n_prompt, n_gen = usage
+        prompt_s, gen_s = timings
+        content = "" if streamed else self.content.decode("utf-8", errors="ignore")
+        out = {"index": 0, "content": content, "tokens": [] if streamed else self.tokens, "id_slot": -1,
+               "stop": True, "model": self.model, "tokens_predicted": n_gen, "tokens_evaluated": n_prompt,
+               "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
+               "truncated": False,
+               "stop_type": "limit" if finish_reason == "length" else "word" if stop_word is not None else "eos",
+               "stopping_word": stop_word or "", "tokens_cached": n_prompt + n_gen,
+               "timings": {"prompt_n": n_prompt, "prompt_ms": prompt_s * 1e3,
+                           "prompt_per_token_ms": prompt_s * 1e3 / max(n_prompt, 1),
+                           "prompt_per_second": n_prompt / prompt_s if prompt_s > 0 else 0.0,
+                           "predicted_n": n_gen, "predicted_ms": gen_s * 1e3,
+                           "predicted_per_token_ms": gen_s * 1e3 / max(n_gen, 1),
+                           "predicted_per_second": n_gen / gen_s if gen_s > 0 else 0.0}}
+        if self.probs and not streamed:
+            out["completion_probabilities"] = self.probs
+        return out
 
 
 # --- server-sent events ----------------------------------------------------------------------------
