@@ -92,6 +92,9 @@ class EngineConfig:
     # one, drawn at load (Engine.seed says which, to repeat the run)
     seed: int | None = None
     chat_template: str | None = None  # a Jinja file or a llama-cpp-python chat format name
+    # more variables for the chat template (llama.cpp's --chat-template-kwargs, --reasoning on|off:
+    # enable_thinking), JSON values; a chat request's own are merged over them
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     verbose: bool = False
     record: bool = False  # keep a routing trace of what is decoded
     progress: bool = True  # a loading progress bar (on a terminal)
@@ -171,6 +174,24 @@ class SamplingConfig:
         """The logit-bias member's entries: ``logit_bias``, then -inf for every end-of-generation
         token under ``ignore_eos`` (llama.cpp appends them the same way)."""
         return [*self.logit_bias, *((t, -math.inf) for t in eog_tokens if self.ignore_eos)]
+
+
+# what llama-cpp-python's chat handler and Jinja formatter pass to a template themselves, or
+# take as their own arguments: a template variable by one of these names would not reach it
+RESERVED_TEMPLATE_VARIABLES = frozenset((
+    "messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt", "functions",
+    "function_call", "tools", "tool_choice", "strftime_now", "llama", "temperature", "top_p", "top_k",
+    "min_p", "typical_p", "stream", "stop", "seed", "response_format", "max_tokens", "presence_penalty",
+    "frequency_penalty", "repeat_penalty", "tfs_z", "mirostat_mode", "mirostat_tau", "mirostat_eta",
+    "model", "logits_processor", "grammar", "logit_bias", "logprobs", "top_logprobs"))
+
+
+def check_template_kwargs(variables: dict[str, Any]) -> None:
+    """SaemError (one line) for a chat-template variable the chat handler would take for itself."""
+    taken = sorted(k for k in variables if k in RESERVED_TEMPLATE_VARIABLES)
+    if taken:
+        raise SaemError(f"chat template variable {taken[0]!r} is set by the chat handler itself; "
+                        "it cannot be given")
 
 
 def check_logit_bias(logit_bias: Iterable[tuple[int, float]], n_vocab: int) -> None:
@@ -366,6 +387,22 @@ def _make_llama_class(llama_cpp):
             finally:
                 self._saem_chat_contents = None
 
+        def saem_chat_completion(self, messages, template_kwargs: dict, **kw):
+            """``create_chat_completion`` with more chat-template variables: llama-cpp-python's chat
+            handler hands keywords it does not take to the template (its create_chat_completion
+            has no way to pass them)."""
+            from llama_cpp import llama_chat_format
+
+            from saem_gguf.tokenization import content_strings
+
+            handler = (self.chat_handler or self._chat_handlers.get(self.chat_format)
+                       or llama_chat_format.get_chat_completion_handler(self.chat_format))
+            self._saem_chat_contents = content_strings(messages)
+            try:
+                return handler(llama=self, messages=messages, **kw, **template_kwargs)
+            finally:
+                self._saem_chat_contents = None
+
         def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
             contents = self._saem_chat_contents
             if contents is None or not special:
@@ -539,6 +576,7 @@ class Engine:
         self._piece_of: dict[int, bytes] = {}
         self._detokenized_alone: dict[int, bytes] = {}
         self._fallback_noted = False
+        self._plain_format_noted = False
         if cfg.chat_template is not None:
             self.set_chat_template(cfg.chat_template)
 
@@ -773,22 +811,32 @@ class Engine:
         return head + (llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=parse_special)
                        if prompt else [])
 
-    def chat_prompt(self, messages: list[dict]) -> ChatPrompt:
+    def chat_prompt(self, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
         """``messages`` as llama-cpp-python's ``create_chat_completion`` would prompt the model:
         the chat format it picks (the GGUF's template, a known format it recognises, or
         ``--chat-template``), the real BOS/EOS texts, BOS added only when the format does not write
-        it; message contents stay literal text (saem_gguf.tokenization)."""
+        it; message contents stay literal text (saem_gguf.tokenization). ``template_kwargs``:
+        more template variables, over the engine's (``chat_template_kwargs``)."""
         import jinja2
 
         llm = self.llm
+        variables = {**dict(self.cfg.chat_template_kwargs), **(template_kwargs or {})}
+        check_template_kwargs(variables)
         if not llm.metadata.get("tokenizer.chat_template") and self.cfg.chat_template is None \
                 and not self._fallback_noted:
             self._fallback_noted = True
             self.note(f"{self.path.name} has no chat template: using llama-cpp-python's fallback "
                       f"format {llm.chat_format!r} (--chat-template FILE|NAME sets one)")
+        if variables and not self.chat_template_source() and not self._plain_format_noted:
+            self._plain_format_noted = True
+            self.note(f"the chat format {llm.chat_format!r} is not a Jinja template: it takes no template "
+                      f"variables ({', '.join(sorted(variables))} ignored)")
         llm._saem_capture = True
         try:
-            llm.create_chat_completion(messages, max_tokens=1)
+            if variables:
+                llm.saem_chat_completion(messages, variables, max_tokens=1)
+            else:
+                llm.create_chat_completion(messages, max_tokens=1)
         except _PromptCaptured as got:
             tokens, stop = got.tokens, got.stop
         except jinja2.TemplateError as e:

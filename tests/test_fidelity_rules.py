@@ -254,6 +254,84 @@ def test_chat_template_file_name_and_errors(tmp_path, llama_cpp):
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+# A Qwen3-like end of template: enable_thinking false pre-fills an empty thinking block
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% if style is defined %}{{ style }}{% endif %}{% endif %}")
+
+STOCK_RENDER = """
+import json, sys, llama_cpp
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+job = json.loads(sys.stdin.read())
+f = Jinja2ChatFormatter(template=job["template"], eos_token="<|im_end|>", bos_token="<|endoftext|>")
+print(json.dumps([f(messages=job["messages"], **kw).prompt for kw in job["variables"]]))
+"""
+
+
+def test_chat_template_variables_render_as_llama_cpp_python_renders_them(tmp_path, chatml_model, stock_lib):
+    """--chat-template-kwargs and --reasoning on|off (enable_thinking) reach the template: the prompt
+    is llama-cpp-python's own Jinja formatter's with those variables (the stock package, on the
+    stock build); without them the template sees none."""
+    from fidelity_helpers import stock_env
+
+    tpl = tmp_path / "thinking.jinja"
+    tpl.write_text(THINKING_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}]
+    variables = [{}, {"enable_thinking": False}, {"enable_thinking": True}, {"enable_thinking": False, "style": "Be brief."}]
+    r = subprocess.run([sys.executable, "-c", STOCK_RENDER], input=json.dumps(
+        {"template": THINKING_TEMPLATE, "messages": messages, "variables": variables}), capture_output=True,
+        text=True, timeout=300, env=stock_env(stock_lib), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = json.loads(r.stdout)
+    assert want[1].endswith("<think>\n\n</think>\n\n") and want[0] == want[2] != want[1]
+    flags = [[], ["--reasoning", "off"], ["-rea", "on"],
+             ["--chat-template-kwargs", '{"style": "Be brief.", "enable_thinking": true}', "-rea", "off"]]
+    for extra, text in zip(flags, want):
+        got = run_cli("generate", "-m", str(chatml_model), "--chat", "--chat-template", str(tpl), "-p", "Hi",
+                      "-n", "1", "--json", "--quiet", *extra)
+        assert got.returncode == 0, got.stderr
+        assert json.loads(got.stdout)["prompt_tokens"] == _tokens(chatml_model, text), extra
+    eng = engine(chatml_model, chat_template=str(tpl), chat_template_kwargs=(("enable_thinking", False),))
+    try:  # a request's variables go over the engine's
+        assert eng.chat_prompt(messages).text == want[1]
+        assert eng.chat_prompt(messages, {"enable_thinking": True}).text == want[2]
+        with pytest.raises(SaemError, match="'messages' is set by the chat handler"):
+            eng.chat_prompt(messages, {"messages": []})
+    finally:
+        eng.close()
+    for extra, needle in ((["--chat-template-kwargs", "[1]"], "JSON object"),
+                          (["--chat-template-kwargs", "{x"], "not JSON"),
+                          (["--chat-template-kwargs", '{"tools": 1}'], "'tools' is set by the chat handler"),
+                          (["-rea", "maybe"], "invalid choice")):
+        bad = run_cli("generate", "-m", str(chatml_model), "--chat", "-p", "Hi", "-n", "1", "--quiet", *extra)
+        assert bad.returncode in (1, 2) and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def _tokens(model, text: str) -> list[int]:
+    eng = engine(model)
+    try:
+        return eng.llm.tokenize(text.encode(), add_bos=False, special=True)
+    finally:
+        eng.close()
+
+
+def test_reserved_template_variables_are_the_chat_handlers_own(llama_cpp):
+    """Every argument llama-cpp-python's chat handler takes is reserved (a variable by that name
+    would not reach the template): checked against its signature, so an upgrade that adds one fails
+    here."""
+    import inspect
+
+    from llama_cpp import llama_chat_format as lcf
+
+    from saem_gguf.engine import RESERVED_TEMPLATE_VARIABLES
+
+    handler = lcf.chat_formatter_to_chat_completion_handler(lcf.Jinja2ChatFormatter("x", "", ""))
+    takes = {n for n, p in inspect.signature(handler).parameters.items() if p.kind != p.VAR_KEYWORD}
+    assert takes <= RESERVED_TEMPLATE_VARIABLES
+
+
 # --- flags -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags", [["--temp", "nan"], ["--top-p", "2"], ["--min-p", "-0.1"], ["-s", "x"],
                                    ["--repeat-last-n", "-1"], ["-n", "-2"], ["--typical", "inf"],

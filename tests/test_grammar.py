@@ -103,7 +103,8 @@ def test_a_dead_end_ends_the_generation_where_stock_llama_cpp_aborts(model, stoc
 STOCK_DEEP = """
 import sys, llama_cpp
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
-print("parsed" if llama_cpp.llama_sampler_init_grammar(llm._model.vocab, sys.stdin.read().encode(), b"root") else "null")
+smpl = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, sys.stdin.read().encode(), b"root")
+print("parsed" if smpl else "null")
 """
 DEEP_GROUPS = "root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000
 LONG_CHAIN = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(70_000)) + 'r70000 ::= "a"\n'
@@ -137,7 +138,8 @@ def _at_bounds(depth: int, rules: int) -> tuple[str, str]:
 def test_the_stack_bounds_leave_room_for_real_grammars(model, llama_cpp):
     """At the bounds llama.cpp parses, on this process's stack and on a 1 MiB thread stack with that
     stack's bounds; the schema converter's grammars fit (a string of maxLength 1,000 nests 1,000
-    groups: llama.cpp's own repetition bound refuses about 1,500); parentheses in literals, classes, tokens and comments do not count."""
+    groups: llama.cpp's own repetition bound refuses about 1,500); parentheses in literals,
+    classes, tokens and comments do not count."""
     import threading
 
     from saem_gguf.grammar import check_grammar, grammar_bounds, grammar_shape

@@ -284,6 +284,13 @@ def test_apply_template_and_props(server, cli_chat):
     toks = _post(server, "/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]
     assert toks == cli_chat["prompt_tokens"]
     assert _post(server, "/apply-template", {"messages": []}).status_code == 400
+    # template variables: this template reads none (the same prompt); one the chat handler sets itself is a 400
+    same_prompt = _post(server, "/apply-template", {"messages": [{"role": "user", "content": QUESTION}],
+                                                    "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert same_prompt["prompt"] == prompt
+    taken = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                                   "chat_template_kwargs": {"bos_token": "x"}})
+    assert taken.status_code == 400 and "'bos_token' is set by the chat handler" in taken.json()["error"]["message"]
     props = httpx.get(server.url + "/props", timeout=30).json()
     assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 8192
     assert props["default_generation_settings"]["params"]["temperature"] == 0.0
@@ -324,8 +331,10 @@ def test_native_completion_is_llama_servers(server, cli_raw):
     tail_text = _post(server, "/detokenize", {"tokens": tail}).json()["content"]
     mixed = _post(server, "/completion", {"prompt": [*head, tail_text], "n_predict": N}).json()
     assert mixed["tokens_evaluated"] == len(cli_raw["prompt_tokens"]) and mixed["content"] == cli_raw["text"]
-    for body, words in (({"prompt": "", "n_predict": 2}, "empty prompt"), ({"prompt": "x", "n_predict": -2}, "n_predict"),
-                        ({"prompt": [10**7], "n_predict": 2}, "not in the vocabulary"), ({"n_predict": 2}, "prompt")):
+    for body, words in (({"prompt": "", "n_predict": 2}, "empty prompt"),
+                        ({"prompt": "x", "n_predict": -2}, "n_predict"),
+                        ({"prompt": [10**7], "n_predict": 2}, "not in the vocabulary"),
+                        ({"n_predict": 2}, "prompt")):
         bad = _post(server, "/completion", body)
         assert bad.status_code == 400 and words in bad.json()["error"]["message"], (body, bad.text)
 

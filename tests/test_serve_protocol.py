@@ -111,6 +111,18 @@ def test_logit_bias_reads_as_llama_servers():
     assert read({"-1": 1}) == ((-1, 1.0),)  # an id: refused at submit, against the vocabulary
 
 
+def test_chat_template_variables_and_reasoning_effort_read_as_llama_servers():
+    def read(**fields) -> dict:
+        return parse_request(_body(CHAT, **fields), ChatRequest).template_kwargs()
+
+    assert read() == {}
+    assert read(chat_template_kwargs={"enable_thinking": False, "x": [1]}) == {"enable_thinking": False, "x": [1]}
+    assert read(reasoning_effort="none") == {"enable_thinking": False}
+    assert read(reasoning_effort="high", chat_template_kwargs={"y": 1}) == {"y": 1, "reasoning_effort": "high"}
+    assert "enable_thinking" in _error(_body(CHAT, chat_template_kwargs={"enable_thinking": "false"}),
+                                       ChatRequest).message
+
+
 def test_unknown_fields_are_ignored_and_known_ones_kept():
     req = parse_request(_body(CHAT, user="u1", metadata={"a": 1}, temperature=0.7, top_p=0.9, seed=3,
                               max_completion_tokens=12, stop="END", stream=True,

@@ -11,7 +11,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 from saem_gguf.budget import ECR_HELP
 from saem_gguf.cli.common import add_model_args, add_ram_tier_args, ecr_list_arg

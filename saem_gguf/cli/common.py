@@ -6,6 +6,7 @@ Every value is checked here, so a bad one is a one-line usage error (exit 2) bef
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from pathlib import Path
@@ -349,6 +350,35 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
                    help="chat template for a GGUF without one (or to replace it): a Jinja file, or the "
                         "name of a llama-cpp-python chat format (chatml, llama-2, llama-3, gemma, ...); "
                         "without both, llama-cpp-python's fallback llama-2 is used")
+    g.add_argument("--chat-template-kwargs", type=_json_object, default={}, metavar="STRING",
+                   help="additional variables for the chat template, a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}'")
+    g.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
+                   help="reasoning (thinking) in the chat: on or off set the template's enable_thinking "
+                        "(Qwen3 and others read it); auto leaves it to the template (default)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def chat_template_kwargs(args: argparse.Namespace) -> tuple[tuple[str, object], ...]:
+    """--chat-template-kwargs, then --reasoning on|off as enable_thinking (as llama.cpp sets it);
+    a name the chat handler sets itself is one line before the model loads."""
+    from saem_gguf.engine import check_template_kwargs
+
+    variables = dict(getattr(args, "chat_template_kwargs", {}))
+    reasoning = getattr(args, "reasoning", "auto")
+    if reasoning != "auto":
+        variables["enable_thinking"] = reasoning == "on"
+    check_template_kwargs(variables)
+    return tuple(variables.items())
 
 
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:

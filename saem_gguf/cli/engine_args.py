@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from saem_gguf.cli.common import placement_policy
+from saem_gguf.cli.common import chat_template_kwargs, placement_policy
 from saem_gguf.engine import Engine, EngineConfig
 
 
@@ -23,7 +23,8 @@ def engine_config(args: argparse.Namespace, **over) -> EngineConfig:
               n_cpu_moe=args.n_cpu_moe if has_placement else None,
               ecr=getattr(args, "ecr", None), vram_budget=getattr(args, "vram_budget", None),
               profile=getattr(args, "profile", None), seed=getattr(args, "seed", None),
-              chat_template=getattr(args, "chat_template", None), verbose=args.verbose,
+              chat_template=getattr(args, "chat_template", None), chat_template_kwargs=chat_template_kwargs(args),
+              verbose=args.verbose,
               ram_budget=getattr(args, "ram_budget", None), ram_policy=getattr(args, "ram_policy", None),
               ram_prefetch=getattr(args, "ram_prefetch", "madvise"),
               ram_route_prefetch=getattr(args, "ram_route_prefetch", True),

@@ -119,7 +119,8 @@ def create_app(state: ServerState) -> Starlette:
         req = parse_request(await _body(request), ApplyTemplateRequest)
         try:
             prompt = await run_in_threadpool(state.scheduler.tokenize_chat,
-                                             _with_system(req.message_dicts(), state.cfg.system))
+                                             _with_system(req.message_dicts(), state.cfg.system),
+                                             req.chat_template_kwargs)
         except SaemError as e:  # the chat template failed on these messages
             raise ApiError(400, str(e), param="messages") from None
         return JSONResponse({"prompt": prompt.text})
@@ -168,7 +169,8 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     sched = state.scheduler
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...]]:
-            p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system))
+            p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system),
+                                        req.template_kwargs())
             return p.tokens, tuple(p.stop)
     else:
         async def prompt() -> tuple[list[int], tuple[str, ...]]:
@@ -225,10 +227,15 @@ async def _complete_native(state: ServerState, request: Request) -> Response:
         return await run_in_threadpool(sched.tokenize_mixed, req.prompt, True, False), ()
 
     handle, gen = await _submit(state, req, prompt, "prompt")
-    text = await run_in_threadpool(lambda: b"".join(sched.token_pieces(handle.request.prompt_tokens)))
+    try:  # the prompt's text for the answer; the sequence must not outlive a failure here
+        text = await run_in_threadpool(lambda: b"".join(sched.token_pieces(handle.request.prompt_tokens)))
+    except BaseException:
+        handle.cancel()
+        raise
     reply = NativeReply(state.cfg.model_id, native_settings(gen.sampling, gen.max_tokens),
                         text.decode("utf-8", errors="replace"), req.return_tokens)
     n_predicted = 0
+    final: dict = {}
 
     def probs(ev: TokenEvent) -> list[dict] | None:
         return native_probs(ev.token_ids, ev.logprobs, state.piece) if gen.top_n and ev.logprobs else None
@@ -255,13 +262,15 @@ async def _complete_native(state: ServerState, request: Request) -> Response:
 
     if req.stream:
         return _event_stream(_stream(handle, [], chunks))
-    final: dict = {}
     gone = await _collect(handle, request.receive, add)
     return gone or JSONResponse(final)
 
 
-async def _submit(state: ServerState, req, prompt: Callable[[], Awaitable[tuple[list[int], tuple[str, ...]]]],
-                  prompt_field: str) -> tuple[SequenceHandle, Generation]:
+PromptOf = Callable[[], Awaitable[tuple[list[int], tuple[str, ...]]]]  # tokens, the chat format's stops
+
+
+async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | NativeCompletionRequest,
+                  prompt: PromptOf, prompt_field: str) -> tuple[SequenceHandle, Generation]:
     """Check the request's grammar and logit bias, tokenize its prompt (``prompt``: tokens and the
     chat format's stop strings) and queue it; each failure is the status a client expects."""
     gen = generation(req, state.cfg.sampling, state.cfg.max_tokens)

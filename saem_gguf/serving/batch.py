@@ -256,10 +256,10 @@ class Scheduler:
         with self._tokenize_lock:
             return self.engine.prompt_tokens(prompt)
 
-    def tokenize_chat(self, messages: list[dict]) -> ChatPrompt:
+    def tokenize_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> ChatPrompt:
         """A chat's prompt by ``Engine.chat_prompt``'s rules (thread-safe)."""
         with self._tokenize_lock:
-            return self.engine.chat_prompt(messages)
+            return self.engine.chat_prompt(messages, template_kwargs)
 
     def submit(self, req: BatchRequest) -> SequenceHandle:
         """Queue ``req``; its handle yields the events. Raises PromptTooLong, QueueFull (already

@@ -248,6 +248,25 @@ class ChatRequest(_Common):
     tools: list | None = None
     tool_choice: Any = None
     functions: list | None = None
+    # llama-server's: more chat-template variables, over the server's --chat-template-kwargs;
+    # OpenAI's reasoning_effort ("none": enable_thinking false; else the variable reasoning_effort)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _thinking_is_boolean(cls, v):
+        if v is not None and "enable_thinking" in v and not isinstance(v["enable_thinking"], bool):
+            raise ValueError('invalid type for "enable_thinking" (expected boolean)')
+        return v
+
+    def template_kwargs(self) -> dict[str, Any]:
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort == "none":
+            variables["enable_thinking"] = False
+        elif self.reasoning_effort:
+            variables["reasoning_effort"] = self.reasoning_effort
+        return variables
 
     @field_validator("tools", "functions")
     @classmethod
@@ -287,6 +306,7 @@ class ApplyTemplateRequest(_Strict):
     """llama-server's POST /apply-template: the prompt a chat's messages become."""
 
     messages: list[Message] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def message_dicts(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
