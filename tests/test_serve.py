@@ -34,7 +34,9 @@ N = 24  # tokens per answer in the comparisons
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess(["-np", "4", "-c", "32768"]).start()  # 8192 tokens per sequence
+    # 8192 tokens per sequence; thinking left in content, so answers compare with generate's text
+    # (the split, llama-server's default, is tested against llama-server: test_serve_reference.py)
+    s = ServerProcess(["-np", "4", "-c", "32768", "--reasoning-format", "none"]).start()
     yield s
     rc = s.stop(signal.SIGTERM)
     assert rc == 0, s.stderr()
@@ -302,7 +304,7 @@ def test_native_completion_is_llama_servers(server, cli_raw):
     """/completion (and /completions): llama-server's own shape: the generate CLI's text and tokens,
     stop_type limit / word / eos with the stopping word, timings, completion_probabilities; streamed
     as chunks of content then the final object, without [DONE]; a mixed prompt of text and ids."""
-    r = _post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "n_probs": 2}).json()
+    r = _post(server, "/completion", {"prompt": PROMPT, "n_predict": N, "n_probs": 2, "return_tokens": True}).json()
     assert (r["content"], r["tokens"]) == (cli_raw["text"], cli_raw["tokens"])
     assert r["stop"] is True and r["stop_type"] == "limit" and r["stopping_word"] == ""
     assert (r["tokens_predicted"], r["tokens_evaluated"]) == (N, len(cli_raw["prompt_tokens"]))

@@ -14,6 +14,7 @@ from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_a
                                   sampling_config)
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.engine import MAX_PARALLEL
+from saem_gguf.serving.reasoning import FORMATS
 
 DEFAULT_PORT = 8080  # llama-server's
 MAX_QUEUE = 100_000
@@ -62,6 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0, metavar="SECONDS",
                    help="after SIGINT/SIGTERM, requests in flight may finish for this long (10), then they "
                         "are cancelled and answered with a 503; a second Ctrl-C stops at once")
+    g.add_argument("--reasoning-format", choices=FORMATS, default="auto",
+                   help="a chat answer's thinking: apart as message.reasoning_content (deepseek; auto: where the "
+                        "chat template is a reasoning one, as llama-server decides), or left in content (none)")
+    g.add_argument("--parse-special", action="store_true",
+                   help="raw prompts (/v1/completions, /completion) turn special-token text into those tokens, as "
+                        "llama-server and llama-cpp-python do (default: literal text; chats' markup is always "
+                        "parsed and message text never)")
     add_sampling_args(p, n_predict=-1)
     add_placement_args(p)
     p.set_defaults(func=run)
@@ -89,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
                 scheduler.check_grammar(sampling.grammar, "the grammar")
             cfg = ServeConfig(model_id=args.alias or eng.path.name, sampling=sampling,
                               max_tokens=args.n_predict, n_ctx_per_sequence=eng.n_ctx_seq,
-                              api_keys=args.api_keys or (), system=args.system)
+                              api_keys=args.api_keys or (), system=args.system,
+                              reasoning_format=args.reasoning_format, chat_template=eng.chat_template_source(),
+                              parse_special=args.parse_special)
             state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,
                                 metrics=ServerMetrics(scheduler.stats))
             scheduler.start(warm_up=scheduler.tokenize_prompt(WARM_UP_PROMPT) if args.warmup else None)

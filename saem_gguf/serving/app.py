@@ -37,6 +37,7 @@ from saem_gguf.serving.protocol import (
     NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation, native_probs,
     native_settings, parse_request, piece_json, request_logit_bias, sse,
 )
+from saem_gguf.serving.reasoning import Reasoning, forced_open_prefix, split_reasoning, splits
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
 QUEUE_FULL_CODE = "queue_full"
@@ -51,6 +52,9 @@ class ServeConfig:
     n_ctx_per_sequence: int  # shown in /v1/models
     api_keys: tuple[str, ...] = ()  # --api-key: any of them opens every route but /health
     system: str | None = None  # -sys: the system prompt of a chat that brings none
+    reasoning_format: str = "auto"  # --reasoning-format: chat answers' thinking apart (serving.reasoning)
+    chat_template: str = ""  # the Jinja text chats are rendered with ("" for a named format)
+    parse_special: bool = False  # --parse-special: raw prompts' special-token text becomes those tokens
 
 
 @dataclass
@@ -167,18 +171,23 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         raise SHUTTING_DOWN
     req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     sched = state.scheduler
+    rendered: list[str] = []  # the chat prompt's text: where a thinking block may already be open
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...]]:
             p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system),
                                         req.template_kwargs())
+            rendered.append(p.text)
             return p.tokens, tuple(p.stop)
     else:
         async def prompt() -> tuple[list[int], tuple[str, ...]]:
-            return await run_in_threadpool(sched.tokenize_prompt, req.prompt_text()), ()
+            return await run_in_threadpool(sched.tokenize_prompt, req.prompt_text(), state.cfg.parse_special), ()
     handle, gen = await _submit(state, req, prompt, "messages" if chat else "prompt")
     reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
     offset = 0  # characters of text streamed so far (completions' text_offset)
     text = bytearray()  # decoded whole at the end: an event may end inside a character
+    thinking: Reasoning | None = None  # the answer's thinking apart (llama-server's reasoning format)
+    if chat and splits(req.reasoning_format or state.cfg.reasoning_format, state.cfg.chat_template):
+        thinking = Reasoning(forced_open_prefix(rendered[0]))
 
     def add(ev: TokenEvent) -> None:
         text.extend(ev.text)
@@ -192,9 +201,12 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         nonlocal offset
         out = []
         piece = ev.text.decode("utf-8", errors="ignore")
+        reasoning = ""
+        if thinking is not None:
+            reasoning, piece = thinking.add(piece, final=ev.finish_reason is not None)
         tokens = _token_logprobs(ev, reply.top_n, state.piece)
-        if piece or tokens:
-            out.append(sse(reply.chunk(piece, tokens, text_offset=offset)))
+        if piece or reasoning or tokens:
+            out.append(sse(reply.chunk(piece, tokens, text_offset=offset, reasoning=reasoning)))
             offset += len(piece)
         if ev.finish_reason is not None:
             reply.usage = ev.usage or (0, 0)
@@ -211,6 +223,8 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     if gone:
         return gone
     reply.text = text.decode("utf-8", errors="ignore")
+    if thinking is not None:
+        reply.reasoning, reply.text = split_reasoning(reply.text, thinking.prefix)
     return JSONResponse(reply.response())
 
 
@@ -222,9 +236,9 @@ async def _complete_native(state: ServerState, request: Request) -> Response:
     sched = state.scheduler
 
     async def prompt() -> tuple[list[int], tuple[str, ...]]:
-        if isinstance(req.prompt, str):  # as /v1/completions: BOS as the GGUF says, the text literal
-            return await run_in_threadpool(sched.tokenize_prompt, req.prompt), ()
-        return await run_in_threadpool(sched.tokenize_mixed, req.prompt, True, False), ()
+        if isinstance(req.prompt, str):  # as /v1/completions: BOS as the GGUF says
+            return await run_in_threadpool(sched.tokenize_prompt, req.prompt, state.cfg.parse_special), ()
+        return await run_in_threadpool(sched.tokenize_mixed, req.prompt, True, state.cfg.parse_special), ()
 
     handle, gen = await _submit(state, req, prompt, "prompt")
     try:  # the prompt's text for the answer; the sequence must not outlive a failure here

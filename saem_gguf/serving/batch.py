@@ -251,10 +251,10 @@ class Scheduler:
         if bad is not None:
             raise SaemError(f"{what} {bad} is not in the vocabulary (0..{self._n_vocab - 1})")
 
-    def tokenize_prompt(self, prompt: str) -> list[int]:
+    def tokenize_prompt(self, prompt: str, parse_special: bool = False) -> list[int]:
         """A raw prompt's tokens by ``Engine.prompt_tokens``'s rules (thread-safe)."""
         with self._tokenize_lock:
-            return self.engine.prompt_tokens(prompt)
+            return self.engine.prompt_tokens(prompt, parse_special)
 
     def tokenize_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> ChatPrompt:
         """A chat's prompt by ``Engine.chat_prompt``'s rules (thread-safe)."""

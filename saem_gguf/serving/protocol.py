@@ -252,6 +252,8 @@ class ChatRequest(_Common):
     # OpenAI's reasoning_effort ("none": enable_thinking false; else the variable reasoning_effort)
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # llama-server's: the thinking apart (reasoning_content) or not, over the server's --reasoning-format
+    reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -483,6 +485,7 @@ class Reply:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     usage: tuple[int, int] = (0, 0)
+    reasoning: str | None = None  # a chat answer's thinking, apart (llama-server's reasoning_content)
 
     @classmethod
     def start(cls, chat: bool, model: str, top_n: int | None) -> Reply:
@@ -500,6 +503,8 @@ class Reply:
                         "finish_reason": self.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": self.text}
+            if self.reasoning is not None:
+                choice["message"]["reasoning_content"] = self.reasoning
         else:
             choice["text"] = self.text
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -507,13 +512,17 @@ class Reply:
                 "usage": usage(*self.usage)}
 
     def chunk(self, text: str | None = None, tokens: list[TokenLogprob] | None = None,
-              finish_reason: str | None = None, role: bool = False, text_offset: int = 0) -> dict:
-        """A streamed chunk: ``chat.completion.chunk`` (a delta) or ``text_completion`` (a text)."""
+              finish_reason: str | None = None, role: bool = False, text_offset: int = 0,
+              reasoning: str = "") -> dict:
+        """A streamed chunk: ``chat.completion.chunk`` (a delta: ``content``, and thinking as
+        ``reasoning_content`` where the answer is split) or ``text_completion`` (a text)."""
         choice: dict = {"index": 0, "logprobs": self._logprobs_json(tokens, text_offset),
                         "finish_reason": finish_reason}
         if self.chat:
             delta: dict = {"role": "assistant"} if role else {}
-            if text is not None:
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text is not None and (text or not reasoning):
                 delta["content"] = text
             choice["delta"] = delta
         else:
@@ -587,13 +596,17 @@ class NativeReply:
         stopped (``stop_type`` eos / word / limit), the counts and llama-server's timings."""
         n_prompt, n_gen = usage
         prompt_s, gen_s = timings
+        stop_type = "limit" if finish_reason == "length" else "word" if stop_word is not None else "eos"
+        # llama-server counts the end-of-generation token it sampled (usage does not, as
+        # llama-cpp-python); the last sampled token is never decoded into the cache
+        n_gen += stop_type == "eos"
         content = "" if streamed else self.content.decode("utf-8", errors="ignore")
-        out = {"index": 0, "content": content, "tokens": [] if streamed else self.tokens, "id_slot": -1,
+        tokens = self.tokens if self.return_tokens and not streamed else []
+        out = {"index": 0, "content": content, "tokens": tokens, "id_slot": -1,
                "stop": True, "model": self.model, "tokens_predicted": n_gen, "tokens_evaluated": n_prompt,
                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
-               "truncated": False,
-               "stop_type": "limit" if finish_reason == "length" else "word" if stop_word is not None else "eos",
-               "stopping_word": stop_word or "", "tokens_cached": n_prompt + n_gen,
+               "truncated": False, "stop_type": stop_type,
+               "stopping_word": stop_word or "", "tokens_cached": n_prompt + max(n_gen - 1, 0),
                "timings": {"prompt_n": n_prompt, "prompt_ms": prompt_s * 1e3,
                            "prompt_per_token_ms": prompt_s * 1e3 / max(n_prompt, 1),
                            "prompt_per_second": n_prompt / prompt_s if prompt_s > 0 else 0.0,

@@ -1,0 +1,154 @@
+"""`serve` against stock llama-server (built from the same llama.cpp source, tests/stock_server.py)
+on the embedded model: llama-server's own endpoints answer alike (/completion: text, tokens, stop
+type and word, counts, probabilities; /tokenize, /detokenize, /apply-template), its request fields
+act alike (logit_bias forms, grammar, seeded sampling), and chat answers split the thinking from the
+answer as its reasoning format does, whole and streamed, also where the template opens the thinking
+block itself. `serve --parse-special` tokenizes raw prompts as llama-server does."""
+
+from __future__ import annotations
+
+import json
+
+import httpx2 as httpx
+import pytest
+
+from saem_gguf.default_model import default_model_path
+from serve_helpers import ServerProcess
+from stock_server import StockServer
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is 12 + 7?"}]
+# a template that opens the thinking block in its generation prompt (DeepSeek-R1's newer templates
+# do) and strips thinking from earlier answers (what makes llama-server treat it as a reasoning one)
+FORCED_OPEN = ("{%- for message in messages -%}{%- if message['role'] == 'assistant' -%}"
+               "{%- set content = message['content'] -%}{%- if '</think>' in content -%}"
+               "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+               "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}{%- else -%}"
+               "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+               "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}"
+               "{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}")
+FORCED = ["<think>abc</think>def", " <think>abc</think>def", "xyz<think>abc</think>def", "abc</think>def",
+          "<think>abc", "<think></think>def", "<think>\n\n</think>\n\ndef", "<think>a</think>b</think>c"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(stock llama-server, serve) on the embedded model, one slot each, 2048 tokens."""
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048")
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--parse-special"]).start()
+    yield stock.url, ours.url
+    stock.stop()
+    assert ours.stop() == 0, ours.stderr()
+
+
+def _both(pair, path: str, body: dict) -> tuple[dict, dict]:
+    out = []
+    for url in pair:
+        r = httpx.post(url + path, json=body, timeout=300)
+        assert r.status_code == 200, (url, path, body, r.text[:500])
+        out.append(r.json())
+    return out[0], out[1]
+
+
+COUNTS = ("content", "tokens", "stop", "stop_type", "stopping_word", "tokens_predicted", "tokens_evaluated",
+          "tokens_cached", "prompt", "has_new_line", "truncated")
+
+
+@pytest.mark.parametrize("fields", [
+    {"n_predict": 24, "temperature": 0},
+    {"n_predict": 24, "temperature": 0, "stop": ["shelves"]},
+    {"n_predict": 12, "temperature": 0.9, "seed": 7},
+    {"n_predict": 8, "temperature": 0, "logit_bias": [[13, False], [" more", -5]]},
+    {"n_predict": 8, "temperature": 0, "logit_bias": {"13": -100}},
+    {"n_predict": 8, "temperature": 0, "grammar": 'root ::= ("yes" | "no") " ok"'},
+    {"n_predict": 4, "temperature": 0, "n_probs": 3},
+], ids=["greedy", "stop-word", "seeded", "logit-bias-pairs", "logit-bias-object", "grammar", "n-probs"])
+def test_completion_answers_as_llama_server(pair, fields):
+    stock, ours = _both(pair, "/completion", {"prompt": PROMPT, **fields})
+    assert set(ours) == set(stock), set(ours) ^ set(stock)
+    assert {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
+    for s, o in zip(stock.get("completion_probabilities", []), ours.get("completion_probabilities", [])):
+        assert [(s["id"], s["token"], s["bytes"])] + [(t["id"], t["token"], t["bytes"]) for t in s["top_logprobs"]] \
+            == [(o["id"], o["token"], o["bytes"])] + [(t["id"], t["token"], t["bytes"]) for t in o["top_logprobs"]]
+        assert abs(s["logprob"] - o["logprob"]) < 1e-4  # llama-server's float softmax, llama-cpp-python's
+
+
+def test_a_chat_prompt_sent_raw_ends_at_eos_as_in_llama_server(pair):
+    """With --parse-special the template's markup in a raw prompt is its tokens, as llama-server
+    reads it; the answer ends at the end-of-turn token, which llama-server counts."""
+    prompt = _both(pair, "/apply-template", {"messages": CHAT})
+    assert prompt[0] == prompt[1]
+    stock, ours = _both(pair, "/completion", {"prompt": prompt[0]["prompt"], "n_predict": 600, "temperature": 0})
+    assert stock["stop_type"] == "eos" and {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/tokenize", {"content": "Hello <|im_start|>user é😀", "with_pieces": True}),
+    ("/tokenize", {"content": "a<|im_start|>b", "parse_special": False, "add_special": True}),
+    ("/tokenize", {"content": ["The", 13, " capital"]}),
+    ("/detokenize", {"tokens": [946, 264, 1532, 13]}),
+    ("/apply-template", {"messages": [{"role": "system", "content": "Be brief."}, *CHAT]}),
+])
+def test_utility_endpoints_answer_as_llama_server(pair, path, body):
+    stock, ours = _both(pair, path, body)
+    assert ours == stock
+
+
+def _chat(url: str, **fields) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 0, **fields}, timeout=300)
+    assert r.status_code == 200, r.text[:500]
+    return r.json()
+
+
+def _message(answer: dict) -> tuple:
+    m = answer["choices"][0]["message"]
+    return m["content"], m.get("reasoning_content"), answer["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 600}, {"max_tokens": 40},
+                                    {"max_tokens": 600, "reasoning_format": "none"}],
+                         ids=["whole", "cut-in-thinking", "format-none"])
+def test_chat_splits_thinking_as_llama_server(pair, fields):
+    stock, ours = (_message(_chat(url, **fields)) for url in pair)
+    assert ours == stock
+    if fields.get("reasoning_format") != "none":
+        assert stock[1]  # the split happened
+
+
+@pytest.mark.parametrize("forced", FORCED)
+def test_chat_split_rules_as_llama_server(pair, forced):
+    """Outputs forced by a grammar: where <think> may stand, a second </think>, empty thinking."""
+    stock, ours = (_message(_chat(url, max_tokens=40, grammar="root ::= " + json.dumps(forced))) for url in pair)
+    assert ours == stock
+
+
+def _streamed(url: str) -> tuple[str, str, int]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 0, "max_tokens": 600,
+                                                                  "stream": True}, timeout=300) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    return ("".join(d.get("reasoning_content") or "" for d in deltas),
+            "".join(d.get("content") or "" for d in deltas), sum("reasoning_content" in d for d in deltas))
+
+
+def test_streamed_chat_splits_thinking_as_llama_server(pair):
+    stock, ours = (_streamed(url) for url in pair)
+    assert ours == stock and stock[2] > 100  # the same thinking, answer and number of thinking deltas
+
+
+@pytest.fixture(scope="module")
+def forced_pair(tmp_path_factory):
+    tpl = tmp_path_factory.mktemp("forced") / "forced-open.jinja"
+    tpl.write_text(FORCED_OPEN)
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048", "--chat-template-file", str(tpl))
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--chat-template", str(tpl)]).start()
+    yield stock.url, ours.url
+    stock.stop()
+    assert ours.stop() == 0, ours.stderr()
+
+
+@pytest.mark.parametrize("forced", FORCED[:6])
+def test_thinking_opened_by_the_template_splits_as_in_llama_server(forced_pair, forced):
+    stock, ours = (_message(_chat(url, max_tokens=40, grammar="root ::= " + json.dumps(forced)))
+                   for url in forced_pair)
+    assert ours == stock and stock[1] is not None and stock[1].startswith("\n")
