@@ -67,6 +67,8 @@ BAD_BODIES = [
     ("logit-bias-string", _body(COMPLETION, logit_bias={"15": "up"}), CompletionRequest, "logit_bias"),
     ("logit-bias-true", _body(COMPLETION, logit_bias={"15": True}), CompletionRequest, "false to ban"),
     ("logit-bias-nan", b'{"prompt": "hi", "logit_bias": {"15": NaN}}', CompletionRequest, "logit_bias"),
+    ("logit-bias-huge", b'{"prompt": "hi", "logit_bias": {"15": 1' + b"0" * 400 + b'}}', CompletionRequest,
+     "finite number"),
     ("logit-bias-triple", _body(COMPLETION, logit_bias=[[15, 1, 2]]), CompletionRequest, "pairs"),
     ("logit-bias-number", _body(COMPLETION, logit_bias=15), CompletionRequest, "logit_bias"),
     ("stream-string", _body(COMPLETION, stream="yes"), CompletionRequest, "stream"),

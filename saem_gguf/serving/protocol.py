@@ -148,8 +148,9 @@ class _Common(_Strict):
                 raise ValueError(f"expected [token id or text, bias] pairs, got {json.dumps(pair)[:80]}")
             bias = pair[1]
             if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))
-                                      or math.isnan(bias)):
-                raise ValueError(f"a bias is a number, or false to ban the token; got {json.dumps(bias)[:80]}")
+                                      or not _finite_number(bias)):
+                raise ValueError(f"a bias is a finite number, or false to ban the token; "
+                                 f"got {json.dumps(bias)[:80]}")
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -442,6 +443,13 @@ class TokenLogprob:
     token: bytes
     logprob: float
     top: tuple[tuple[bytes, float], ...]
+
+
+def _finite_number(x: int | float) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an integer beyond any float
+        return False
 
 
 def _finite(lp: float) -> float:
