@@ -194,12 +194,17 @@ def check_template_kwargs(variables: dict[str, Any]) -> None:
                         "it cannot be given")
 
 
-def check_logit_bias(logit_bias: Iterable[tuple[int, float]], n_vocab: int) -> None:
-    """SaemError (one line) for a biased token id outside the vocabulary (llama.cpp skips it
-    silently: a typo would go unnoticed)."""
-    bad = next((t for t, _ in logit_bias if not 0 <= t < n_vocab), None)
+def check_token_ids(tokens: Iterable[int], n_vocab: int, what: str) -> None:
+    """SaemError (one line) naming the first of ``tokens`` outside the vocabulary."""
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
     if bad is not None:
-        raise SaemError(f"logit bias token {bad} is not in the vocabulary (0..{n_vocab - 1})")
+        raise SaemError(f"{what} {bad} is not in the vocabulary (0..{n_vocab - 1})")
+
+
+def check_logit_bias(logit_bias: Iterable[tuple[int, float]], n_vocab: int) -> None:
+    """A biased token id outside the vocabulary is one line (llama.cpp skips it silently: a typo
+    would go unnoticed)."""
+    check_token_ids((t for t, _ in logit_bias), n_vocab, "logit bias token")
 
 
 GREEDY = SamplingConfig()
@@ -577,6 +582,7 @@ class Engine:
         self._detokenized_alone: dict[int, bytes] = {}
         self._fallback_noted = False
         self._plain_format_noted = False
+        self._template_source = self.llm.metadata.get("tokenizer.chat_template", "")  # set_chat_template's
         if cfg.chat_template is not None:
             self.set_chat_template(cfg.chat_template)
 
@@ -852,10 +858,7 @@ class Engine:
     def chat_template_source(self) -> str:
         """The Jinja text chats are rendered with (llama-server's /props ``chat_template``): a
         --chat-template file's, else the GGUF's; "" for a named llama-cpp-python format."""
-        chosen = self.cfg.chat_template
-        if chosen is None:
-            return self.llm.metadata.get("tokenizer.chat_template", "")
-        return Path(chosen).read_text(encoding="utf-8") if Path(chosen).is_file() else ""
+        return self._template_source
 
     def set_chat_template(self, template: str) -> None:
         """Use ``template`` for chat: a Jinja file (rendered like a GGUF's own template) or the
@@ -868,8 +871,9 @@ class Engine:
         if path.is_file():
             eos, bos = llm.token_eos(), llm.token_bos()
             try:
+                source = path.read_text(encoding="utf-8")
                 handler = lcf.Jinja2ChatFormatter(
-                    template=path.read_text(encoding="utf-8"),
+                    template=source,
                     eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
                     bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
                     stop_token_ids=[eos]).to_chat_handler()
@@ -878,6 +882,7 @@ class Engine:
             except (OSError, UnicodeDecodeError) as e:
                 raise SaemError(f"--chat-template {path}: {e}") from None
             llm.chat_handler = handler
+            self._template_source = source
             return
         names = sorted(lcf.LlamaChatCompletionHandlerRegistry()._chat_handlers)
         if template not in names:
@@ -885,6 +890,7 @@ class Engine:
                             f"(known formats: {', '.join(names)})")
         llm.chat_handler = None
         llm.chat_format = template
+        self._template_source = ""
 
     def stream(self, prompt: str | list[int] | ChatPrompt, n_predict: int = 256,
                sampling: SamplingConfig = GREEDY, reuse_prefix: bool = False,

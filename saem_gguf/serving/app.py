@@ -292,7 +292,8 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
     try:
         if gen.sampling.grammar is not None and gen.sampling.grammar is not state.cfg.sampling.grammar:
             await run_in_threadpool(sched.check_grammar, gen.sampling.grammar)
-        bias = await run_in_threadpool(request_logit_bias, req, sched.text_tokens)
+        # a text key biases its tokens as llama-server's common_tokenize(vocab, text, false) makes them
+        bias = await run_in_threadpool(request_logit_bias, req, lambda text: sched.tokenize_mixed(text, False, False))
         if bias is not None:
             gen = replace(gen, sampling=replace(gen.sampling, logit_bias=bias))
         tokens, extra_stops = await prompt()

@@ -40,7 +40,9 @@ from typing import AsyncIterator, Iterator
 import numpy as np
 
 from saem_gguf.detokenize import token_piece
-from saem_gguf.engine import ChatPrompt, Engine, SamplingConfig, StopText, check_logit_bias, resolve_seed
+from saem_gguf.engine import (
+    ChatPrompt, Engine, SamplingConfig, StopText, check_logit_bias, check_token_ids, resolve_seed,
+)
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import GrammarDeadEnd, check_grammar
 
@@ -217,12 +219,6 @@ class Scheduler:
         sampler is built on the decode thread, where a NULL grammar would be too late to refuse)."""
         check_grammar(self._lc, self._vocab, grammar, what)
 
-    def text_tokens(self, text: str) -> list[int]:
-        """``text``'s tokens alone: no BOS, special tokens not parsed (llama-server's
-        ``common_tokenize(vocab, text, false)``, for a logit bias given as text; thread-safe)."""
-        with self._tokenize_lock:
-            return self.engine.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-
     def tokenize_mixed(self, content: str | list[str | int], add_special: bool, parse_special: bool) -> list[int]:
         """llama-server's ``tokenize_mixed`` (its /tokenize): strings tokenized, ``add_special``
         only for the first element, token ids kept (checked against the vocabulary; thread-safe)."""
@@ -235,21 +231,15 @@ class Scheduler:
                 else:
                     out += self.engine.llm.tokenize(part.encode("utf-8"), add_bos=add_special and i == 0,
                                                     special=parse_special)
-        self.check_tokens(out, "token")
+        check_token_ids(out, self._n_vocab, "token")
         return out
 
     def token_pieces(self, tokens: list[int]) -> list[bytes]:
         """Each token's text as llama.cpp's ``common_token_to_piece`` gives it (special tokens'
         text included; what llama-server's /tokenize and /detokenize use); ids checked."""
-        self.check_tokens(tokens, "token")
+        check_token_ids(tokens, self._n_vocab, "token")
         vocab = self.engine.llm._model.vocab
         return [token_piece(self._lc, vocab, t, True) for t in tokens]
-
-    def check_tokens(self, tokens: list[int], what: str) -> None:
-        """SaemError naming the first of ``tokens`` outside the vocabulary."""
-        bad = next((t for t in tokens if not 0 <= t < self._n_vocab), None)
-        if bad is not None:
-            raise SaemError(f"{what} {bad} is not in the vocabulary (0..{self._n_vocab - 1})")
 
     def tokenize_prompt(self, prompt: str, parse_special: bool = False) -> list[int]:
         """A raw prompt's tokens by ``Engine.prompt_tokens``'s rules (thread-safe)."""
@@ -267,7 +257,7 @@ class Scheduler:
         SaemError for a token outside the vocabulary, a bad seed or ``n_probs``."""
         if not req.prompt_tokens:
             raise SaemError("empty prompt")
-        self.check_tokens(req.prompt_tokens, "prompt token")
+        check_token_ids(req.prompt_tokens, self._n_vocab, "prompt token")
         if len(req.prompt_tokens) + 1 > self._n_ctx_seq:
             raise PromptTooLong(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context "
                                 f"({self._n_ctx_seq} tokens per sequence)")

@@ -93,6 +93,11 @@ class Message(_Strict):
         return "\n".join(p["text"] for p in self.content)
 
 
+def message_dicts(messages: list[Message]) -> list[dict]:
+    """The messages as a chat template takes them (content one string)."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 class _Common(_Strict):
     """Fields /v1/completions and /v1/chat/completions share."""
 
@@ -279,7 +284,7 @@ class ChatRequest(_Common):
         return v
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return message_dicts(self.messages)
 
     def top_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -312,7 +317,7 @@ class ApplyTemplateRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return message_dicts(self.messages)
 
 
 def piece_json(piece: bytes) -> str | list[int]:
