@@ -3,6 +3,12 @@ policy, ``n-cpu-moe`` and the oracle, per trace family x ECR x batch (issue 12, 
 
     python bench/bench_policies.py [--trace default60.npz] [--families a,b,...] [--jobs 2] [--json OUT]
     python bench/bench_policies.py --search 24 [--seed 0] [--jobs 2] [--json OUT]
+    python bench/bench_policies.py ... --reuse OLD.json [--saem '{"copy_price": 0.75}']
+
+``--reuse``: re-simulate ``saem`` alone (with ``--saem``'s keyword arguments, a JSON object) and
+compare it with the other policies' tokens/s stored in OLD.json, a ``--json`` output of the same
+workloads (a change to ``saem`` leaves the others' runs as they were, and they are most of the
+time); the rows of OLD.json's other workloads are ignored, a workload missing from it is an error.
 
 Families (synthetic ones are generated like ``simulate --synthetic``: 8 sequences replayed, 4
 calibration sequences from another seed):
@@ -57,7 +63,7 @@ import numpy as np  # noqa: E402
 
 from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
-from saem_gguf.policies import POLICIES  # noqa: E402
+from saem_gguf.policies import POLICIES, make_policy  # noqa: E402
 from saem_gguf.simulator import NOT_IMPLEMENTABLE, SimConfig, default_cost, simulate, split_calibration  # noqa: E402
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces  # noqa: E402
 from saem_gguf.trace import load_traces  # noqa: E402
@@ -155,26 +161,51 @@ def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tupl
 
 
 def measure(task: tuple) -> list[dict]:
-    """The rows of one family (every ECR x batch): saem's tokens/s and its ratios to the others."""
-    fam, ecrs, batches, trace, seed, cues, drawn = task
+    """The rows of one family (every ECR x batch): saem's tokens/s and its ratios to the others
+    (``stored``: the others' tokens/s per (ECR, batch), from a --reuse file; saem alone is run)."""
+    fam, ecrs, batches, trace, seed, cues, drawn, saem_kwargs, stored = task
     ts, calib = family_traces(fam, trace, seed, drawn)
-    cfg = SimConfig(policies=("saem", *OTHERS, "oracle"), ecrs=ecrs, batches=batches)
+    names = ("saem",) if stored else ("saem", *OTHERS, "oracle")
+    cfg = SimConfig(policies=names, ecrs=ecrs, batches=batches)
     if fam == "model":
         cfg = dataclasses.replace(cfg, cues=cues)
-    res = simulate(ts, cfg, default_cost(ts), calib=calib)
+    res = simulate(ts, cfg, default_cost(ts), calib=calib, policy_kwargs={"saem": saem_kwargs})
     rows = []
     for B in batches:
         for e in ecrs:
             tok = {r["policy"]: r["tok_s"] for r in res.select(batch=B, ecr=e)}
+            saem = next(r for r in res.select(batch=B, ecr=e) if r["policy"] == "saem")
+            if stored:
+                tok = {**stored[(e, B)], "saem": tok["saem"]}
             best = max(OTHERS, key=tok.__getitem__)
             row = {"family": fam, "ecr": e, "batch": B, "saem": tok["saem"], "best_other": best,
                    "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
                    "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
-                   "tok_s": tok}
+                   "tok_s": tok, "saem_whole_layers": saem["whole_layers"], "saem_copy_price": saem["copy_price"]}
             if fam in drawn:
                 row["config"] = _changed_fields(drawn[fam])
             rows.append(row)
     return rows
+
+
+def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tuple[float, ...],
+                batches: list[int]) -> dict[str, dict[tuple[float, int], dict[str, float]]]:
+    """{family: {(ECR %, batch): {policy: tok/s}}} of a --json output, for --reuse; every
+    family x ECR x batch asked for must be there (argparse's one-line error otherwise)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+        runs = {(r["family"], float(r["ecr"]), int(r["batch"])): dict(r["tok_s"]) for r in rows}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"--reuse {path}: not a bench_policies --json output ({e})")
+    out: dict[str, dict[tuple[float, int], dict[str, float]]] = {}
+    for fam in fams:
+        for e in ecrs:
+            for B in batches:
+                if (fam, e, B) not in runs:
+                    p.error(f"--reuse {path} has no run of {fam} at ECR {e:g} %, batch {B}")
+                out.setdefault(fam, {})[(e, B)] = runs[(fam, e, B)]
+    return out
 
 
 def summary(rows: list[dict]) -> dict:
@@ -200,12 +231,27 @@ def main(argv=None) -> int:
     add_workload_args(p, "6.25%,12.5%,25%,50%")
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (at most one per free core)")
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--reuse", metavar="OLD.json", help="re-simulate saem alone against the other policies' "
+                   "tokens/s stored in this --json output of the same workloads")
+    p.add_argument("--saem", default="{}", metavar="JSON", help="keyword arguments of the saem policy, a JSON "
+                   "object (e.g. '{\"copy_price\": 0.75}')")
     a = p.parse_args(argv)
     if a.jobs < 1:
         p.error("--jobs must be at least 1")
+    try:
+        saem_kwargs = json.loads(a.saem)
+    except ValueError as e:
+        p.error(f"--saem: not JSON ({e})")
+    if not isinstance(saem_kwargs, dict):
+        p.error("--saem must be a JSON object")
+    try:  # a wrong keyword is one line here, not a traceback in a worker
+        make_policy("saem", **saem_kwargs)
+    except (TypeError, ValueError) as e:
+        p.error(f"--saem: {e}")
     fams, drawn = selected_families(p, a)
     ecrs = tuple(100.0 * e for e in a.ecr)  # SimConfig counts in percent
-    tasks = [(f, ecrs, a.batch, a.trace, a.seed, a.cues, drawn) for f in fams]
+    stored = stored_runs(p, a.reuse, fams, ecrs, a.batch) if a.reuse else {}
+    tasks = [(f, ecrs, a.batch, a.trace, a.seed, a.cues, drawn, saem_kwargs, stored.get(f)) for f in fams]
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
           f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")
     out = []

@@ -90,3 +90,39 @@ def test_jobs_give_the_same_rows_in_the_same_order(tmp_path, small_draws, capsys
         assert "geometric means: saem/best other" in printed and "of 2 cells" in printed
     assert [r["family"] for r in outs[0]] == ["drawn-4-0", "drawn-4-1"]
     assert outs[0] == outs[1]
+
+
+def test_reuse_resimulates_saem_alone_against_the_stored_others(tmp_path, small_draws, capsys):
+    full, again, other = tmp_path / "full.json", tmp_path / "again.json", tmp_path / "other.json"
+    args = ["--search", "1", "--seed", "6", "--ecr", "25%", "--batch", "1"]
+    assert bp.main([*args, "--json", str(full)]) == 0
+    assert bp.main([*args, "--reuse", str(full), "--json", str(again)]) == 0
+    assert json.loads(again.read_text()) == json.loads(full.read_text())  # saem is deterministic
+    # another saem against the same stored others: only its own figures move
+    assert bp.main([*args, "--reuse", str(full), "--saem", '{"copy_price": 4.0, "layout": "uniform"}',
+                    "--json", str(other)]) == 0
+    a, b = json.loads(full.read_text())[0], json.loads(other.read_text())[0]
+    assert {k: v for k, v in a["tok_s"].items() if k != "saem"} == {k: v for k, v in b["tok_s"].items() if k != "saem"}
+    assert b["saem"] != a["saem"] and b["vs_best"] == b["saem"] / b["best_other_tok_s"]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--saem", "{nope"], "--saem: not JSON"),
+    (["--saem", "[1]"], "--saem must be a JSON object"),
+    (["--saem", '{"no_such_knob": 1}'], "--saem: "),
+    (["--reuse", "MISSING"], "--reuse MISSING: not a bench_policies --json output"),
+])
+def test_bad_reuse_or_saem_options_are_one_line(extra, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        bp.main(["--families", "synthetic", "--ecr", "25%", *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_reuse_needs_every_cell(tmp_path, capsys):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps([{"family": "synthetic", "ecr": 25.0, "batch": 1, "tok_s": {"lfu-cpu": 1.0}}]))
+    with pytest.raises(SystemExit):
+        bp.main(["--families", "synthetic", "--ecr", "25%", "--batch", "1,8", "--reuse", str(old)])
+    assert "has no run of synthetic at ECR 25 %, batch 8" in capsys.readouterr().err
