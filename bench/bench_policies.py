@@ -173,15 +173,14 @@ def measure(task: tuple) -> list[dict]:
     rows = []
     for B in batches:
         for e in ecrs:
-            tok = {r["policy"]: r["tok_s"] for r in res.select(batch=B, ecr=e)}
-            saem = next(r for r in res.select(batch=B, ecr=e) if r["policy"] == "saem")
-            if stored:
-                tok = {**stored[(e, B)], "saem": tok["saem"]}
+            runs = {r["policy"]: r for r in res.select(batch=B, ecr=e)}
+            tok = {**stored[(e, B)], "saem": runs["saem"]["tok_s"]} if stored else \
+                {name: r["tok_s"] for name, r in runs.items()}
             best = max(OTHERS, key=tok.__getitem__)
             row = {"family": fam, "ecr": e, "batch": B, "saem": tok["saem"], "best_other": best,
                    "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
                    "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
-                   "tok_s": tok, "saem_whole_layers": saem["whole_layers"], "saem_copy_price": saem["copy_price"]}
+                   "tok_s": tok, "saem_whole_layers": runs["saem"]["whole_layers"]}
             if fam in drawn:
                 row["config"] = _changed_fields(drawn[fam])
             rows.append(row)

@@ -490,9 +490,6 @@ def run_policy(name: str, blocks: list[RoutingBlock], ctx: PolicyContext, policy
     m["wall_s"] = wall
     m["slots_per_layer_used"] = float(state.n_slots.mean())
     m["whole_layers"] = int(np.count_nonzero(state.n_slots >= ctx.n_expert))  # fully resident (the layout)
-    adaptive = getattr(pol, "adaptive", None)
-    if adaptive is not None:  # the default saem: the copy price it ran with (a knob bench rows report)
-        m["copy_price"] = adaptive.copy_price
     if tier is not None:
         m.update(tier.metrics(m["tokens"], m["time_s"]))
     return m
