@@ -32,10 +32,11 @@ from saem_gguf.budget import (
 from saem_gguf.detokenize import detokenize
 from saem_gguf.errors import SaemError
 from saem_gguf.gpu_memory import gpu_memory
-from saem_gguf.grammar import GrammarDeadEnd, GrammarSampler, check_grammar, grammar_sampler
+from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar, grammar_sampler
 from saem_gguf.interrupts import deferred_signals
 from saem_gguf.llama_lib import load_llama_cpp
 from saem_gguf.resources import checked_engine_inputs
+from saem_gguf.thinking import THINK_CLOSE, THINK_OPEN, ReasoningBudget, open_block_tokens, template_reasons
 from saem_gguf.trace import ModelSignature, SequenceTrace
 
 DEFAULT_ECR = 0.25
@@ -153,6 +154,11 @@ class SamplingConfig:
     # first in the chain (-inf bans the token; a token given twice gets both); the ids are checked
     # against the vocabulary before generating
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # llama.cpp's --reasoning-budget: tokens a chat's thinking block may take before its end tag
+    # is forced (-1: unlimited; 0: it ends at once), where the chat template has one (thinking.py)
+    reasoning_budget: int = -1
+    # llama.cpp's --reasoning-budget-message: text forced before the end tag (plain text here)
+    reasoning_budget_message: str = ""
 
     def __post_init__(self) -> None:
         for name in ("temp", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
@@ -169,6 +175,9 @@ class SamplingConfig:
             raise SaemError("a stop string must not be empty")
         if any(math.isnan(bias) for _, bias in self.logit_bias):
             raise SaemError("a logit bias must be a number or -inf, not NaN")
+        if self.reasoning_budget < -1:
+            raise SaemError(f"the reasoning budget must be -1 (unlimited) or a count of tokens >= 0, "
+                            f"got {self.reasoning_budget}")
 
     def chain_logit_bias(self, eog_tokens: Iterable[int]) -> list[tuple[int, float]]:
         """The logit-bias member's entries: ``logit_bias``, then -inf for every end-of-generation
@@ -380,6 +389,7 @@ def _make_llama_class(llama_cpp):
         _saem_chat_contents: list[str] | None = None  # set while a chat prompt is tokenized
         _saem_capture = False  # create_completion raises _PromptCaptured instead of generating
         _saem_logit_bias: list[tuple[int, float]] | None = None  # SamplingConfig.chain_logit_bias
+        _saem_budget = None  # the thinking.ReasoningBudget of the next sampler, or None
         _saem_specials = None
 
         def create_chat_completion(self, messages, *args, **kw):
@@ -450,9 +460,11 @@ def _make_llama_class(llama_cpp):
                 for m in members:
                     llama_cpp.llama_sampler_chain_add(chain, m)
             if grammar is None:
-                return sampler
+                if self._saem_budget is None:
+                    return sampler
+                return ChainSampler(llama_cpp, sampler, self.n_vocab(), budget=self._saem_budget)
             # where llama-cpp-python adds it: after the penalties (after the logit bias, first),
-            # before the samplers; sampled by GrammarSampler, which stops at a dead end
+            # before the samplers; sampled by ChainSampler, which stops at a dead end
             member = grammar_sampler(llama_cpp, self._model.vocab, grammar._grammar)
             names = [llama_cpp.llama_sampler_name(llama_cpp.llama_sampler_chain_get(chain, i))
                      for i in range(llama_cpp.llama_sampler_chain_n(chain))]
@@ -462,7 +474,7 @@ def _make_llama_class(llama_cpp):
             llama_cpp.llama_sampler_chain_add(chain, member)
             for m in rest:
                 llama_cpp.llama_sampler_chain_add(chain, m)
-            return GrammarSampler(llama_cpp, sampler, at, self.n_vocab())
+            return ChainSampler(llama_cpp, sampler, self.n_vocab(), at, self._saem_budget)
 
         @property
         def context_params(self):
@@ -923,12 +935,33 @@ class Engine:
         limit = room if n_predict < 0 else min(n_predict, room)
         seed = self.seed if sampling.seed is None else resolve_seed(sampling.seed)
         out = TokenStream(toks, seed)
+        budget = self.reasoning_budget(toks, prompt.text, sampling) if isinstance(prompt, ChatPrompt) else None
         out._steps = self._steps(out, limit, sampling, tuple(s.encode("utf-8") for s in stop),
-                                 reuse_prefix)
+                                 reuse_prefix, budget)
         return out
 
+    def reasoning_budget(self, prompt_tokens: list[int], prompt_text: str,
+                         sampling: SamplingConfig) -> ReasoningBudget | None:
+        """The reasoning budget of a chat generation (thinking.py), its prompt's open thinking block
+        already counted; None where there is none: ``sampling.reasoning_budget`` -1, or a chat
+        template without a thinking block (as llama-server, which applies it to those alone)."""
+        if sampling.reasoning_budget < 0 or not template_reasons(self.chat_template_source()):
+            return None
+        llm = self.llm
+
+        def tags(text: str) -> list[int]:  # the template's own tags: special tokens parsed
+            return llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+
+        message = sampling.reasoning_budget_message
+        start, end = tags(THINK_OPEN), tags(THINK_CLOSE)
+        forced = (llm.tokenize(message.encode("utf-8"), add_bos=False, special=False) if message else []) + end
+        budget = ReasoningBudget(start, end, forced, sampling.reasoning_budget, self.piece)
+        for tok in open_block_tokens(prompt_tokens, prompt_text, start):
+            budget.accept(tok)
+        return budget
+
     def _steps(self, out: TokenStream, limit: int, sampling: SamplingConfig, stops: tuple[bytes, ...],
-               reuse_prefix: bool) -> Iterator[tuple[int | None, bytes]]:
+               reuse_prefix: bool, budget: ReasoningBudget | None = None) -> Iterator[tuple[int | None, bytes]]:
         llm, lc = self.llm, self._llama_cpp
         self.reset_sequence()
         if not reuse_prefix:
@@ -943,6 +976,7 @@ class Engine:
         llm.set_seed(out.seed)
         llm.last_n_tokens_size = sampling.repeat_last_n
         llm._saem_logit_bias = sampling.chain_logit_bias(self.eog_tokens)
+        llm._saem_budget = budget
         text = StopText(stops)
         out.finish_reason = "length"
         grammar = None
@@ -973,6 +1007,7 @@ class Engine:
             self.note(str(e))
         finally:
             llm._saem_logit_bias = None
+            llm._saem_budget = None
         rest = text.flush()
         if rest:
             yield None, rest

@@ -17,7 +17,7 @@ chosen token. Two inputs abort the process there:
 
 Here the grammar is parsed against the model's vocabulary with its error caught
 (``grammar_sampler``, ``check_grammar``), and
-``GrammarSampler`` does what ``llama_sampler_sample`` does, one chain member at a time, so that
+``ChainSampler`` does what ``llama_sampler_sample`` does, one chain member at a time, so that
 after the grammar's member it can see a dead end and stop the generation (``GrammarDeadEnd``)
 before any member accepts a token. Where the grammar allows a token, the members, their order
 and their inputs are llama-cpp-python's, so the tokens are the same (tests/test_fidelity.py).
@@ -159,17 +159,21 @@ def grammar_shape(grammar: str) -> tuple[int, int]:
     return deepest, rules
 
 
-class GrammarSampler:
-    """llama-cpp-python's sampler chain (``LlamaSampler``) with a grammar member at
-    ``grammar_index``, sampled as ``llama_sampler_sample`` samples it, but stopping at a dead end
-    before anything is accepted. Stands in for the ``LlamaSampler`` (``sample``, ``sampler``,
-    ``close``)."""
+class ChainSampler:
+    """llama-cpp-python's sampler chain (``LlamaSampler``), sampled as ``llama_sampler_sample``
+    samples it, one member at a time, with what that cannot do: a grammar member at
+    ``grammar_index`` whose dead end stops before anything is accepted (``GrammarDeadEnd``), and
+    a reasoning budget (saem_gguf.thinking) that, while it forces a token, leaves every other
+    candidate at -inf before the chain runs (as llama.cpp's common sampler applies its budget
+    first), and accepts each sampled token. Stands in for the ``LlamaSampler`` (``sample``,
+    ``sampler``, ``close``)."""
 
-    def __init__(self, lc, chain, grammar_index: int, n_vocab: int) -> None:
+    def __init__(self, lc, chain, n_vocab: int, grammar_index: int | None = None, budget=None) -> None:
         self._lc = lc
         self.chain = chain  # the LlamaSampler: it owns (and frees) every member
         self.sampler = chain.sampler
-        self._grammar_index = grammar_index
+        self._grammar_index = -1 if grammar_index is None else grammar_index
+        self.budget = budget  # a thinking.ReasoningBudget, or None
         self._n = lc.llama_sampler_chain_n(self.sampler)
         self._cur = np.empty(n_vocab, _TOKEN_DATA)
         self._ids = np.arange(n_vocab, dtype=np.int32)  # a step's candidates start in id order
@@ -186,6 +190,11 @@ class GrammarSampler:
         cur["id"] = self._ids
         cur["logit"] = logits
         cur["p"] = 0.0
+        forced = None if self.budget is None else self.budget.forced()
+        if forced is not None:
+            keep = cur["logit"][forced]
+            cur["logit"] = -np.inf
+            cur["logit"][forced] = keep
         cur_p.size, cur_p.selected, cur_p.sorted = n, -1, False
         ref = ctypes.byref(cur_p)
         for i in range(self._n):
@@ -197,6 +206,8 @@ class GrammarSampler:
             raise SaemError(f"the sampler chain selected no token ({cur_p.selected})")
         token = int(cur_p.data[cur_p.selected].id)
         lc.llama_sampler_accept(self.sampler, token)
+        if self.budget is not None:
+            self.budget.accept(token)
         return token
 
     def close(self) -> None:

@@ -12,7 +12,6 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -88,6 +87,16 @@ def test_piped_chat_one_turn_per_line_and_hidden_thinking(llama_cpp):
     r = _chat_piped("--hide-thinking", "-n", REPLY_TOKENS, stdin=f"{QUESTION}\nWhat is 9 + 4?\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("[thinking… ") == 2 and "<think>" not in r.stdout
+
+
+def test_piped_chat_with_a_reasoning_budget_cuts_every_turns_thinking(llama_cpp):
+    """--reasoning-budget 5 (llama-cli's): each turn's thinking is cut after 5 tokens by a forced
+    </think> (the same cut as the stock server's: tests/test_serve_reference.py)."""
+    r = _chat_piped("--reasoning-budget", "5", "-n", "80", stdin="What is 12 + 7?\nWhat is 9 + 4?\n")
+    assert r.returncode == 0, r.stderr
+    assert "<think>\nFirst, this is</think>" in r.stdout and r.stdout.count("</think>") == 2, r.stdout
+    bad = _chat_piped("--reasoning-budget", "-2", stdin="")
+    assert bad.returncode == 2 and "--reasoning-budget: must be -1" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # --- a terminal ----------------------------------------------------------------------------------

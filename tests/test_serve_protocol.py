@@ -152,6 +152,25 @@ def test_generation_overrides_the_server_defaults_field_by_field():
     assert plain.sampling == defaults and plain.max_tokens == 7
 
 
+def test_reasoning_budget_fields_read_as_llama_servers():
+    """reasoning_budget_tokens, else thinking_budget_tokens; -1 (or neither) keeps the server's
+    --reasoning-budget; the message over the server's; below -1 or not a whole number is a 400."""
+    defaults = SamplingConfig(reasoning_budget=5, reasoning_budget_message="Done.")
+
+    def read(**fields) -> tuple[int, str]:
+        s = generation(parse_request(_body(CHAT, **fields), ChatRequest), defaults, 99).sampling
+        return s.reasoning_budget, s.reasoning_budget_message
+
+    assert read() == (5, "Done.") and read(reasoning_budget_tokens=-1, thinking_budget_tokens=2) == (5, "Done.")
+    assert read(thinking_budget_tokens=2) == (2, "Done.")
+    assert read(reasoning_budget_tokens=0, thinking_budget_tokens=2, reasoning_budget_message="") == (0, "")
+    for bad in ({"reasoning_budget_tokens": -2}, {"thinking_budget_tokens": "3"}, {"reasoning_budget_tokens": 1.5},
+                {"reasoning_budget_message": 7}):
+        assert next(iter(bad)) in _error(_body(CHAT, **bad), ChatRequest).message
+    raw = generation(parse_request(_body(COMPLETION, reasoning_budget_tokens=1), CompletionRequest), defaults, 9)
+    assert raw.sampling.reasoning_budget == 5  # a raw prompt's field is not read (llama-server: chat only)
+
+
 def test_chat_max_completion_tokens_wins_and_logprobs_need_the_flag():
     req = parse_request(_body(CHAT, max_tokens=5, max_completion_tokens=9, logprobs=True, top_logprobs=3),
                         ChatRequest)

@@ -12,6 +12,7 @@ import json
 import httpx2 as httpx
 import pytest
 
+from conftest import run_cli
 from saem_gguf.default_model import default_model_path
 from serve_helpers import ServerProcess
 from stock_server import StockServer
@@ -152,3 +153,57 @@ def test_thinking_opened_by_the_template_splits_as_in_llama_server(forced_pair, 
     stock, ours = (_message(_chat(url, max_tokens=40, grammar="root ::= " + json.dumps(forced)))
                    for url in forced_pair)
     assert ours == stock and stock[1] is not None and stock[1].startswith("\n")
+
+
+@pytest.fixture(scope="module")
+def budget_pair():
+    """(stock llama-server, serve) with --reasoning-budget 5: a chat's thinking ends after 5 tokens."""
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048", "--reasoning-budget", "5")
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--parse-special", "--reasoning-budget", "5"]).start()
+    yield stock.url, ours.url
+    stock.stop()
+    assert ours.stop() == 0, ours.stderr()
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"reasoning_budget_tokens": 0}, {"reasoning_budget_tokens": 3, "reasoning_budget_message": " Time to answer."},
+    {"thinking_budget_tokens": 2}, {"reasoning_budget_tokens": -1}, {"reasoning_budget_tokens": 400},
+    {"reasoning_budget_tokens": 2, "reasoning_format": "none"},
+    {"reasoning_budget_tokens": 4, "temperature": 0.9, "seed": 11},
+], ids=["server-budget", "zero", "message", "thinking-alias", "minus-one-is-the-server's", "not-reached", "format-none",
+        "seeded"])
+def test_reasoning_budget_as_llama_server(budget_pair, fields):
+    """The thinking block is cut where llama-server cuts it: the budget's tokens, then the message
+    and </think> forced (the sampler chain still draws: the seeded case), then the answer."""
+    stock, ours = (_message(_chat(url, max_tokens=80, **fields)) for url in budget_pair)
+    assert ours == stock
+    if "reasoning_budget_message" in fields:
+        assert stock[1].endswith(" Time to answer.")
+
+
+def test_streamed_chat_with_a_reasoning_budget_as_llama_server(budget_pair):
+    stock, ours = (_streamed(url) for url in budget_pair)
+    assert ours[:2] == stock[:2] and stock[0] == "\nFirst, this is"
+
+
+def test_generate_chat_with_a_reasoning_budget_writes_llama_servers_text(budget_pair):
+    stock = _chat(budget_pair[0], max_tokens=80, reasoning_format="none")["choices"][0]["message"]["content"]
+    got = run_cli("generate", "-p", CHAT[0]["content"], "--chat", "--reasoning-budget", "5", "-n", "80", "--json",
+                  "--quiet")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["text"] == stock and "</think>" in stock
+
+
+def test_a_raw_prompt_has_no_reasoning_budget_as_in_llama_server(budget_pair):
+    prompt = _both(budget_pair, "/apply-template", {"messages": CHAT})[0]["prompt"]
+    stock, ours = _both(budget_pair, "/completion", {"prompt": prompt, "n_predict": 40, "temperature": 0,
+                                                     "reasoning_budget_tokens": 1})
+    assert ours["content"] == stock["content"] and "</think>" not in stock["content"]
+
+
+@pytest.mark.parametrize("budget", [0, 1, 2, 4])
+def test_a_budget_counts_the_thinking_the_template_opened_as_llama_server(forced_pair, budget):
+    """Where the generation prompt opens the block (<think>\\n), its tokens after <think> count
+    (1 spends the budget; 0 is spent by the newline itself, so nothing is forced: llama.cpp's rule)."""
+    stock, ours = (_message(_chat(url, max_tokens=40, reasoning_budget_tokens=budget)) for url in forced_pair)
+    assert ours == stock

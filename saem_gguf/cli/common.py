@@ -356,6 +356,23 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
                    help="reasoning (thinking) in the chat: on or off set the template's enable_thinking "
                         "(Qwen3 and others read it); auto leaves it to the template (default)")
+    g.add_argument("--reasoning-budget", type=_reasoning_budget, default=-1, metavar="N",
+                   help="token budget for thinking: -1 for unrestricted, 0 for immediate end, N>0 for token "
+                        "budget (default: -1); where the chat template has a <think> block, its </think> is "
+                        "forced once the budget is spent")
+    g.add_argument("--reasoning-budget-message", default="", metavar="MESSAGE",
+                   help="message injected before the end-of-thinking tag when reasoning budget is exhausted "
+                        "(default: none; plain text, no control tokens parsed)")
+
+
+def _reasoning_budget(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (unrestricted), 0 or more, got {value}")
+    return value
 
 
 def _json_object(text: str) -> dict:
@@ -389,7 +406,8 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
                           repeat_last_n=args.repeat_last_n, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos,
                           stop=tuple(args.reverse_prompt), grammar=grammar_arg(args),
-                          logit_bias=tuple(args.logit_bias))
+                          logit_bias=tuple(args.logit_bias), reasoning_budget=getattr(args, "reasoning_budget", -1),
+                          reasoning_budget_message=getattr(args, "reasoning_budget_message", ""))
 
 
 def grammar_arg(args: argparse.Namespace) -> str | None:

@@ -37,7 +37,8 @@ from saem_gguf.serving.protocol import (
     NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation, native_probs,
     native_settings, parse_request, piece_json, request_logit_bias, sse,
 )
-from saem_gguf.serving.reasoning import Reasoning, forced_open_prefix, split_reasoning, splits
+from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
+from saem_gguf.thinking import forced_open_prefix
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
 QUEUE_FULL_CODE = "queue_full"
@@ -173,14 +174,14 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     sched = state.scheduler
     rendered: list[str] = []  # the chat prompt's text: where a thinking block may already be open
     if chat:
-        async def prompt() -> tuple[list[int], tuple[str, ...]]:
+        async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
             p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system),
                                         req.template_kwargs())
             rendered.append(p.text)
-            return p.tokens, tuple(p.stop)
+            return p.tokens, tuple(p.stop), p.text
     else:
-        async def prompt() -> tuple[list[int], tuple[str, ...]]:
-            return await run_in_threadpool(sched.tokenize_prompt, req.prompt_text(), state.cfg.parse_special), ()
+        async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
+            return await run_in_threadpool(sched.tokenize_prompt, req.prompt_text(), state.cfg.parse_special), (), None
     handle, gen = await _submit(state, req, prompt, "messages" if chat else "prompt")
     reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
     offset = 0  # characters of text streamed so far (completions' text_offset)
@@ -235,10 +236,10 @@ async def _complete_native(state: ServerState, request: Request) -> Response:
     req = parse_request(await _body(request), NativeCompletionRequest)
     sched = state.scheduler
 
-    async def prompt() -> tuple[list[int], tuple[str, ...]]:
+    async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
         if isinstance(req.prompt, str):  # as /v1/completions: BOS as the GGUF says
-            return await run_in_threadpool(sched.tokenize_prompt, req.prompt, state.cfg.parse_special), ()
-        return await run_in_threadpool(sched.tokenize_mixed, req.prompt, True, state.cfg.parse_special), ()
+            return await run_in_threadpool(sched.tokenize_prompt, req.prompt, state.cfg.parse_special), (), None
+        return await run_in_threadpool(sched.tokenize_mixed, req.prompt, True, state.cfg.parse_special), (), None
 
     handle, gen = await _submit(state, req, prompt, "prompt")
     try:  # the prompt's text for the answer; the sequence must not outlive a failure here
@@ -280,7 +281,8 @@ async def _complete_native(state: ServerState, request: Request) -> Response:
     return gone or JSONResponse(final)
 
 
-PromptOf = Callable[[], Awaitable[tuple[list[int], tuple[str, ...]]]]  # tokens, the chat format's stops
+# tokens, the chat format's stops, a chat prompt's text (None for a raw prompt)
+PromptOf = Callable[[], Awaitable[tuple[list[int], tuple[str, ...], str | None]]]
 
 
 async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | NativeCompletionRequest,
@@ -296,11 +298,12 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
         bias = await run_in_threadpool(request_logit_bias, req, lambda text: sched.tokenize_mixed(text, False, False))
         if bias is not None:
             gen = replace(gen, sampling=replace(gen.sampling, logit_bias=bias))
-        tokens, extra_stops = await prompt()
+        tokens, extra_stops, chat_text = await prompt()
         if state.stopping:
             raise SHUTTING_DOWN
         handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
-                                           extra_stops=extra_stops, n_probs=_n_probs(gen.top_n)))
+                                           extra_stops=extra_stops, n_probs=_n_probs(gen.top_n),
+                                           chat_text=chat_text))
     except SchedulerStopped:
         raise SHUTTING_DOWN from None
     except QueueFull as e:

@@ -54,6 +54,9 @@ class BatchRequest:
     sampling: SamplingConfig  # seed None: a random one per request
     extra_stops: tuple[str, ...] = ()  # the chat format's stop strings, added to sampling.stop
     n_probs: int = 0  # top log-probs per generated token (0: none)
+    # a chat prompt's text (None: a raw prompt): a chat's reasoning budget counts from the
+    # thinking block its generation prompt opens (Engine.reasoning_budget)
+    chat_text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -437,7 +440,9 @@ class Scheduler:
         room = self._n_ctx_seq - len(req.prompt_tokens)
         limit = room if req.max_tokens < 0 else min(req.max_tokens, room)
         stops = tuple(s.encode("utf-8") for s in sampling.stop + req.extra_stops)
-        seq = _Sequence(handle, slot, limit, self._make_sampler(sampling, handle.seed), StopText(stops))
+        budget = None if req.chat_text is None else \
+            self.engine.reasoning_budget(req.prompt_tokens, req.chat_text, sampling)
+        seq = _Sequence(handle, slot, limit, self._make_sampler(sampling, handle.seed, budget), StopText(stops))
         with self._lock:
             self._slots[slot] = seq
         self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
@@ -464,24 +469,25 @@ class Scheduler:
             return
         self._take_sample(seq, len(chunk) - 1)
 
-    def _make_sampler(self, sampling: SamplingConfig, seed: int):
+    def _make_sampler(self, sampling: SamplingConfig, seed: int, budget=None):
         """``sampling``'s chain with ``seed``, as llama-cpp-python builds it for ``generate``
-        (Engine._steps)."""
+        (Engine._steps), with a chat's reasoning budget (thinking.ReasoningBudget) or None."""
         from llama_cpp.llama_grammar import LlamaGrammar  # llama_cpp is loaded: the engine is
 
         llm = self.engine.llm
-        saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias
+        saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget
         try:
             llm.set_seed(seed)
             llm.last_n_tokens_size = sampling.repeat_last_n
             llm._saem_logit_bias = sampling.chain_logit_bias(self.engine.eog_tokens)
+            llm._saem_budget = budget
             return llm._init_sampler(
                 top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, typical_p=sampling.typical_p,
                 temp=max(sampling.temp, 0.0), repeat_penalty=sampling.repeat_penalty,
                 frequency_penalty=sampling.frequency_penalty, presence_penalty=sampling.presence_penalty,
                 grammar=None if sampling.grammar is None else LlamaGrammar.from_string(sampling.grammar))
         finally:
-            llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias = saved
+            llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget = saved
 
     def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """Load (sequence id, token, position, logits wanted) rows into the llama_batch."""
@@ -542,7 +548,7 @@ class Scheduler:
         lc = self._lc
         if seq.t_first is None:
             seq.t_first = time.perf_counter()
-        try:  # a LlamaSampler, or a GrammarSampler where the request has a grammar
+        try:  # a LlamaSampler, or a ChainSampler where the request has a grammar or a reasoning budget
             tok = seq.sampler.sample(self._llama_ctx, batch_index)
         except GrammarDeadEnd:  # nothing was accepted: the text so far stands
             self._finish(seq, "stop", seq.text.flush())

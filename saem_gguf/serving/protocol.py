@@ -260,6 +260,11 @@ class ChatRequest(_Common):
     reasoning_effort: str | None = None
     # llama-server's: the thinking apart (reasoning_content) or not, over the server's --reasoning-format
     reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] | None = None
+    # llama-server's: the thinking block's token budget over the server's --reasoning-budget (-1:
+    # the server's), its other name, and the text forced before the end tag once it is spent
+    reasoning_budget_tokens: int | None = Field(default=None, ge=-1)
+    thinking_budget_tokens: int | None = Field(default=None, ge=-1)
+    reasoning_budget_message: str | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -372,6 +377,12 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
     grammar = request_grammar(req)
     if grammar is not None:
         over["grammar"] = grammar
+    if isinstance(req, ChatRequest):
+        budget = req.reasoning_budget_tokens if req.reasoning_budget_tokens is not None else req.thinking_budget_tokens
+        if budget is not None and budget != -1:
+            over["reasoning_budget"] = budget
+        if req.reasoning_budget_message is not None:
+            over["reasoning_budget_message"] = req.reasoning_budget_message
     try:
         sampling = replace(defaults, **over)
     except SaemError as e:

@@ -22,22 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+from saem_gguf.thinking import THINK_CLOSE, THINK_OPEN, template_reasons
+
 FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
-
-
-def template_reasons(template: str) -> bool:
-    """Whether ``auto`` splits for this chat template (llama-server's analysis, approximated)."""
-    return THINK_CLOSE in template
-
-
-def forced_open_prefix(prompt: str) -> str | None:
-    """The reasoning a prompt has already begun (its text after a final ``<think>``), or None
-    when the generation prompt does not end inside a thinking block."""
-    at = prompt.rfind(THINK_OPEN)
-    if at < 0 or prompt[at:].strip() != THINK_OPEN:
-        return None
-    return prompt[at + len(THINK_OPEN):]
 
 
 def splits(reasoning_format: str, template: str) -> bool:
