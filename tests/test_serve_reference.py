@@ -149,6 +149,27 @@ def forced_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("forced", FORCED[:6])
+def test_thinking_opened_by_the_template_is_content_unsplit_as_in_llama_server(forced_pair, forced):
+    """Reasoning format none: llama-server's content starts with the <think>\\n the prompt opened."""
+    stock, ours = (_message(_chat(url, max_tokens=40, grammar="root ::= " + json.dumps(forced),
+                                  reasoning_format="none")) for url in forced_pair)
+    assert ours == stock and stock[0].startswith("<think>\n")
+
+
+def test_streamed_unsplit_thinking_opened_by_the_template_as_in_llama_server(forced_pair):
+    def first_content(url: str) -> tuple[str, str]:
+        with httpx.stream("POST", url + "/v1/chat/completions", json={
+                "messages": CHAT, "temperature": 0, "max_tokens": 5, "reasoning_format": "none", "stream": True},
+                timeout=300) as r:
+            deltas = [json.loads(ln[6:])["choices"][0]["delta"] for ln in r.iter_lines() if ln.startswith("data: {")]
+        texts = [d["content"] for d in deltas if d.get("content")]
+        return texts[0], "".join(texts)
+
+    stock, ours = (first_content(url) for url in forced_pair)
+    assert ours == stock and stock[0] == "<think>\nFirst"
+
+
+@pytest.mark.parametrize("forced", FORCED[:6])
 def test_thinking_opened_by_the_template_splits_as_in_llama_server(forced_pair, forced):
     stock, ours = (_message(_chat(url, max_tokens=40, grammar="root ::= " + json.dumps(forced)))
                    for url in forced_pair)

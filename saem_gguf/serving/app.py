@@ -38,7 +38,7 @@ from saem_gguf.serving.protocol import (
     native_settings, parse_request, piece_json, request_logit_bias, sse,
 )
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
-from saem_gguf.thinking import forced_open_prefix
+from saem_gguf.thinking import THINK_OPEN, forced_open_prefix, template_reasons
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
 QUEUE_FULL_CODE = "queue_full"
@@ -187,8 +187,12 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     offset = 0  # characters of text streamed so far (completions' text_offset)
     text = bytearray()  # decoded whole at the end: an event may end inside a character
     thinking: Reasoning | None = None  # the answer's thinking apart (llama-server's reasoning format)
+    lead = ""  # unsplit, llama-server's content starts with the thinking block the prompt opened
     if chat and splits(req.reasoning_format or state.cfg.reasoning_format, state.cfg.chat_template):
         thinking = Reasoning(forced_open_prefix(rendered[0]))
+    elif chat and template_reasons(state.cfg.chat_template):
+        opened = forced_open_prefix(rendered[0])
+        lead = "" if opened is None else THINK_OPEN + opened
 
     def add(ev: TokenEvent) -> None:
         text.extend(ev.text)
@@ -199,12 +203,14 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
             reply.finish_reason, reply.usage = ev.finish_reason, ev.usage or (0, 0)
 
     def chunks(ev: TokenEvent) -> list[bytes]:
-        nonlocal offset
+        nonlocal offset, lead
         out = []
         piece = ev.text.decode("utf-8", errors="ignore")
         reasoning = ""
         if thinking is not None:
             reasoning, piece = thinking.add(piece, final=ev.finish_reason is not None)
+        elif lead and (piece or ev.finish_reason is not None):
+            piece, lead = lead + piece, ""
         tokens = _token_logprobs(ev, reply.top_n, state.piece)
         if piece or reasoning or tokens:
             out.append(sse(reply.chunk(piece, tokens, text_offset=offset, reasoning=reasoning)))
@@ -223,7 +229,7 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     gone = await _collect(handle, request.receive, add)
     if gone:
         return gone
-    reply.text = text.decode("utf-8", errors="ignore")
+    reply.text = lead + text.decode("utf-8", errors="ignore")
     if thinking is not None:
         reply.reasoning, reply.text = split_reasoning(reply.text, thinking.prefix)
     return JSONResponse(reply.response())
