@@ -356,23 +356,13 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
                    help="reasoning (thinking) in the chat: on or off set the template's enable_thinking "
                         "(Qwen3 and others read it); auto leaves it to the template (default)")
-    g.add_argument("--reasoning-budget", type=_reasoning_budget, default=-1, metavar="N",
+    g.add_argument("--reasoning-budget", type=_int_at_least(-1, " (-1 = unrestricted)"), default=-1, metavar="N",
                    help="token budget for thinking: -1 for unrestricted, 0 for immediate end, N>0 for token "
                         "budget (default: -1); where the chat template has a <think> block, its </think> is "
                         "forced once the budget is spent")
     g.add_argument("--reasoning-budget-message", default="", metavar="MESSAGE",
                    help="message injected before the end-of-thinking tag when reasoning budget is exhausted "
                         "(default: none; plain text, no control tokens parsed)")
-
-
-def _reasoning_budget(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < -1:
-        raise argparse.ArgumentTypeError(f"must be -1 (unrestricted), 0 or more, got {value}")
-    return value
 
 
 def _json_object(text: str) -> dict:
