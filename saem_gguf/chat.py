@@ -3,8 +3,9 @@
 A conversation that outgrows the context loses its oldest turns (the system message stays), with a
 one-line notice; a single message too long for the context is refused with one line, and the
 session goes on. Ctrl-C while the model answers stops that answer (what was said so far stays in
-the history); Ctrl-C at the prompt only reminds how to quit; Ctrl-D or /quit ends. On a terminal
-lines are edited and recalled with readline (history kept under the cache dir); when stdin is not
+the history); Ctrl-C at the prompt only reminds how to quit; Ctrl-D or /quit ends. llama-cli's
+commands work as there: /clear, /regen, /exit, /read FILE and /glob PATTERN (chat_files.py). On a
+terminal lines are edited and recalled with readline (history kept under the cache dir); when stdin is not
 a terminal each input line is one user turn, so the chat can be scripted. How an answer is printed
 (thinking dimmed or folded, stage marks) is chat_display.py.
 """
@@ -14,15 +15,18 @@ from __future__ import annotations
 import codecs
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
 from saem_gguf.chat_display import PIECE_SLACK, AnswerPrinter, use_style
-from saem_gguf.engine import GREEDY, ChatPrompt, Engine, SamplingConfig
+from saem_gguf.chat_files import GLOB_MAX_FILES, file_block, glob_files
+from saem_gguf.engine import GREEDY, SEED_RANDOM, ChatPrompt, Engine, SamplingConfig
 from saem_gguf.errors import SaemError
 
-HELP = "/stats  placement statistics   /reset  new conversation   /quit  exit   /help  this"
+HELP = ("/stats  placement statistics   /clear (/reset)  new conversation   /regen  answer the last message "
+        "again   /read FILE  add a text file to the next message   /glob PATTERN  add the files it matches   "
+        "/exit (/quit)  exit   /help  this")
 
 
 @dataclass
@@ -40,12 +44,14 @@ class ChatSession:
     last_finish_reason: str | None = None  # how its answer ended: "stop" or "length"
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    pending: str = ""  # text files (/read, /glob) the next message starts with
 
     def __post_init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.pending = ""
 
     def _answer_room(self, n_ctx: int) -> int:
         """Context kept free for the answer when old turns are dropped: -n tokens (a quarter of the
@@ -84,8 +90,6 @@ class ChatSession:
     def answer(self, user: str) -> str | None:
         """Stream the model's answer to ``user``; returns it (partial if interrupted), or None
         when the turn could not be sent (it is then not kept in the history)."""
-        import time
-
         try:
             user.encode("utf-8")
         except UnicodeEncodeError:
@@ -93,6 +97,38 @@ class ChatSession:
             self.notify("error: the message is not valid UTF-8; it was not sent")
             return None
         self.messages.append({"role": "user", "content": user})
+        return self._respond(self.sampling)
+
+    def regenerate(self) -> str | None:
+        """/regen: the last answer dropped and the last message answered again (llama-cli's);
+        at a temperature above 0 with no seed given (-s), with a new random seed, so the answer
+        can differ. None when there is no answer to redo."""
+        if len(self.messages) < 2 or self.messages[-1]["role"] != "assistant":
+            self.notify("error: no message to regenerate")
+            return None
+        self.messages.pop()
+        sampling = self.sampling
+        if sampling.seed is None and self.engine.cfg.seed in (None, -1, SEED_RANDOM):
+            sampling = replace(sampling, seed=-1)
+        return self._respond(sampling)
+
+    def add_files(self, paths: list[Path], shown: list[str]) -> None:
+        """/read and /glob: each file's text, headed by its name, goes before the next message."""
+        for path, name in zip(paths, shown):
+            try:
+                self.pending += file_block(path, name)
+            except OSError:
+                self.notify(f"error: file does not exist or cannot be opened: {name!r}")
+                continue
+            except UnicodeDecodeError:
+                self.notify(f"error: file is not UTF-8 text: {name!r}")
+                continue
+            self._write(f"[loaded text from {name!r}]\n")
+
+    def _respond(self, sampling: SamplingConfig) -> str | None:
+        """Stream the answer to the conversation so far (it ends with the user's message)."""
+        import time
+
         try:
             prompt = self._fit_prompt()
         except SaemError as e:
@@ -110,7 +146,7 @@ class ChatSession:
         t0 = None
         n = 0
         interrupted = False
-        steps = eng.stream(prompt, self.n_predict, self.sampling, reuse_prefix=True)
+        steps = eng.stream(prompt, self.n_predict, sampling, reuse_prefix=True)
         try:
             for tok, piece in steps:
                 if t0 is None:
@@ -172,15 +208,29 @@ class ChatSession:
             return False
         if cmd == "/stats":
             self._write(self.stats_text() + "\n")
-        elif cmd == "/reset":
+        elif cmd in ("/reset", "/clear"):
             self.reset()
             self._write("[new conversation]\n")
+        elif cmd == "/regen":
+            self.regenerate()
+        elif cmd.startswith("/read "):
+            name = cmd[len("/read "):].strip()
+            self.add_files([Path(name)], [name])
+        elif cmd.startswith("/glob "):
+            found = glob_files(cmd[len("/glob "):].strip(), Path.cwd())
+            if len(found) > GLOB_MAX_FILES:
+                found = found[:GLOB_MAX_FILES]
+                self.notify(f"error: at most {GLOB_MAX_FILES} files are read from a pattern; the rest were not")
+            self.add_files(found, [str(p) for p in found])
+            if not found:
+                self._write("[no file matches]\n")
         elif cmd == "/help":
             self._write(HELP + "\n")
         elif cmd.startswith("/"):
             self._write(f"unknown command {cmd}; {HELP}\n")
         else:
-            self.answer(line.rstrip("\n"))
+            text, self.pending = self.pending + line.rstrip("\n"), ""
+            self.answer(text)
         return True
 
 
