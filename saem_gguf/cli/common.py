@@ -350,6 +350,10 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
                    help="chat template for a GGUF without one (or to replace it): a Jinja file, or the "
                         "name of a llama-cpp-python chat format (chatml, llama-2, llama-3, gemma, ...); "
                         "without both, llama-cpp-python's fallback llama-2 is used")
+    g.add_argument("--chat-template-file", dest="chat_template", metavar="JINJA_TEMPLATE_FILE",
+                   help="llama.cpp's name for --chat-template FILE")
+    g.add_argument("--jinja", action="store_true",
+                   help="accepted for llama.cpp's command lines: chat templates are always Jinja here")
     g.add_argument("--chat-template-kwargs", type=_json_object, default={}, metavar="STRING",
                    help="additional variables for the chat template, a JSON object, e.g. "
                         "'{\"enable_thinking\": false}'")

@@ -21,6 +21,7 @@ import signal
 import sys
 
 from saem_gguf import __version__
+from saem_gguf.cli.llama_flags import refuse_llama_flags
 from saem_gguf.cli.signals import interrupts_raise
 from saem_gguf.errors import SaemError, Terminated, UsageError
 
@@ -45,6 +46,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # a command's parser (the top one has the subcommands): a llama.cpp flag it does not take
+        # is refused by name before argparse reads it as something else (llama_flags.py)
+        if args is not None and self._subparsers is None:
+            refuse_llama_flags(self, list(args))
+        return super().parse_known_args(args, namespace)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from saem_gguf.cli.arg_types import bounded_int, non_negative_float
 from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
@@ -26,6 +27,20 @@ def _api_keys(text: str) -> tuple[str, ...]:
     keys = tuple(k.strip() for k in text.split(",") if k.strip())
     if not keys:
         raise argparse.ArgumentTypeError("an API key must not be empty")
+    return keys
+
+
+def _api_key_file(path: str) -> tuple[str, ...]:
+    """llama-server's --api-key-file: one key per line, lines starting with # are comments. Unlike
+    llama-server a file with no key is refused (there it would leave the server open), and a
+    line's surrounding whitespace (a Windows line end) is not part of its key."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"failed to open file {path!r}: {getattr(e, 'strerror', None) or e}") from None
+    keys = tuple(k.strip() for k in lines if k.strip() and not k.startswith("#"))
+    if not keys:
+        raise argparse.ArgumentTypeError(f"no API key in {path!r}")
     return keys
 
 
@@ -54,6 +69,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-key", dest="api_keys", type=_api_keys, default=None, metavar="KEY[,KEY...]",
                    help="require this key (Authorization: Bearer KEY, or X-Api-Key) on every route but "
                         "/health; a wrong or missing key is a 401")
+    g.add_argument("--api-key-file", dest="api_key_files", type=_api_key_file, action="append", default=[],
+                   metavar="FNAME", help="file of API keys, one per line, # for comments (with --api-key: all of "
+                                         "them are accepted); repeatable")
+    g.add_argument("--metrics", action="store_true",
+                   help="accepted for llama-server's command lines: GET /metrics is always on here")
+    g.add_argument("-cb", "--cont-batching", action="store_true",
+                   help="accepted for llama-server's command lines: batching is always continuous here")
+    g.add_argument("--no-webui", action="store_true",
+                   help="accepted for llama-server's command lines: there is no web UI here")
     g.add_argument("-a", "--alias", default=None, metavar="NAME",
                    help="the model's name in /v1/models and answers (default: the GGUF's file name)")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -97,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 scheduler.check_grammar(sampling.grammar, "the grammar")
             cfg = ServeConfig(model_id=args.alias or eng.path.name, sampling=sampling,
                               max_tokens=args.n_predict, n_ctx_per_sequence=eng.n_ctx_seq,
-                              api_keys=args.api_keys or (), system=args.system,
+                              api_keys=(*(args.api_keys or ()), *(k for f in args.api_key_files for k in f)), system=args.system,
                               reasoning_format=args.reasoning_format, chat_template=eng.chat_template_source(),
                               parse_special=args.parse_special)
             state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,
