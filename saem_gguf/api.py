@@ -10,18 +10,22 @@ offers works unchanged (``create_completion``, ``create_chat_completion``, strea
 * ``create_chat_completion`` tokenizes message contents as plain text: a message containing
   ``<|im_end|>`` or ``<|im_start|>system`` cannot close its turn or open another one;
 * extra arguments: ``expert_policy``, ``ecr`` / ``vram_budget``, ``profile``, ``hw``,
-  ``ram_budget`` / ``ram_policy`` (the RAM tier, docs/RAM_TIER.md), and the ``expert_stats()`` method.
+  ``ram_budget`` / ``ram_policy`` (the RAM tier, docs/RAM_TIER.md), the ``expert_stats()`` method,
+  and ``create_chat_completion(..., chat_template_kwargs={...})``: more variables for the chat
+  template, llama-server's request field (``{"enable_thinking": False}`` for Qwen3), which
+  llama-cpp-python's method has no way to pass.
 
 Importing this module loads the patched llama.cpp (``saem_gguf.llama_lib``).
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
 from saem_gguf.budget import parse_ecr, parse_vram_budget
-from saem_gguf.engine import Engine, EngineConfig, _make_llama_class
+from saem_gguf.engine import Engine, EngineConfig, _make_llama_class, check_template_kwargs
 from saem_gguf.llama_lib import load_llama_cpp
 
 llama_cpp = load_llama_cpp()
@@ -73,6 +77,19 @@ class Llama(_SaemLlama):
         # a constructor that failed before llama-cpp-python's own init ran has nothing to close
         if "_stack" in self.__dict__:
             super().close()
+
+    def create_chat_completion(self, messages, *args, chat_template_kwargs: dict[str, Any] | None = None,
+                               **kwargs):
+        """llama-cpp-python's, plus ``chat_template_kwargs``: variables its chat handler hands to the
+        template (a Jinja one reads them; a name the handler sets itself is a SaemError)."""
+        if not chat_template_kwargs:
+            return super().create_chat_completion(messages, *args, **kwargs)
+        check_template_kwargs(chat_template_kwargs)
+        # the handler's keyword arguments, as llama-cpp-python's create_chat_completion passes them
+        call = inspect.signature(llama_cpp.Llama.create_chat_completion).bind(self, messages, *args, **kwargs)
+        call.apply_defaults()
+        handler_kw = {k: v for k, v in call.arguments.items() if k not in ("self", "messages")}
+        return self.saem_chat_completion(messages, dict(chat_template_kwargs), **handler_kw)
 
     def create_completion(self, prompt, *args, **kwargs):
         if not self._saem_capture:

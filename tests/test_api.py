@@ -81,3 +81,39 @@ def test_vram_budget_takes_the_cli_values(llama_cpp):
         assert any("--vram-budget auto" in n for n in llm._saem_engine.notes), llm._saem_engine.notes
     finally:
         llm.close()
+
+
+# a template that reads enable_thinking as Qwen3's does
+THINKING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+            "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+            "{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_through_the_api(llama_cpp):
+    """create_chat_completion(chat_template_kwargs=...) renders as llama-cpp-python's own Jinja
+    formatter does with those variables (its prompt's token count), with the other arguments
+    positional or not; a variable the handler sets itself is refused."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from saem_gguf import Llama
+    from saem_gguf.errors import SaemError
+
+    fmt = Jinja2ChatFormatter(template=THINKING, eos_token="<|im_end|>", bos_token="<|endoftext|>")
+    llm = Llama(str(model_for("qwen3moe", "chatml", False)), n_ctx=256, n_threads=2, verbose=False,
+                chat_handler=fmt.to_chat_handler())
+    msgs = [{"role": "user", "content": "Hi"}]
+    try:
+        def sent(*args, **kw) -> int:
+            return llm.create_chat_completion(msgs, *args, max_tokens=1, **kw)["usage"]["prompt_tokens"]
+
+        def rendered(**variables) -> int:
+            return len(llm.tokenize(fmt(messages=msgs, **variables).prompt.encode(), special=True))
+
+        off = {"enable_thinking": False}
+        assert sent() == rendered() < sent(chat_template_kwargs=off) == rendered(**off)
+        assert sent(None, None, None, None, 0.0, chat_template_kwargs=off) == rendered(**off)  # temperature 0
+        with pytest.raises(SaemError, match="'tools' is set by the chat handler"):
+            llm.create_chat_completion(msgs, chat_template_kwargs={"tools": []})
+    finally:
+        llm.close()
