@@ -13,7 +13,8 @@ from saem_gguf.cli.engine_args import open_engine
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat (default: the embedded model)",
                        description="Chat with a MoE GGUF using stage-aware expert placement. Commands: "
-                                   "/stats, llama-cli's /clear, /regen, /read FILE, /glob PATTERN, /exit (also /reset, /quit). Ctrl-C stops the current answer. On a terminal "
+                                   "/stats, llama-cli's /clear, /regen, /read FILE, /glob PATTERN, /exit "
+                                   "(also /reset, /quit). Ctrl-C stops the current answer. On a terminal "
                                    "lines are edited and recalled with readline (history in the cache "
                                    "dir's chat_history, last 1000 lines) and <think>...</think> is dimmed "
                                    "(not with NO_COLOR set). When stdin is not a terminal, each line is "

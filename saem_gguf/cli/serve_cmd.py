@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                 scheduler.check_grammar(sampling.grammar, "the grammar")
             cfg = ServeConfig(model_id=args.alias or eng.path.name, sampling=sampling,
                               max_tokens=args.n_predict, n_ctx_per_sequence=eng.n_ctx_seq,
-                              api_keys=(*(args.api_keys or ()), *(k for f in args.api_key_files for k in f)), system=args.system,
+                              api_keys=(*(args.api_keys or ()), *(k for f in args.api_key_files for k in f)),
+                              system=args.system,
                               reasoning_format=args.reasoning_format, chat_template=eng.chat_template_source(),
                               parse_special=args.parse_special)
             state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,

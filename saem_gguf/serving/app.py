@@ -172,12 +172,10 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         raise SHUTTING_DOWN
     req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     sched = state.scheduler
-    rendered: list[str] = []  # the chat prompt's text: where a thinking block may already be open
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
             p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system),
                                         req.template_kwargs())
-            rendered.append(p.text)
             return p.tokens, tuple(p.stop), p.text
     else:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
@@ -188,10 +186,12 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     text = bytearray()  # decoded whole at the end: an event may end inside a character
     thinking: Reasoning | None = None  # the answer's thinking apart (llama-server's reasoning format)
     lead = ""  # unsplit, llama-server's content starts with the thinking block the prompt opened
+    # the chat prompt's text (None for a raw prompt): where a thinking block may already be open
+    chat_text = handle.request.chat_text
     if chat and splits(req.reasoning_format or state.cfg.reasoning_format, state.cfg.chat_template):
-        thinking = Reasoning(forced_open_prefix(rendered[0]))
+        thinking = Reasoning(forced_open_prefix(chat_text))
     elif chat and template_reasons(state.cfg.chat_template):
-        opened = forced_open_prefix(rendered[0])
+        opened = forced_open_prefix(chat_text)
         lead = "" if opened is None else THINK_OPEN + opened
 
     def add(ev: TokenEvent) -> None:
