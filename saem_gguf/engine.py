@@ -390,6 +390,7 @@ def _make_llama_class(llama_cpp):
         _saem_capture = False  # create_completion raises _PromptCaptured instead of generating
         _saem_logit_bias: list[tuple[int, float]] | None = None  # SamplingConfig.chain_logit_bias
         _saem_budget = None  # the thinking.ReasoningBudget of the next sampler, or None
+        _saem_grammar_last = False  # the next sampler checks its grammar after the chain (llama-server's order)
         _saem_specials = None
 
         def create_chat_completion(self, messages, *args, **kw):
@@ -474,7 +475,7 @@ def _make_llama_class(llama_cpp):
             llama_cpp.llama_sampler_chain_add(chain, member)
             for m in rest:
                 llama_cpp.llama_sampler_chain_add(chain, m)
-            return ChainSampler(llama_cpp, sampler, self.n_vocab(), at, self._saem_budget)
+            return ChainSampler(llama_cpp, sampler, self.n_vocab(), at, self._saem_budget, self._saem_grammar_last)
 
         @property
         def context_params(self):

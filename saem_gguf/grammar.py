@@ -21,6 +21,12 @@ Here the grammar is parsed against the model's vocabulary with its error caught
 after the grammar's member it can see a dead end and stop the generation (``GrammarDeadEnd``)
 before any member accepts a token. Where the grammar allows a token, the members, their order
 and their inputs are llama-cpp-python's, so the tokens are the same (tests/test_fidelity.py).
+
+``serve`` samples as llama-server does instead (``ChainSampler(grammar_last=True)``, llama.cpp's
+``common_sampler_sample``): the chain runs without the grammar, and only where its token breaks
+the grammar do the grammar and then the chain run again, a second draw. At temperature 0 both
+orders give the same token; with a seeded draw they give different ones, so each front end
+follows its own reference (tests/test_serve_reference.py, "seeded-grammar").
 """
 
 from __future__ import annotations
@@ -168,11 +174,16 @@ class ChainSampler:
     first), and accepts each sampled token. Stands in for the ``LlamaSampler`` (``sample``,
     ``sampler``, ``close``)."""
 
-    def __init__(self, lc, chain, n_vocab: int, grammar_index: int | None = None, budget=None) -> None:
+    def __init__(self, lc, chain, n_vocab: int, grammar_index: int | None = None, budget=None,
+                 grammar_last: bool = False) -> None:
         self._lc = lc
         self.chain = chain  # the LlamaSampler: it owns (and frees) every member
         self.sampler = chain.sampler
         self._grammar_index = -1 if grammar_index is None else grammar_index
+        # llama-server's order (common_sampler_sample): the chain without the grammar first, and
+        # only where its token breaks the grammar, the grammar and then the chain again (a second
+        # draw). The same tokens as the grammar in the chain at temperature 0, others when drawn.
+        self._grammar_last = grammar_last and self._grammar_index >= 0
         self.budget = budget  # a thinking.ReasoningBudget, or None
         self._n = lc.llama_sampler_chain_n(self.sampler)
         self._cur = np.empty(n_vocab, _TOKEN_DATA)
@@ -184,9 +195,25 @@ class ChainSampler:
     def sample(self, ctx, idx: int = -1) -> int:
         """The token sampled from the logits of output ``idx`` of ``ctx`` (a LlamaContext), accepted
         by every member; GrammarDeadEnd where the grammar allows none (nothing accepted)."""
+        lc = self._lc
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx.ctx, idx), shape=(self._cur.shape[0],))
+        if self._grammar_last:
+            token = self._select(logits, with_grammar=False)
+            if not self._grammar_allows(token):
+                token = self._select(logits, with_grammar=True)
+        else:
+            token = self._select(logits, with_grammar=True)
+        lc.llama_sampler_accept(self.sampler, token)
+        if self.budget is not None:
+            self.budget.accept(token)
+        return token
+
+    def _select(self, logits: np.ndarray, with_grammar: bool) -> int:
+        """The token the members select from ``logits`` (after the budget's forcing): in chain order
+        with the grammar in its place, or without it; under ``grammar_last`` the grammar, where
+        applied, comes first (it only sets -inf, which the penalties and biases keep)."""
         lc, cur, cur_p = self._lc, self._cur, self._cur_p
         n = cur.shape[0]
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx.ctx, idx), shape=(n,))
         cur["id"] = self._ids
         cur["logit"] = logits
         cur["p"] = 0.0
@@ -197,18 +224,29 @@ class ChainSampler:
             cur["logit"][forced] = keep
         cur_p.size, cur_p.selected, cur_p.sorted = n, -1, False
         ref = ctypes.byref(cur_p)
-        for i in range(self._n):
+        order = list(range(self._n))
+        if self._grammar_last:
+            order.remove(self._grammar_index)
+            if with_grammar:
+                order.insert(0, self._grammar_index)
+        for i in order:
             lc.llama_sampler_apply(lc.llama_sampler_chain_get(self.sampler, i), ref)
             if i == self._grammar_index and not np.isfinite(cur["logit"][:cur_p.size]).any():
                 raise GrammarDeadEnd("the grammar allows no token here (the vocabulary cannot continue it, "
                                      "or it is complete and the end of generation is barred): generation stopped")
         if not 0 <= cur_p.selected < cur_p.size:
             raise SaemError(f"the sampler chain selected no token ({cur_p.selected})")
-        token = int(cur_p.data[cur_p.selected].id)
-        lc.llama_sampler_accept(self.sampler, token)
-        if self.budget is not None:
-            self.budget.accept(token)
-        return token
+        return int(cur_p.data[cur_p.selected].id)
+
+    def _grammar_allows(self, token: int) -> bool:
+        """Whether the grammar member leaves ``token`` possible next (llama-server's check of a
+        single-token array)."""
+        lc = self._lc
+        one = np.array([(token, 1.0, 0.0)], _TOKEN_DATA)
+        arr = lc.llama_token_data_array(data=one.ctypes.data_as(ctypes.POINTER(lc.llama_token_data)), size=1,
+                                        selected=-1, sorted=False)
+        lc.llama_sampler_apply(lc.llama_sampler_chain_get(self.sampler, self._grammar_index), ctypes.byref(arr))
+        return bool(np.isfinite(one["logit"][0]))
 
     def close(self) -> None:
         self.chain.close()

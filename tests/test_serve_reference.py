@@ -63,7 +63,9 @@ COUNTS = ("content", "tokens", "stop", "stop_type", "stopping_word", "tokens_pre
     {"n_predict": 8, "temperature": 0, "logit_bias": {"13": -100}},
     {"n_predict": 8, "temperature": 0, "grammar": 'root ::= ("yes" | "no") " ok"'},
     {"n_predict": 4, "temperature": 0, "n_probs": 3},
-], ids=["greedy", "stop-word", "seeded", "logit-bias-pairs", "logit-bias-object", "grammar", "n-probs"])
+    {"n_predict": 12, "temperature": 0.9, "seed": 7, "grammar": 'root ::= ("yes" | "no" | " maybe" | " Paris")+'},
+], ids=["greedy", "stop-word", "seeded", "logit-bias-pairs", "logit-bias-object", "grammar", "n-probs",
+        "seeded-grammar"])
 def test_completion_answers_as_llama_server(pair, fields):
     stock, ours = _both(pair, "/completion", {"prompt": PROMPT, **fields})
     assert set(ours) == set(stock), set(ours) ^ set(stock)

@@ -23,7 +23,8 @@ policy and cache size.
 
 Fidelity (``Engine.stream``'s rules): the same SamplingConfig chain built by llama-cpp-python's
 ``_init_sampler`` (penalties over the generated tokens, greedy at temperature 0, else top-k,
-typical, top-p, min-p, temperature and a seeded draw; ``ignore_eos`` as a -inf logit bias first),
+typical, top-p, min-p, temperature and a seeded draw; ``ignore_eos`` as a -inf logit bias first;
+a grammar checked after the draw as llama-server's common sampler does),
 a stop at every end-of-generation token (``llama_vocab_is_eog``), stop strings with hold-back
 (``engine.StopText``) and each token's text by ``Engine._piece_after``.
 """
@@ -471,23 +472,26 @@ class Scheduler:
 
     def _make_sampler(self, sampling: SamplingConfig, seed: int, budget=None):
         """``sampling``'s chain with ``seed``, as llama-cpp-python builds it for ``generate``
-        (Engine._steps), with a chat's reasoning budget (thinking.ReasoningBudget) or None."""
+        (Engine._steps), with a chat's reasoning budget (thinking.ReasoningBudget) or None; a
+        grammar is checked after the chain and applied only where its token breaks it, as
+        llama-server samples (grammar.ChainSampler's ``grammar_last``)."""
         from llama_cpp.llama_grammar import LlamaGrammar  # llama_cpp is loaded: the engine is
 
         llm = self.engine.llm
-        saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget
+        saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget, llm._saem_grammar_last
         try:
             llm.set_seed(seed)
             llm.last_n_tokens_size = sampling.repeat_last_n
             llm._saem_logit_bias = sampling.chain_logit_bias(self.engine.eog_tokens)
             llm._saem_budget = budget
+            llm._saem_grammar_last = True  # a grammar as llama-server samples with it
             return llm._init_sampler(
                 top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p, typical_p=sampling.typical_p,
                 temp=max(sampling.temp, 0.0), repeat_penalty=sampling.repeat_penalty,
                 frequency_penalty=sampling.frequency_penalty, presence_penalty=sampling.presence_penalty,
                 grammar=None if sampling.grammar is None else LlamaGrammar.from_string(sampling.grammar))
         finally:
-            llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget = saved
+            llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget, llm._saem_grammar_last = saved
 
     def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """Load (sequence id, token, position, logits wanted) rows into the llama_batch."""
