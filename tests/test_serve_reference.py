@@ -85,6 +85,14 @@ def test_a_chat_prompt_sent_raw_ends_at_eos_as_in_llama_server(pair):
     assert stock["stop_type"] == "eos" and {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
 
 
+def test_infill_on_a_model_without_fim_tokens_is_refused_as_by_llama_server(pair):
+    answers = [httpx.post(url + "/infill", json={"input_prefix": "a", "input_suffix": "b"}, timeout=60)
+               for url in pair]
+    assert [r.status_code for r in answers] == [501, 501]
+    stock, ours = (r.json()["error"] for r in answers)
+    assert ours["message"] == stock["message"] and ours["type"] == stock["type"] == "not_supported_error"
+
+
 @pytest.mark.parametrize("path,body", [
     ("/tokenize", {"content": "Hello <|im_start|>user é😀", "with_pieces": True}),
     ("/tokenize", {"content": "a<|im_start|>b", "parse_special": False, "add_special": True}),

@@ -95,3 +95,23 @@ def test_expert_pool_copies_experts_and_stage_plant_groups_words(tmp_path):
     total = [i for i, s in enumerate(vocab.tokens) if s.replace("Ġ", "").lower() in ("final", "result", "total")]
     assert {int(W.token_group[i]) for i in check} == {1}
     assert {int(W.token_group[i]) for i in total} == {3}
+
+
+def test_a_fim_model_has_qwen_coders_fim_tokens_as_llama_cpp_finds_them(llama_cpp):
+    """``ModelSpec(fim=True)`` (gen-model --fim): the six tokens after the special ones, each found
+    by llama.cpp by its text as in a Qwen-Coder GGUF; the pad, repository and file tokens end a
+    generation there."""
+    base, fim = load_vocab(), load_vocab(fim=True)
+    assert fim.tokens[:base.size] == base.tokens and fim.size % 64 == 0
+    llm = llama_cpp.Llama(model_path=str(ensure_model(ModelSpec(fim=True))), n_ctx=64, verbose=False)
+    try:
+        v = llm._model.vocab
+        found = {name: getattr(llama_cpp, f"llama_vocab_fim_{name}")(v)
+                 for name in ("pre", "suf", "mid", "pad", "rep", "sep")}
+        assert {k: fim.tokens[t] for k, t in found.items()} == {
+            "pre": "<|fim_prefix|>", "suf": "<|fim_suffix|>", "mid": "<|fim_middle|>", "pad": "<|fim_pad|>",
+            "rep": "<|repo_name|>", "sep": "<|file_sep|>"}
+        assert [bool(llama_cpp.llama_vocab_is_eog(v, found[k])) for k in ("mid", "pad", "rep", "sep")] == \
+            [False, True, True, True]
+    finally:
+        llm.close()

@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-pool", type=int, default=0,
                    help="experts are copies of N distinct random ones (fast big models; 0 = all distinct)")
     p.add_argument("--head-dim", type=int, default=None, help="attention head size (embd / heads)")
+    p.add_argument("--fim", action="store_true",
+                   help="with Qwen-Coder's fill-in-the-middle tokens (<|fim_prefix|>, ...): a model serve's and "
+                        "llama-server's /infill answer, to try an editor plugin against")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="output .gguf (default: the model cache, printed)")
@@ -92,7 +95,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
                          n_embd=args.embd, n_ff_exp=args.ff, n_expert=args.experts,
                          n_expert_used=args.top_k, n_head=args.heads, n_head_kv=args.kv_heads,
                          head_dim=head_dim, dense=args.dense, seed=args.seed,
-                         expert_pool=args.expert_pool,
+                         expert_pool=args.expert_pool, fim=args.fim,
                          planted=STAGE_PLANT if args.stage_routing else ())
     except ValueError as e:
         raise SaemError(str(e)) from None

@@ -49,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Serve a MoE GGUF over an OpenAI-compatible HTTP API with continuous "
                                    "batching and stage-aware expert placement: POST /v1/chat/completions "
                                    "and /v1/completions (streamed as server-sent events with \"stream\": "
-                                   "true), GET /v1/models, /health, /metrics (Prometheus), "
+                                   "true), llama-server's /completion, /infill, /tokenize, /detokenize, "
+                                   "/apply-template and /props, GET /v1/models, /health, /metrics (Prometheus), "
                                    "/v1/saem/stats. SIGINT/SIGTERM stop it cleanly (exit 0).",
                        epilog="Threads: without -t and -tb, both a one-token decode (-t) and a ubatch of "
                               "several tokens (a prompt, a step of several sequences: -tb) get every usable "
@@ -94,6 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="raw prompts (/v1/completions, /completion) turn special-token text into those tokens, as "
                         "llama-server and llama-cpp-python do (default: literal text; chats' markup is always "
                         "parsed and message text never)")
+    g.add_argument("--spm-infill", action="store_true",
+                   help="/infill: the suffix before the prefix (suffix/prefix/middle), as llama-server's flag, "
+                        "for models trained so (default: prefix/suffix/middle)")
     add_sampling_args(p, n_predict=-1)
     add_placement_args(p)
     p.set_defaults(func=run)
@@ -124,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                               api_keys=(*(args.api_keys or ()), *(k for f in args.api_key_files for k in f)),
                               system=args.system,
                               reasoning_format=args.reasoning_format, chat_template=eng.chat_template_source(),
-                              parse_special=args.parse_special)
+                              parse_special=args.parse_special, n_batch=args.n_batch,
+                              spm_infill=args.spm_infill)
             state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,
                                 metrics=ServerMetrics(scheduler.stats))
             scheduler.start(warm_up=scheduler.tokenize_prompt(WARM_UP_PROMPT) if args.warmup else None)

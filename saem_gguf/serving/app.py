@@ -31,10 +31,11 @@ from saem_gguf.serving.auth import ApiKeyMiddleware
 from saem_gguf.serving.batch import (
     BatchRequest, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
 )
+from saem_gguf.serving.infill import FimTokens, InfillLimits, infill_tokens
 from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
     SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Generation,
-    NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation, native_probs,
+    InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation, native_probs,
     native_settings, parse_request, piece_json, request_logit_bias, sse,
 )
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
@@ -56,6 +57,8 @@ class ServeConfig:
     reasoning_format: str = "auto"  # --reasoning-format: chat answers' thinking apart (serving.reasoning)
     chat_template: str = ""  # the Jinja text chats are rendered with ("" for a named format)
     parse_special: bool = False  # --parse-special: raw prompts' special-token text becomes those tokens
+    n_batch: int = 2048  # -b, which /infill's prompt layout budgets from as llama-server's does
+    spm_infill: bool = False  # --spm-infill: /infill puts the suffix before the prefix
 
 
 @dataclass
@@ -98,7 +101,10 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse(await run_in_threadpool(state.scheduler.stats))
 
     async def native(request: Request) -> Response:
-        return await _complete_native(state, request)
+        return await _complete_native(state, request, infill=False)
+
+    async def infill(request: Request) -> Response:
+        return await _complete_native(state, request, infill=True)
 
     async def tokenize(request: Request) -> Response:
         req = parse_request(await _body(request), TokenizeRequest)
@@ -157,6 +163,7 @@ def create_app(state: ServerState) -> Starlette:
         # llama-server's own
         Route("/completion", counted("/completion", native), methods=["POST"]),
         Route("/completions", counted("/completion", native), methods=["POST"]),
+        Route("/infill", counted("/infill", infill), methods=["POST"]),
         Route("/tokenize", counted("/tokenize", tokenize), methods=["POST"]),
         Route("/detokenize", counted("/detokenize", detokenize), methods=["POST"]),
         Route("/apply-template", counted("/apply-template", apply_template), methods=["POST"]),
@@ -235,14 +242,21 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     return JSONResponse(reply.response())
 
 
-async def _complete_native(state: ServerState, request: Request) -> Response:
-    """/completion and /completions: llama-server's own shape (content, stop_type, timings, ...)."""
+async def _complete_native(state: ServerState, request: Request, infill: bool) -> Response:
+    """/completion and /completions, and /infill (``infill``: its prompt laid out in the model's
+    fill-in-the-middle tokens, serving.infill): llama-server's own shape (content, stop_type,
+    timings, ...)."""
     if state.stopping:
         raise SHUTTING_DOWN
-    req = parse_request(await _body(request), NativeCompletionRequest)
     sched = state.scheduler
+    fim = sched.fim_tokens() if infill else None
+    if fim is not None and fim.missing():  # before the body, as llama-server checks
+        raise ApiError(501, f"Infill is not supported by this model: {fim.missing()}", "not_supported_error")
+    req = parse_request(await _body(request), InfillRequest if infill else NativeCompletionRequest)
 
     async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
+        if fim is not None:
+            return await run_in_threadpool(_infill_prompt, state, fim, req), (), None
         if isinstance(req.prompt, str):  # as /v1/completions: BOS as the GGUF says
             return await run_in_threadpool(sched.tokenize_prompt, req.prompt, state.cfg.parse_special), (), None
         return await run_in_threadpool(sched.tokenize_mixed, req.prompt, True, state.cfg.parse_special), (), None
@@ -267,7 +281,10 @@ async def _complete_native(state: ServerState, request: Request) -> Response:
         reply.tokens += ev.token_ids
         reply.probs += probs(ev) or []
         if ev.finish_reason is not None:
-            final = reply.final(ev.finish_reason, ev.stop_word, ev.usage or (0, 0), ev.timings or (0.0, 0.0), False)
+            if ev.keep is not None:  # a line limit cut the text (batch.LineLimits)
+                del reply.content[ev.keep:]
+            final = req.only_fields(reply.final(ev.finish_reason, ev.stop_word, ev.usage or (0, 0),
+                                                ev.timings or (0.0, 0.0), False))
 
     def chunks(ev: TokenEvent) -> list[bytes]:
         nonlocal n_predicted
@@ -277,14 +294,25 @@ async def _complete_native(state: ServerState, request: Request) -> Response:
             n_prompt = len(handle.request.prompt_tokens)
             out.append(sse(reply.partial(ev.text, ev.token_ids, probs(ev), n_predicted, n_prompt)))
         if ev.finish_reason is not None:  # llama-server ends its own stream without [DONE]
-            out.append(sse(reply.final(ev.finish_reason, ev.stop_word, ev.usage or (0, 0),
-                                       ev.timings or (0.0, 0.0), True)))
+            out.append(sse(req.only_fields(reply.final(ev.finish_reason, ev.stop_word, ev.usage or (0, 0),
+                                                       ev.timings or (0.0, 0.0), True))))
         return out
 
     if req.stream:
         return _event_stream(_stream(handle, [], chunks))
     gone = await _collect(handle, request.receive, add)
     return gone or JSONResponse(final)
+
+
+def _infill_prompt(state: ServerState, fim: FimTokens, req: InfillRequest) -> list[int]:
+    """/infill's prompt tokens as llama-server lays them out (serving.infill): the parts
+    tokenized without BOS and with special-token text literal, the prompt with it parsed."""
+    sched, cfg = state.scheduler, state.cfg
+    limits = InfillLimits(n_batch=cfg.n_batch, n_predict=cfg.max_tokens, n_ctx=cfg.n_ctx_per_sequence,
+                          spm=cfg.spm_infill)
+    return infill_tokens(lambda text: sched.tokenize_mixed(text, False, False), fim, limits,
+                         req.input_prefix, req.input_suffix, [(c.filename, c.text) for c in req.input_extra],
+                         sched.tokenize_mixed(req.prompt, False, True), sched.added_bos())
 
 
 # tokens, the chat format's stops, a chat prompt's text (None for a raw prompt)
@@ -307,9 +335,10 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
         tokens, extra_stops, chat_text = await prompt()
         if state.stopping:
             raise SHUTTING_DOWN
+        lines = req.line_limits() if isinstance(req, NativeCompletionRequest) else None
         handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
                                            extra_stops=extra_stops, n_probs=_n_probs(gen.top_n),
-                                           chat_text=chat_text))
+                                           chat_text=chat_text, lines=lines))
     except SchedulerStopped:
         raise SHUTTING_DOWN from None
     except QueueFull as e:

@@ -26,7 +26,9 @@ Fidelity (``Engine.stream``'s rules): the same SamplingConfig chain built by lla
 typical, top-p, min-p, temperature and a seeded draw; ``ignore_eos`` as a -inf logit bias first;
 a grammar checked after the draw as llama-server's common sampler does),
 a stop at every end-of-generation token (``llama_vocab_is_eog``), stop strings with hold-back
-(``engine.StopText``) and each token's text by ``Engine._piece_after``.
+(``engine.StopText``) and each token's text by ``Engine._piece_after``; llama-server's own limits
+of /completion and /infill (``LineLimits``: an indentation each new line must keep, a time after
+which a new line ends the answer).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from saem_gguf.engine import (
 )
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import GrammarDeadEnd, check_grammar
+from saem_gguf.serving.infill import FimTokens
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,55 @@ class BatchRequest:
     # a chat prompt's text (None: a raw prompt): a chat's reasoning budget counts from the
     # thinking block its generation prompt opens (Engine.reasoning_budget)
     chat_text: str | None = None
+    lines: LineLimits | None = None  # llama-server's n_indent / t_max_predict_ms (None: neither)
+
+
+@dataclass(frozen=True)
+class LineLimits:
+    """llama-server's line limits of /completion and /infill (server-context.cpp's
+    ``process_token``), for editor plugins: ``n_indent`` > 0, every new line must start with at
+    least that many spaces or tabs, else the answer ends there (stop type limit) and its whole
+    text is cut before the line's first other character; ``t_max_predict_ms`` > 0, once the
+    generation has run that long, the next token whose text holds a newline ends it."""
+
+    n_indent: int = 0
+    t_max_predict_ms: float = 0.0
+
+
+@dataclass
+class LineState:
+    """What ``LineLimits`` track of one answer, as llama-server's slot does."""
+
+    limits: LineLimits
+    has_new_line: bool = False  # a released text held a newline
+    last_nl_pos: int = 0  # where the line being checked starts (0: none yet)
+
+    def indent_cut(self, text: bytes) -> int | None:
+        """After a token: the length the text is cut to when the line being checked breaks the
+        indentation rule, else None. llama-server's order and quirks: a line is checked from the
+        token after the one that moved ``last_nl_pos`` to it, and ``last_nl_pos`` moves at most one
+        line per token."""
+        if not (self.has_new_line and self.limits.n_indent > 0):
+            return None
+        cut = None
+        if self.last_nl_pos > 0:
+            pos = self.last_nl_pos
+            while pos < len(text) and text[pos] in b" \t":
+                pos += 1
+            if pos < len(text) and pos - self.last_nl_pos < self.limits.n_indent:
+                cut = pos
+                text = text[:pos]
+        nl = text.find(b"\n", self.last_nl_pos)
+        if nl >= 0:
+            self.last_nl_pos = nl + 1
+        return cut
+
+    def out_of_time(self, released: bytes, gen_ms: float) -> bool:
+        """After a token's text is released: whether the time limit ends the answer here."""
+        if b"\n" not in released:
+            return False
+        self.has_new_line = True
+        return 0 < self.limits.t_max_predict_ms < gen_ms
 
 
 @dataclass(frozen=True)
@@ -71,6 +123,9 @@ class TokenEvent:
     stop_word: str | None = None  # on the last event: the stop string that ended the text, if one did
     # on the last event: (seconds from admission to the first sampled token, from there to the end)
     timings: tuple[float, float] | None = None
+    # on the last event: the bytes of the whole text the answer keeps when a line limit cut it
+    # (LineLimits; a stream has sent the rest already, as llama-server's), else None
+    keep: int | None = None
 
 
 WARM_UP_TOKENS = 4  # tokens each slot decodes in Scheduler.warm_up
@@ -165,6 +220,7 @@ class _Sequence:
     next_token: int | None = None  # sampled, to be decoded in the next step
     t_admitted: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # when its first token was sampled (its prompt done)
+    lines: LineState | None = None  # llama-server's line limits, where the request sets them
 
     @property
     def n_prompt(self) -> int:
@@ -244,6 +300,17 @@ class Scheduler:
         check_token_ids(tokens, self._n_vocab, "token")
         vocab = self.engine.llm._model.vocab
         return [token_piece(self._lc, vocab, t, True) for t in tokens]
+
+    def fim_tokens(self) -> FimTokens:
+        """The vocabulary's fill-in-the-middle tokens (llama.cpp's, from the GGUF or found by their
+        text, as for Qwen-Coder GGUFs)."""
+        lc, v = self._lc, self._vocab
+        return FimTokens(pre=lc.llama_vocab_fim_pre(v), suf=lc.llama_vocab_fim_suf(v), mid=lc.llama_vocab_fim_mid(v),
+                         rep=lc.llama_vocab_fim_rep(v), sep=lc.llama_vocab_fim_sep(v))
+
+    def added_bos(self) -> int | None:
+        """The BOS token where the vocabulary puts one before a prompt (llama_vocab_get_add_bos), else None."""
+        return int(self._lc.llama_vocab_bos(self._vocab)) if self._lc.llama_vocab_get_add_bos(self._vocab) else None
 
     def tokenize_prompt(self, prompt: str, parse_special: bool = False) -> list[int]:
         """A raw prompt's tokens by ``Engine.prompt_tokens``'s rules (thread-safe)."""
@@ -443,7 +510,8 @@ class Scheduler:
         stops = tuple(s.encode("utf-8") for s in sampling.stop + req.extra_stops)
         budget = None if req.chat_text is None else \
             self.engine.reasoning_budget(req.prompt_tokens, req.chat_text, sampling)
-        seq = _Sequence(handle, slot, limit, self._make_sampler(sampling, handle.seed, budget), StopText(stops))
+        seq = _Sequence(handle, slot, limit, self._make_sampler(sampling, handle.seed, budget), StopText(stops),
+                        lines=None if req.lines is None else LineState(req.lines))
         with self._lock:
             self._slots[slot] = seq
         self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
@@ -559,15 +627,22 @@ class Scheduler:
             return
         logprobs = self._logprobs(batch_index, tok, seq.handle.request.n_probs)
         if lc.llama_vocab_is_eog(self._vocab, tok):
-            self._finish(seq, "stop", seq.text.flush())
+            # llama-server checks the indentation on this token too (its text is empty)
+            keep = None if seq.lines is None else seq.lines.indent_cut(bytes(seq.text.text))
+            self._finish(seq, "stop", seq.text.flush(), keep=keep)
             return
         seq.tokens.append(tok)
         with self._lock:
             self._tokens += 1
         last = len(seq.tokens) >= seq.limit
         piece, stopped = seq.text.add(self.engine._piece_after(seq.tokens), last)
-        if stopped or last:
-            self._finish(seq, "stop" if stopped else "length", piece, (tok,), logprobs)
+        keep, limited = None, False
+        if seq.lines is not None:  # after the stop strings and the length, as llama-server checks them
+            keep = seq.lines.indent_cut(bytes(seq.text.text))
+            late = seq.lines.out_of_time(piece, (time.perf_counter() - seq.t_first) * 1e3)
+            limited = keep is not None or late  # a limit, even where a stop string also ended it (as there)
+        if stopped or last or limited:
+            self._finish(seq, "stop" if stopped and not limited else "length", piece, (tok,), logprobs, keep=keep)
             return
         seq.next_token = tok
         seq.handle._push(TokenEvent(piece, (tok,), logprobs, None), self._step_wakes)
@@ -586,7 +661,7 @@ class Scheduler:
         return ((float(lp[tok]), tuple((int(t), float(lp[t])) for t in best)),)
 
     def _finish(self, seq: _Sequence, reason: str, text: bytes, token_ids: tuple[int, ...] = (),
-                logprobs: tuple | None = None, error: str | None = None) -> None:
+                logprobs: tuple | None = None, error: str | None = None, keep: int | None = None) -> None:
         """End ``seq``: free its slot and KV cells, then push its final event."""
         try:
             self._lc.llama_memory_seq_rm(self._mem, seq.slot, -1, -1)
@@ -601,7 +676,8 @@ class Scheduler:
             seq.handle._push(TokenEvent(text, token_ids, logprobs, reason, error,
                                         usage=(seq.n_prompt, len(seq.tokens)),
                                         stop_word=None if hit is None else hit.decode("utf-8", "replace"),
-                                        timings=(first - seq.t_admitted, now - first)), self._step_wakes)
+                                        timings=(first - seq.t_admitted, now - first), keep=keep),
+                        self._step_wakes)
 
 
 def _set_all(flags: list[asyncio.Event]) -> None:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from saem_gguf.engine import SEED_RANDOM, SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import json_object_grammar, json_schema_grammar
+from saem_gguf.serving.batch import LineLimits
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat); completions' logprobs use the same
 
@@ -208,6 +209,36 @@ class NativeCompletionRequest(_Common):
     n_predict: int | None = Field(default=None, ge=-1)
     repeat_last_n: int | None = Field(default=None, ge=0)
     return_tokens: bool = False
+    # llama-server's limits for code completion (batch.LineLimits): each new line's least
+    # indentation, and a time after which the next newline ends the answer (-1, 0: none)
+    n_indent: int = Field(default=0, ge=0, le=2**31 - 1)
+    t_max_predict_ms: int = Field(default=-1, ge=-1)
+    # llama-server's: only these fields of the last object, a path with slashes naming a nested
+    # one (e.g. "timings/predicted_n", kept under that name); absent ones left out
+    response_fields: list[str] = []
+
+    def line_limits(self) -> LineLimits | None:
+        if self.n_indent <= 0 and self.t_max_predict_ms <= 0:
+            return None
+        return LineLimits(n_indent=self.n_indent, t_max_predict_ms=float(max(self.t_max_predict_ms, 0)))
+
+    def only_fields(self, answer: dict) -> dict:
+        """``answer`` reduced to ``response_fields`` (all of it when none are named), as
+        llama-server's ``json_get_nested_values``."""
+        if not self.response_fields:
+            return answer
+        out = {}
+        for path in self.response_fields:
+            node, found = answer, True
+            for key in path.split("/"):
+                if isinstance(node, dict) and key in node:
+                    node = node[key]
+                else:
+                    found = False
+                    break
+            if found:
+                out[path] = node
+        return out
 
     @field_validator("prompt")
     @classmethod
@@ -218,6 +249,32 @@ class NativeCompletionRequest(_Common):
 
     def top_n(self) -> int | None:
         return self.n_probs or None
+
+
+class InfillChunk(_Strict):
+    """One file of /infill's ``input_extra``: context placed before the code being completed."""
+
+    text: str
+    filename: str = "tmp"  # llama-server's name for a chunk without one
+
+
+class InfillRequest(NativeCompletionRequest):
+    """llama-server's POST /infill (fill in the middle): ``input_prefix`` and ``input_suffix``, the
+    code before and after the cursor (strings, or strings and token ids mixed), ``input_extra``,
+    other files as context, and ``prompt``, text the middle starts with (its special-token text
+    parsed, as llama-server does). Every /completion field applies. Unlike llama-server, a missing
+    prefix or suffix, or a prompt that is not a string, is a 400 naming the field (llama-server
+    answers a 500 there)."""
+
+    prompt: str = ""
+    input_prefix: str | list[str | int]
+    input_suffix: str | list[str | int]
+    input_extra: list[InfillChunk] = []
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, v):  # replaces /completion's check: the prompt may be empty here
+        return v
 
 
 class JsonSchemaFormat(_Strict):

@@ -52,6 +52,9 @@ class ModelSpec:
     # "chatml" (the default), "gemma" (writes {{ bos_token }}, BOS <bos>, turns end with the EOT
     # <end_of_turn>, which is not EOS) or "none" (no tokenizer.chat_template at all)
     chat_template: str = "chatml"
+    # Qwen-Coder's fill-in-the-middle tokens in the vocabulary (testmodels.vocab.FIM_TOKENS): a model
+    # llama-server and `serve` answer /infill for
+    fim: bool = False
     extra: tuple[tuple[str, str], ...] = field(default=())  # arch-specific knobs, as strings
 
     def __post_init__(self) -> None:

@@ -34,6 +34,18 @@ SPECIAL_TOKENS = (
     ("<end_of_turn>", 3),
 )
 
+# Fill-in-the-middle tokens of Qwen2.5-Coder / Qwen3-Coder (a model with ``ModelSpec.fim``): llama.cpp
+# finds them by their text, as in those GGUFs, and serves /infill with them; the pad, repository
+# and file-separator tokens are also end-of-generation tokens there
+FIM_TOKENS = (
+    ("<|fim_prefix|>", 3),
+    ("<|fim_middle|>", 3),
+    ("<|fim_suffix|>", 3),
+    ("<|fim_pad|>", 3),
+    ("<|repo_name|>", 3),
+    ("<|file_sep|>", 3),
+)
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
@@ -78,12 +90,13 @@ class Vocab:
         return self.tokens.index(text)
 
 
-@lru_cache(maxsize=1)
-def load_vocab() -> Vocab:
+@lru_cache(maxsize=2)
+def load_vocab(fim: bool = False) -> Vocab:
+    """The test vocabulary; ``fim``: with the fill-in-the-middle tokens after the special ones."""
     data = json.loads(resources.files("saem_gguf.data.tokenizer").joinpath(VOCAB_FILE).read_text())
     tokens = list(data["tokens"])
     types = [1] * len(tokens)  # NORMAL
-    for text, ttype in SPECIAL_TOKENS:
+    for text, ttype in SPECIAL_TOKENS + (FIM_TOKENS if fim else ()):
         tokens.append(text)
         types.append(ttype)
     # pad to a multiple of 64 rows: quantized output/embedding rows tile cleanly
