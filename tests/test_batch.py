@@ -18,7 +18,7 @@ from fidelity_helpers import make_eot_model, model_for
 from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.serving.batch import (
-    BatchRequest, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
+    BatchRequest, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent, common_prefix,
 )
 from saem_gguf.testmodels import ensure_model
 
@@ -159,7 +159,8 @@ def test_cancel_frees_the_slot_and_its_cells_at_once(qwen3_path):
         long = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[0]), 200, SamplingConfig()))
         events = long.events(timeout=60)
         assert next(events).finish_reason is None  # generating
-        waiting = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[1]), 4, SamplingConfig()))
+        # (cache_prompt off: a finished request's cells are not kept for the next either)
+        waiting = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[1]), 4, SamplingConfig(), cache_prompt=False))
         long.cancel()
         rest = list(events)
         assert rest[-1].finish_reason == "cancelled" and rest[-1].usage[1] < 200
@@ -169,6 +170,37 @@ def test_cancel_frees_the_slot_and_its_cells_at_once(qwen3_path):
         assert lc.llama_memory_seq_pos_max(mem, 0) == -1  # no KV cells left behind
         assert sched.stats()["busy_slots"] == 0
         long.cancel()  # a second cancel of an ended request changes nothing
+
+
+def test_a_request_starts_from_the_cells_its_slot_kept(qwen3_path, alone):
+    """cache_prompt: a finished request's cells stay in its slot; the next request goes to the
+    free slot whose cells share most of its prompt's beginning, evaluates only the rest (at least
+    its last token) and gives the tokens it gives alone; cache_prompt off evaluates it all."""
+    with serving(qwen3_path, 2, start=False) as (eng, sched):
+        lc, mem = eng._llama_cpp, eng._llama_cpp.llama_get_memory(eng.llm.ctx)
+        prompts = [eng.prompt_tokens(p) for p in PROMPTS[:3]]
+        first = [sched.submit(BatchRequest(prompts[i], MAX_TOKENS[i], SamplingConfig())) for i in (0, 1)]
+        sched.start()  # both admitted in one pass: slots 0 and 1
+        assert [collect(h)[-1].cached for h in first] == [0, 0]
+        kept = [len(prompts[i]) + MAX_TOKENS[i] - 1 for i in (0, 1)]
+        assert [lc.llama_memory_seq_pos_max(mem, s) for s in (0, 1)] == [kept[0] - 1, kept[1] - 1]
+        again = collect(sched.submit(BatchRequest(prompts[1], MAX_TOKENS[1], SamplingConfig())))
+        assert again[-1].cached == len(prompts[1]) - 1  # slot 1's cells; its last prompt token evaluated
+        assert reply(again)[0] == alone[1].tokens
+        assert lc.llama_memory_seq_pos_max(mem, 0) == kept[0] - 1  # slot 0 untouched
+        fresh = collect(sched.submit(BatchRequest(prompts[1], MAX_TOKENS[1], SamplingConfig(), cache_prompt=False)))
+        assert fresh[-1].cached == 0 and reply(fresh)[0] == alone[1].tokens
+        other = collect(sched.submit(BatchRequest(prompts[2], MAX_TOKENS[2], SamplingConfig())))
+        assert other[-1].cached == 0 and reply(other)[0] == alone[2].tokens
+
+
+@pytest.mark.parametrize("a,b", [([], []), ([1, 2, 3], [1, 2, 3]), ([1, 2, 3], [1, 2]), ([1, 2], [1, 2, 3]),
+                                 ([1, 2, 3], [1, 5, 3]), ([4], [1]), ([], [1])])
+def test_common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    assert common_prefix(a, b) == n
 
 
 def test_queue_full_prompt_too_long_and_stop_without_drain(qwen3_path):
@@ -387,7 +419,10 @@ def test_warm_up_runs_every_slot_then_leaves_nothing_behind(qwen3_path, alone):
         assert decode_thread == [sched._thread]  # not the caller's thread (see Scheduler.start)
         assert lc.llama_perf_context(ctx).n_eval > 0  # it decoded (llama.cpp's own count)
         out = [collect(first)]
-        assert [lc.llama_memory_seq_pos_max(mem, s) for s in range(4)] == [-1] * 4
+        # the warm-up left nothing; the request keeps its cells for the next (cache_prompt): its
+        # prompt and the tokens it decoded, all but the last it sampled
+        kept = len(alone[0].prompt_token_ids) + len(alone[0].tokens) - 1
+        assert [lc.llama_memory_seq_pos_max(mem, s) for s in range(4)] == [kept - 1, -1, -1, -1]
         st = sched.stats()
         assert (st["busy_slots"], st["tokens"], st["requests"]) == (0, len(alone[0].tokens), 1)
         assert st["prompt_tokens"] == len(alone[0].prompt_token_ids)  # the warm-up's are not counted

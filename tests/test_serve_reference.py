@@ -85,6 +85,32 @@ def test_a_chat_prompt_sent_raw_ends_at_eos_as_in_llama_server(pair):
     assert stock["stop_type"] == "eos" and {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
 
 
+def test_prompt_cache_reuses_cells_as_llama_server(pair):
+    """cache_prompt (on by default, as in llama-server): a request starts from the cells its slot
+    kept of the last one, as far as the prompts agree, and evaluates at least its last token;
+    ``timings.cache_n`` / ``prompt_n`` and OpenAI's ``prompt_tokens_details.cached_tokens`` say
+    so as llama-server's do; cache_prompt false evaluates the whole prompt."""
+    # prompts no other test sends: llama-server also keeps earlier prompts' cells in host memory
+    # (--cache-ram) and starts from the best of them, which `serve` does not (README)
+    start = "Once upon a time, in a land far away, there lived"
+    longer = start + " a king who had three daughters, and the youngest"
+    steps = [{"prompt": "Something else entirely"}, {"prompt": start}, {"prompt": start}, {"prompt": longer},
+             {"prompt": longer, "cache_prompt": False}]
+    for body in steps:
+        stock, ours = _both(pair, "/completion", {"n_predict": 8, "temperature": 0, **body})
+        assert {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
+        assert [ours["timings"][k] for k in ("cache_n", "prompt_n")] == \
+            [stock["timings"][k] for k in ("cache_n", "prompt_n")]
+    assert stock["timings"]["cache_n"] == 0 and steps[-2] != steps[-1]
+    chat = [{"role": "user", "content": "What is 12 + 7?"}]
+    for _ in range(2):  # the second turn reuses the first's prompt
+        stock, ours = (_chat(url, messages=chat, max_tokens=40) for url in pair)
+        assert ours["usage"] == stock["usage"] and ours["choices"][0]["message"] == stock["choices"][0]["message"]
+        chat = [*chat, {"role": "assistant", "content": ours["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And 3 + 4?"}]
+    assert stock["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_infill_on_a_model_without_fim_tokens_is_refused_as_by_llama_server(pair):
     answers = [httpx.post(url + "/infill", json={"input_prefix": "a", "input_suffix": "b"}, timeout=60)
                for url in pair]

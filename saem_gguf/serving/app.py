@@ -207,7 +207,7 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         if tokens and reply.logprobs is not None:
             reply.logprobs.extend(tokens)
         if ev.finish_reason is not None:
-            reply.finish_reason, reply.usage = ev.finish_reason, ev.usage or (0, 0)
+            reply.finish_reason, reply.usage = ev.finish_reason, (*(ev.usage or (0, 0)), ev.cached)
 
     def chunks(ev: TokenEvent) -> list[bytes]:
         nonlocal offset, lead
@@ -223,7 +223,7 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
             out.append(sse(reply.chunk(piece, tokens, text_offset=offset, reasoning=reasoning)))
             offset += len(piece)
         if ev.finish_reason is not None:
-            reply.usage = ev.usage or (0, 0)
+            reply.usage = (*(ev.usage or (0, 0)), ev.cached)
             out.append(sse(reply.chunk(finish_reason=ev.finish_reason)))
             if req.stream_options and req.stream_options.include_usage:
                 out.append(sse(reply.usage_chunk()))
@@ -284,7 +284,7 @@ async def _complete_native(state: ServerState, request: Request, infill: bool) -
             if ev.keep is not None:  # a line limit cut the text (batch.LineLimits)
                 del reply.content[ev.keep:]
             final = req.only_fields(reply.final(ev.finish_reason, ev.stop_word, ev.usage or (0, 0),
-                                                ev.timings or (0.0, 0.0), False))
+                                                ev.timings or (0.0, 0.0), False, ev.cached))
 
     def chunks(ev: TokenEvent) -> list[bytes]:
         nonlocal n_predicted
@@ -295,7 +295,7 @@ async def _complete_native(state: ServerState, request: Request, infill: bool) -
             out.append(sse(reply.partial(ev.text, ev.token_ids, probs(ev), n_predicted, n_prompt)))
         if ev.finish_reason is not None:  # llama-server ends its own stream without [DONE]
             out.append(sse(req.only_fields(reply.final(ev.finish_reason, ev.stop_word, ev.usage or (0, 0),
-                                                       ev.timings or (0.0, 0.0), True))))
+                                                       ev.timings or (0.0, 0.0), True, ev.cached))))
         return out
 
     if req.stream:
@@ -335,10 +335,11 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
         tokens, extra_stops, chat_text = await prompt()
         if state.stopping:
             raise SHUTTING_DOWN
-        lines = req.line_limits() if isinstance(req, NativeCompletionRequest) else None
+        native = isinstance(req, NativeCompletionRequest)
         handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
                                            extra_stops=extra_stops, n_probs=_n_probs(gen.top_n),
-                                           chat_text=chat_text, lines=lines))
+                                           chat_text=chat_text, lines=req.line_limits() if native else None,
+                                           cache_prompt=req.cache_prompt if native else True))
     except SchedulerStopped:
         raise SHUTTING_DOWN from None
     except QueueFull as e:

@@ -29,6 +29,13 @@ a stop at every end-of-generation token (``llama_vocab_is_eog``), stop strings w
 (``engine.StopText``) and each token's text by ``Engine._piece_after``; llama-server's own limits
 of /completion and /infill (``LineLimits``: an indentation each new line must keep, a time after
 which a new line ends the answer).
+
+Prompt cache (llama-server's ``cache_prompt``): a finished request's KV cells stay in its slot
+(``_kept``); a new request goes to the free slot whose cells share most of its prompt's
+beginning and its prefill starts where they stop agreeing (at least its last prompt token is
+evaluated, for the logits its first token is sampled from). Those cells were computed in other
+ubatches than a fresh prefill would use, so the logits may differ in the last bits, as
+llama-server's do when it reuses its cache.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class BatchRequest:
     # thinking block its generation prompt opens (Engine.reasoning_budget)
     chat_text: str | None = None
     lines: LineLimits | None = None  # llama-server's n_indent / t_max_predict_ms (None: neither)
+    # llama-server's cache_prompt: start from the cells a free slot kept of an earlier request
+    # that shares the prompt's beginning (Scheduler._admit), and keep this one's for the next
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,7 @@ class TokenEvent:
     finish_reason: str | None  # None, then on the last event: stop | length | cancelled | error
     error: str | None = None  # one line, when finish_reason == "error"
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) on the last event
+    cached: int = 0  # on the last event: prompt tokens whose cells an earlier request left (not evaluated)
     stop_word: str | None = None  # on the last event: the stop string that ended the text, if one did
     # on the last event: (seconds from admission to the first sampled token, from there to the end)
     timings: tuple[float, float] | None = None
@@ -220,6 +231,7 @@ class _Sequence:
     next_token: int | None = None  # sampled, to be decoded in the next step
     t_admitted: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # when its first token was sampled (its prompt done)
+    n_cached: int = 0  # prompt tokens whose cells were kept from an earlier request (cache_prompt)
     lines: LineState | None = None  # llama-server's line limits, where the request sets them
 
     @property
@@ -253,6 +265,8 @@ class Scheduler:
         self._tokenize_lock = threading.Lock()
         self._waiting: collections.deque[SequenceHandle] = collections.deque()
         self._slots: list[_Sequence | None] = [None] * n_parallel
+        # per free slot, the tokens whose KV cells it kept from its last request (cache_prompt)
+        self._kept: list[list[int]] = [[] for _ in range(n_parallel)]
         self._accepting = True
         self._draining = True
         self._thread: threading.Thread | None = None
@@ -365,7 +379,7 @@ class Scheduler:
         llama-server's warm-up run is. Then every slot is empty again (KV cells freed) and the counters, the
         engine's placement figures included, start from zero; residency stays what the policy
         chose (placement never changes results)."""
-        req = BatchRequest(list(prompt_tokens), n_tokens, SamplingConfig(temp=0.0, ignore_eos=True))
+        req = BatchRequest(list(prompt_tokens), n_tokens, SamplingConfig(temp=0.0, ignore_eos=True), cache_prompt=False)
         for slot in range(self.n_parallel):
             self._admit(slot, SequenceHandle(self, req, seed=0))
         while any(s is not None for s in self._slots):
@@ -484,9 +498,12 @@ class Scheduler:
                                                usage=(len(h.request.prompt_tokens), 0)))
                         self._waiting.clear()
                     admit = []
-                    for slot, s in enumerate(self._slots):
-                        if s is None and self._waiting:
-                            admit.append((slot, self._waiting.popleft()))
+                    free = [slot for slot, s in enumerate(self._slots) if s is None]
+                    while free and self._waiting:
+                        handle = self._waiting.popleft()
+                        slot = self._slot_for(handle.request, free)
+                        free.remove(slot)
+                        admit.append((slot, handle))
                     if admit or any(s is not None for s in self._slots):
                         break
                     if not self._accepting:
@@ -500,9 +517,19 @@ class Scheduler:
             self._admit(slot, handle)
         return True
 
+    def _slot_for(self, req: BatchRequest, free: list[int]) -> int:
+        """The free slot whose kept cells share the longest beginning with ``req``'s prompt (the
+        first free one where none does, or where the request does not cache its prompt)."""
+        if not req.cache_prompt:
+            return free[0]
+        shared = [common_prefix(self._kept[slot], req.prompt_tokens) for slot in free]
+        return free[shared.index(max(shared))]
+
     def _admit(self, slot: int, handle: SequenceHandle) -> None:
-        """Put ``handle``'s request in ``slot`` (empty cells, fresh stage state); its prompt is
-        evaluated by the next steps (``_prefill``)."""
+        """Put ``handle``'s request in ``slot`` (fresh stage state); its prompt is evaluated by the
+        next steps (``_prefill``) from the end of the beginning it shares with the cells the slot
+        kept (llama-server's cache_prompt: at least its last token is evaluated, for its logits),
+        or from the start."""
         req = handle.request
         sampling = req.sampling
         room = self._n_ctx_seq - len(req.prompt_tokens)
@@ -512,9 +539,12 @@ class Scheduler:
             self.engine.reasoning_budget(req.prompt_tokens, req.chat_text, sampling)
         seq = _Sequence(handle, slot, limit, self._make_sampler(sampling, handle.seed, budget), StopText(stops),
                         lines=None if req.lines is None else LineState(req.lines))
+        keep = common_prefix(self._kept[slot], req.prompt_tokens) if req.cache_prompt else 0
+        seq.n_past = seq.n_cached = max(0, min(keep, len(req.prompt_tokens) - 1))
+        self._kept[slot] = []
         with self._lock:
             self._slots[slot] = seq
-        self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._lc.llama_memory_seq_rm(self._mem, slot, seq.n_past, -1)
         if self.engine.placement is not None:
             self.engine.placement.reset_sequence(slot)
 
@@ -664,7 +694,12 @@ class Scheduler:
                 logprobs: tuple | None = None, error: str | None = None, keep: int | None = None) -> None:
         """End ``seq``: free its slot and KV cells, then push its final event."""
         try:
-            self._lc.llama_memory_seq_rm(self._mem, seq.slot, -1, -1)
+            # the cells stay for the next request on this slot that shares their beginning, unless
+            # the request asked otherwise or failed (then nothing is known of them)
+            cells = seq.handle.request.prompt_tokens + seq.tokens
+            kept = cells[:seq.n_past] if seq.handle.request.cache_prompt and reason in ("stop", "length") else []
+            self._kept[seq.slot] = kept
+            self._lc.llama_memory_seq_rm(self._mem, seq.slot, len(kept), -1)
             seq.sampler.close()
         finally:
             seq.next_token = None
@@ -674,10 +709,19 @@ class Scheduler:
             first = seq.t_first if seq.t_first is not None else now
             hit = seq.text.hit
             seq.handle._push(TokenEvent(text, token_ids, logprobs, reason, error,
-                                        usage=(seq.n_prompt, len(seq.tokens)),
+                                        usage=(seq.n_prompt, len(seq.tokens)), cached=seq.n_cached,
                                         stop_word=None if hit is None else hit.decode("utf-8", "replace"),
                                         timings=(first - seq.t_admitted, now - first), keep=keep),
                         self._step_wakes)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from their start."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 def _set_all(flags: list[asyncio.Event]) -> None:

@@ -216,6 +216,8 @@ class NativeCompletionRequest(_Common):
     # llama-server's: only these fields of the last object, a path with slashes naming a nested
     # one (e.g. "timings/predicted_n", kept under that name); absent ones left out
     response_fields: list[str] = []
+    # llama-server's: start from the cells an earlier request left with the same beginning
+    cache_prompt: bool = True
 
     def line_limits(self) -> LineLimits | None:
         if self.n_indent <= 0 and self.t_max_predict_ms <= 0:
@@ -504,9 +506,12 @@ def new_id(kind: Literal["chatcmpl", "cmpl"]) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens an earlier request's cells served
+    (llama-server's prompt cache; OpenAI's prompt caching field)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(frozen=True)
@@ -565,7 +570,7 @@ class Reply:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
-    usage: tuple[int, int] = (0, 0)
+    usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion and cached prompt tokens (``usage``)
     reasoning: str | None = None  # a chat answer's thinking, apart (llama-server's reasoning_content)
 
     @classmethod
@@ -672,10 +677,13 @@ class NativeReply:
         return out
 
     def final(self, finish_reason: str, stop_word: str | None, usage: tuple[int, int],
-              timings: tuple[float, float], streamed: bool) -> dict:
+              timings: tuple[float, float], streamed: bool, cached: int = 0) -> dict:
         """The last object: the whole text (empty when streamed: the chunks carried it), why it
-        stopped (``stop_type`` eos / word / limit), the counts and llama-server's timings."""
+        stopped (``stop_type`` eos / word / limit), the counts and llama-server's timings
+        (``cache_n``: the prompt tokens an earlier request's cells served, ``prompt_n`` the
+        ones evaluated)."""
         n_prompt, n_gen = usage
+        n_eval = n_prompt - cached
         prompt_s, gen_s = timings
         stop_type = "limit" if finish_reason == "length" else "word" if stop_word is not None else "eos"
         # llama-server counts the end-of-generation token it sampled (usage does not, as
@@ -688,9 +696,9 @@ class NativeReply:
                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
                "truncated": False, "stop_type": stop_type,
                "stopping_word": stop_word or "", "tokens_cached": n_prompt + max(n_gen - 1, 0),
-               "timings": {"prompt_n": n_prompt, "prompt_ms": prompt_s * 1e3,
-                           "prompt_per_token_ms": prompt_s * 1e3 / max(n_prompt, 1),
-                           "prompt_per_second": n_prompt / prompt_s if prompt_s > 0 else 0.0,
+               "timings": {"cache_n": cached, "prompt_n": n_eval, "prompt_ms": prompt_s * 1e3,
+                           "prompt_per_token_ms": prompt_s * 1e3 / max(n_eval, 1),
+                           "prompt_per_second": n_eval / prompt_s if prompt_s > 0 else 0.0,
                            "predicted_n": n_gen, "predicted_ms": gen_s * 1e3,
                            "predicted_per_token_ms": gen_s * 1e3 / max(n_gen, 1),
                            "predicted_per_second": n_gen / gen_s if gen_s > 0 else 0.0}}
