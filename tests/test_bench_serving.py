@@ -47,3 +47,20 @@ def test_decode_rows_times_llama_decode_per_batch_size(tmp_path, llama_cpp):
     rows = json.loads(out.read_text())
     assert [r["rows"] for r in rows] == [1, 2] and all(r["steps"] == 20 and r["mean_ms"] > 0 for r in rows)
     assert "rows/s" in proc.stdout
+
+
+def test_bench_prompt_cache_runs_a_conversation_with_and_without_the_cache(tmp_path):
+    """bench/bench_prompt_cache.py on the embedded model, 3 turns: with the cache, each turn after
+    the first evaluates fewer prompt tokens than without, and the JSON keeps every turn."""
+    out = tmp_path / "pc.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prompt_cache.py"), "--turns", "3", "--repeat", "1",
+                        "--max-tokens", "8", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "off / on" in r.stdout and "load average" in r.stdout
+    runs = json.loads(out.read_text())["runs"]
+    by = {run["cache"]: run["turns"] for run in runs}
+    assert [t["cache_n"] for t in by[False]] == [0, 0, 0] and all(t["cache_n"] > 0 for t in by[True][1:])
+    assert sum(t["prompt_n"] for t in by[True]) < sum(t["prompt_n"] for t in by[False])
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prompt_cache.py"), "--json",
+                          str(tmp_path / "no" / "x.json")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no such folder" in bad.stderr.splitlines()[-1]

@@ -109,6 +109,8 @@ def test_prompt_cache_reuses_cells_as_llama_server(pair):
         chat = [*chat, {"role": "assistant", "content": ours["choices"][0]["message"]["content"]},
                 {"role": "user", "content": "And 3 + 4?"}]
     assert stock["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    stock, ours = (_chat(url, messages=chat[:1], max_tokens=8, cache_prompt=False) for url in pair)
+    assert ours["usage"] == stock["usage"] and stock["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_infill_on_a_model_without_fim_tokens_is_refused_as_by_llama_server(pair):

@@ -339,7 +339,7 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
         handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
                                            extra_stops=extra_stops, n_probs=_n_probs(gen.top_n),
                                            chat_text=chat_text, lines=req.line_limits() if native else None,
-                                           cache_prompt=req.cache_prompt if native else True))
+                                           cache_prompt=req.cache_prompt))
     except SchedulerStopped:
         raise SHUTTING_DOWN from None
     except QueueFull as e:

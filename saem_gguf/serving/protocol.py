@@ -126,6 +126,9 @@ class _Common(_Strict):
     # schema turned into GBNF (at most one of these and a chat's response_format)
     grammar: str | None = None
     json_schema: dict | None = None
+    # llama-server's, on every completion route: start from the cells an earlier request left in
+    # its slot as far as the prompts agree (batch.py, "Prompt cache")
+    cache_prompt: bool = True
 
     @field_validator("stop")
     @classmethod
@@ -216,8 +219,6 @@ class NativeCompletionRequest(_Common):
     # llama-server's: only these fields of the last object, a path with slashes naming a nested
     # one (e.g. "timings/predicted_n", kept under that name); absent ones left out
     response_fields: list[str] = []
-    # llama-server's: start from the cells an earlier request left with the same beginning
-    cache_prompt: bool = True
 
     def line_limits(self) -> LineLimits | None:
         if self.n_indent <= 0 and self.t_max_predict_ms <= 0:
