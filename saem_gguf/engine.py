@@ -159,6 +159,9 @@ class SamplingConfig:
     reasoning_budget: int = -1
     # llama.cpp's --reasoning-budget-message: text forced before the end tag (plain text here)
     reasoning_budget_message: str = ""
+    # llama-server's sampler order (saem_gguf.samplers, `serve` only): None keeps llama-cpp-python's
+    # chain; canonical names (samplers.sampler_order) build llama.cpp's common sampler chain
+    samplers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("temp", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
@@ -175,6 +178,12 @@ class SamplingConfig:
             raise SaemError("a stop string must not be empty")
         if any(math.isnan(bias) for _, bias in self.logit_bias):
             raise SaemError("a logit bias must be a number or -inf, not NaN")
+        if self.samplers is not None:
+            from saem_gguf.samplers import CANONICAL, UNSUPPORTED
+
+            bad = [n for n in self.samplers if n not in CANONICAL or n in UNSUPPORTED]
+            if bad:
+                raise SaemError(f"unknown or unsupported sampler {bad[0]!r}")
         if self.reasoning_budget < -1:
             raise SaemError(f"the reasoning budget must be -1 (unlimited) or a count of tokens >= 0, "
                             f"got {self.reasoning_budget}")

@@ -80,6 +80,15 @@ def test_infill_answers_as_llama_server(pair, body):
         assert stock["stop_type"] == "limit" and stock["tokens_predicted"] < body["n_predict"]  # the rule fired
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_infill_sampler_as_llama_server(pair, seed):
+    """What llama.vscode sends: top-k, top-p and llama.cpp's infill sampler, drawn."""
+    body = {**CODE, "n_predict": 24, "top_k": 40, "top_p": 0.99, "seed": seed, "temperature": 0.8,
+            "samplers": ["top_k", "top_p", "infill"]}
+    stock, ours = _both(pair, body)
+    assert {k: ours[k] for k in SAME} == {k: stock[k] for k in SAME}
+
+
 def test_infill_streams_as_llama_server(pair):
     body = {**CODE, "n_predict": 40, "grammar": LINES, "n_indent": 2, "temperature": 0, "stream": True}
     seen = []

@@ -113,6 +113,22 @@ def test_prompt_cache_reuses_cells_as_llama_server(pair):
     assert ours["usage"] == stock["usage"] and stock["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("samplers", [["top_k", "top_p", "min_p", "temperature"], ["temperature", "top_k"], "kt",
+                                      ["temp"], [], ["penalties", "top_k", "temperature"],
+                                      ["top-k", "Nucleus", "typ", "minp", "temperature", "dry", "xtc", "bogus"]])
+@pytest.mark.parametrize("seed", [3, 11])
+def test_a_sampler_order_draws_as_llama_server(pair, samplers, seed):
+    """A request's ``samplers`` builds llama-server's chain in that order (saem_gguf.samplers):
+    names with llama.cpp's aliases, or characters; a sampler left out is not applied; unknown
+    names are skipped as there."""
+    body = {"prompt": PROMPT, "n_predict": 16, "temperature": 0.9, "seed": seed, "samplers": samplers,
+            "repeat_penalty": 1.3, "presence_penalty": 0.5}
+    stock, ours = _both(pair, "/completion", body)
+    assert {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
+    greedy = _both(pair, "/completion", {**body, "temperature": 0, "grammar": 'root ::= ("yes" | " Paris")+'})
+    assert greedy[0]["content"] == greedy[1]["content"]
+
+
 def test_infill_on_a_model_without_fim_tokens_is_refused_as_by_llama_server(pair):
     answers = [httpx.post(url + "/infill", json={"input_prefix": "a", "input_suffix": "b"}, timeout=60)
                for url in pair]

@@ -15,6 +15,8 @@ from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_a
                                   sampling_config)
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.engine import MAX_PARALLEL
+from saem_gguf.errors import SaemError
+from saem_gguf.samplers import cli_sampler_order
 from saem_gguf.serving.reasoning import FORMATS
 
 DEFAULT_PORT = 8080  # llama-server's
@@ -42,6 +44,14 @@ def _api_key_file(path: str) -> tuple[str, ...]:
     if not keys:
         raise argparse.ArgumentTypeError(f"no API key in {path!r}")
     return keys
+
+
+def _samplers(text: str) -> tuple[str, ...]:
+    """llama.cpp's --samplers: names separated by ';' (unknown ones skipped, as llama.cpp)."""
+    try:
+        return cli_sampler_order(text)
+    except SaemError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,6 +105,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="raw prompts (/v1/completions, /completion) turn special-token text into those tokens, as "
                         "llama-server and llama-cpp-python do (default: literal text; chats' markup is always "
                         "parsed and message text never)")
+    g.add_argument("--samplers", type=_samplers, default=None, metavar="SEQUENCE",
+                   help="llama-server's sampler order for requests that name none, names separated by ';' "
+                        "(e.g. penalties;top_k;top_p;min_p;temperature; also infill, typ_p): the chain "
+                        "llama.cpp's common sampler builds (default: llama-cpp-python's chain, which draws "
+                        "as llama-server's default order)")
     g.add_argument("--spm-infill", action="store_true",
                    help="/infill: the suffix before the prefix (suffix/prefix/middle), as llama-server's flag, "
                         "for models trained so (default: prefix/suffix/middle)")
@@ -111,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from saem_gguf.serving.threads import serve_threads, usable_cpus
 
     # -s is the seed of a request without one (None: a random one per request)
-    sampling = replace(sampling_config(args), seed=args.seed)
+    sampling = replace(sampling_config(args), seed=args.seed, samplers=args.samplers)
     listen = ListenConfig(host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                           verbose=args.verbose)
     sock = bind(listen.host, listen.port)  # before the model loads: a taken port fails at once

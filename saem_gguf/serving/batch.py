@@ -54,7 +54,8 @@ from saem_gguf.engine import (
     ChatPrompt, Engine, SamplingConfig, StopText, check_logit_bias, check_token_ids, resolve_seed,
 )
 from saem_gguf.errors import SaemError
-from saem_gguf.grammar import GrammarDeadEnd, check_grammar
+from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar, grammar_sampler
+from saem_gguf.samplers import llama_server_chain
 from saem_gguf.serving.infill import FimTokens
 
 
@@ -576,6 +577,8 @@ class Scheduler:
         from llama_cpp.llama_grammar import LlamaGrammar  # llama_cpp is loaded: the engine is
 
         llm = self.engine.llm
+        if sampling.samplers is not None:
+            return self._ordered_sampler(sampling, seed, budget)
         saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget, llm._saem_grammar_last
         try:
             llm.set_seed(seed)
@@ -590,6 +593,27 @@ class Scheduler:
                 grammar=None if sampling.grammar is None else LlamaGrammar.from_string(sampling.grammar))
         finally:
             llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget, llm._saem_grammar_last = saved
+
+    def _ordered_sampler(self, sampling: SamplingConfig, seed: int, budget=None):
+        """llama-server's chain for ``sampling.samplers`` (saem_gguf.samplers), its grammar
+        checked after the draw and its reasoning budget applied as ``_make_sampler``'s are."""
+        lc, llm = self._lc, self.engine.llm
+        chain = llama_server_chain(
+            lc, self._vocab, self._n_vocab, sampling.samplers, temp=sampling.temp, top_k=sampling.top_k,
+            top_p=sampling.top_p, min_p=sampling.min_p, typical_p=sampling.typical_p,
+            repeat_last_n=sampling.repeat_last_n, repeat_penalty=sampling.repeat_penalty,
+            frequency_penalty=sampling.frequency_penalty, presence_penalty=sampling.presence_penalty,
+            logit_bias=sampling.chain_logit_bias(self.engine.eog_tokens), seed=seed)
+        if sampling.grammar is None:
+            return chain if budget is None else ChainSampler(lc, chain, self._n_vocab, budget=budget)
+        try:
+            member = grammar_sampler(lc, llm._model.vocab, sampling.grammar)
+        except BaseException:
+            chain.close()
+            raise
+        lc.llama_sampler_chain_add(chain.sampler, member)  # where does not matter: grammar_last
+        return ChainSampler(lc, chain, self._n_vocab, lc.llama_sampler_chain_n(chain.sampler) - 1, budget,
+                            grammar_last=True)
 
     def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """Load (sequence id, token, position, logits wanted) rows into the llama_batch."""

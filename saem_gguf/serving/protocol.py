@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from saem_gguf.engine import SEED_RANDOM, SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import json_object_grammar, json_schema_grammar
+from saem_gguf.samplers import sampler_order
 from saem_gguf.serving.batch import LineLimits
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat); completions' logprobs use the same
@@ -129,6 +130,8 @@ class _Common(_Strict):
     # llama-server's, on every completion route: start from the cells an earlier request left in
     # its slot as far as the prompts agree (batch.py, "Prompt cache")
     cache_prompt: bool = True
+    # llama-server's sampler order: names, or one character each (saem_gguf.samplers)
+    samplers: str | list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -433,6 +436,11 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
         over["seed"] = None if req.seed == -1 else req.seed
     if req.ignore_eos:
         over["ignore_eos"] = True
+    if req.samplers is not None:
+        try:
+            over["samplers"] = sampler_order(req.samplers)
+        except SaemError as e:
+            raise bad_request(str(e), "samplers") from None
     over["stop"] = defaults.stop + req.stops()
     grammar = request_grammar(req)
     if grammar is not None:
