@@ -180,14 +180,15 @@ def test_a_request_starts_from_the_cells_its_slot_kept(qwen3_path, alone):
         lc, mem = eng._llama_cpp, eng._llama_cpp.llama_get_memory(eng.llm.ctx)
         prompts = [eng.prompt_tokens(p) for p in PROMPTS[:3]]
         first = [sched.submit(BatchRequest(prompts[i], MAX_TOKENS[i], SamplingConfig())) for i in (0, 1)]
-        sched.start()  # both admitted in one pass: slots 0 and 1
-        assert [collect(h)[-1].cached for h in first] == [0, 0]
+        sched.start()  # both admitted in one pass, each to the least recently used slot, the last of equals
+        assert [collect(h)[-1].cached for h in first] == [0, 0] and [h.slot for h in first] == [1, 0]
         kept = [len(prompts[i]) + MAX_TOKENS[i] - 1 for i in (0, 1)]
-        assert [lc.llama_memory_seq_pos_max(mem, s) for s in (0, 1)] == [kept[0] - 1, kept[1] - 1]
-        again = collect(sched.submit(BatchRequest(prompts[1], MAX_TOKENS[1], SamplingConfig())))
-        assert again[-1].cached == len(prompts[1]) - 1  # slot 1's cells; its last prompt token evaluated
+        assert [lc.llama_memory_seq_pos_max(mem, s) for s in (1, 0)] == [kept[0] - 1, kept[1] - 1]
+        h = sched.submit(BatchRequest(prompts[1], MAX_TOKENS[1], SamplingConfig()))
+        again = collect(h)
+        assert h.slot == 0 and again[-1].cached == len(prompts[1]) - 1  # its slot's cells; the last token evaluated
         assert reply(again)[0] == alone[1].tokens
-        assert lc.llama_memory_seq_pos_max(mem, 0) == kept[0] - 1  # slot 0 untouched
+        assert lc.llama_memory_seq_pos_max(mem, 1) == kept[0] - 1  # the other slot untouched
         fresh = collect(sched.submit(BatchRequest(prompts[1], MAX_TOKENS[1], SamplingConfig(), cache_prompt=False)))
         assert fresh[-1].cached == 0 and reply(fresh)[0] == alone[1].tokens
         other = collect(sched.submit(BatchRequest(prompts[2], MAX_TOKENS[2], SamplingConfig())))
@@ -422,7 +423,7 @@ def test_warm_up_runs_every_slot_then_leaves_nothing_behind(qwen3_path, alone):
         # the warm-up left nothing; the request keeps its cells for the next (cache_prompt): its
         # prompt and the tokens it decoded, all but the last it sampled
         kept = len(alone[0].prompt_token_ids) + len(alone[0].tokens) - 1
-        assert [lc.llama_memory_seq_pos_max(mem, s) for s in range(4)] == [kept - 1, -1, -1, -1]
+        assert [lc.llama_memory_seq_pos_max(mem, s) for s in range(4)] == [-1, -1, -1, kept - 1]  # (slot 3: LRU)
         st = sched.stats()
         assert (st["busy_slots"], st["tokens"], st["requests"]) == (0, len(alone[0].tokens), 1)
         assert st["prompt_tokens"] == len(alone[0].prompt_token_ids)  # the warm-up's are not counted

@@ -26,7 +26,7 @@ LINES = 'root ::= line+\nline ::= ("    alpha" | "  beta" | "gamma" | "\\tdelta"
 CODE = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n"}
 # what must agree (timings differ: llama-server reuses the cached prompt of the previous request)
 SAME = ("content", "tokens", "stop", "stop_type", "stopping_word", "tokens_predicted", "tokens_evaluated",
-        "tokens_cached", "prompt", "has_new_line", "truncated")
+        "tokens_cached", "prompt", "has_new_line", "truncated", "id_slot")
 
 
 def _pair(*extra: str):

@@ -52,7 +52,7 @@ def _both(pair, path: str, body: dict) -> tuple[dict, dict]:
 
 
 COUNTS = ("content", "tokens", "stop", "stop_type", "stopping_word", "tokens_predicted", "tokens_evaluated",
-          "tokens_cached", "prompt", "has_new_line", "truncated")
+          "tokens_cached", "prompt", "has_new_line", "truncated", "id_slot")
 
 
 @pytest.mark.parametrize("fields", [
@@ -90,8 +90,7 @@ def test_prompt_cache_reuses_cells_as_llama_server(pair):
     kept of the last one, as far as the prompts agree, and evaluates at least its last token;
     ``timings.cache_n`` / ``prompt_n`` and OpenAI's ``prompt_tokens_details.cached_tokens`` say
     so as llama-server's do; cache_prompt false evaluates the whole prompt."""
-    # prompts no other test sends: llama-server also keeps earlier prompts' cells in host memory
-    # (--cache-ram) and starts from the best of them, which `serve` does not (README)
+    # prompts no other test sends, so that only these requests' cells can serve them
     start = "Once upon a time, in a land far away, there lived"
     longer = start + " a king who had three daughters, and the youngest"
     steps = [{"prompt": "Something else entirely"}, {"prompt": start}, {"prompt": start}, {"prompt": longer},
@@ -127,6 +126,32 @@ def test_a_sampler_order_draws_as_llama_server(pair, samplers, seed):
     assert {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
     greedy = _both(pair, "/completion", {**body, "temperature": 0, "grammar": 'root ::= ("yes" | " Paris")+'})
     assert greedy[0]["content"] == greedy[1]["content"]
+
+
+@pytest.mark.parametrize("flags", [["-np", "1"], ["-np", "2"], ["-np", "1", "--cache-ram", "0"],
+                                   ["-np", "2", "-sps", "0"]], ids=["np1", "np2", "no-cache-ram", "lru-only"])
+def test_prompt_cache_in_host_memory_as_llama_server(flags):
+    """Prompts that come back after others (a chat between a client's side requests, two
+    conversations on one server): the slot a request goes to (llama-server's similarity, else
+    least recently used), the cells saved to and loaded from host memory (--cache-ram), hence
+    which prompt tokens each request evaluates, as llama-server's."""
+    a = "Once upon a time, in a land far away, there lived a king"
+    c = "Once upon a time, in a land far away, there lived a queen who"
+    prompts = [a, PROMPT, a, PROMPT, c, a, "Let me think step by step about this problem", PROMPT, c]
+    stock = StockServer.start(default_model_path(), "-c", "4096", *flags)
+    ours = ServerProcess(["-c", "4096", "--no-warmup", "--parse-special", *flags]).start()
+    try:
+        cached = []
+        for prompt in prompts:
+            s, o = _both((stock.url, ours.url), "/completion", {"prompt": prompt, "n_predict": 8, "temperature": 0})
+            assert {k: o[k] for k in COUNTS} == {k: s[k] for k in COUNTS}
+            assert [o["timings"][k] for k in ("cache_n", "prompt_n")] == [s["timings"][k] for k in ("cache_n", "prompt_n")]
+            cached.append(s["timings"]["cache_n"])
+        # the first prompt's cells served its return (from host memory on one slot), unless none are kept
+        assert ("--cache-ram" in flags) == (cached[2] == 0)
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
 
 
 def test_infill_on_a_model_without_fim_tokens_is_refused_as_by_llama_server(pair):

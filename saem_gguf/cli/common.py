@@ -246,7 +246,7 @@ def _logit_bias(text: str) -> tuple[int, float]:
     return int(m.group(1)), -bias if m.group(2) == "-" else bias
 
 
-def _unit_float(text: str) -> float:
+def unit_float(text: str) -> float:
     v = _finite_float(text)
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
@@ -306,11 +306,11 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
     g.add_argument("--temp", "--temperature", dest="temp", type=_finite_float, default=0.0, metavar="N",
                    help="temperature (default 0 = greedy; llama.cpp's default is 0.8; <= 0 is greedy)")
     g.add_argument("--top-k", type=int, default=40, metavar="N", help="top-k sampling (40, 0 = disabled)")
-    g.add_argument("--top-p", type=_unit_float, default=0.95, metavar="N",
+    g.add_argument("--top-p", type=unit_float, default=0.95, metavar="N",
                    help="top-p sampling (0.95, 1.0 = disabled)")
-    g.add_argument("--min-p", type=_unit_float, default=0.05, metavar="N",
+    g.add_argument("--min-p", type=unit_float, default=0.05, metavar="N",
                    help="min-p sampling (0.05, 0.0 = disabled)")
-    g.add_argument("--typical", "--typical-p", dest="typical", type=_unit_float, default=1.0, metavar="N",
+    g.add_argument("--typical", "--typical-p", dest="typical", type=unit_float, default=1.0, metavar="N",
                    help="locally typical sampling, parameter p (1.0 = disabled)")
     g.add_argument("--repeat-last-n", type=_int_at_least(0), default=64, metavar="N",
                    help="last n tokens to consider for penalize (64, 0 = disabled)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from saem_gguf.cli.arg_types import bounded_int, non_negative_float
 from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
-                                  sampling_config)
+                                  sampling_config, unit_float)
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.engine import MAX_PARALLEL
 from saem_gguf.errors import SaemError
@@ -105,6 +105,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="raw prompts (/v1/completions, /completion) turn special-token text into those tokens, as "
                         "llama-server and llama-cpp-python do (default: literal text; chats' markup is always "
                         "parsed and message text never)")
+    g.add_argument("-cram", "--cache-ram", type=bounded_int(-1, 1 << 30), default=8192, metavar="N",
+                   help="host memory in MiB for llama-server's prompt cache: the KV cells of prompts a slot is "
+                        "about to lose, loaded again for a later request that shares their beginning (8192, "
+                        "llama-server's; -1: no limit, 0: none)")
+    g.add_argument("-sps", "--slot-prompt-similarity", dest="slot_similarity", type=unit_float, default=0.1,
+                   metavar="SIMILARITY",
+                   help="share of a request's prompt a free slot's cells must hold for the request to go there "
+                        "rather than to the least recently used slot (0.1, llama-server's; 0: always that one)")
     g.add_argument("--samplers", type=_samplers, default=None, metavar="SEQUENCE",
                    help="llama-server's sampler order for requests that name none, names separated by ';' "
                         "(e.g. penalties;top_k;top_p;min_p;temperature; also infill, typ_p): the chain "
@@ -135,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         eng = open_engine(args, n_parallel=args.n_parallel, n_threads=threads.n_threads,
                           n_threads_batch=threads.n_threads_batch)
         try:
-            scheduler = Scheduler(eng, n_parallel=args.n_parallel, queue_max=args.queue_max)
+            scheduler = Scheduler(eng, n_parallel=args.n_parallel, queue_max=args.queue_max,
+                                  cache_ram_mib=args.cache_ram, slot_similarity=args.slot_similarity)
             if sampling.grammar is not None:  # every request without its own grammar gets it
                 scheduler.check_grammar(sampling.grammar, "the grammar")
             cfg = ServeConfig(model_id=args.alias or eng.path.name, sampling=sampling,

@@ -277,6 +277,7 @@ async def _complete_native(state: ServerState, request: Request, infill: bool) -
 
     def add(ev: TokenEvent) -> None:
         nonlocal final
+        reply.id_slot = handle.slot
         reply.content += ev.text
         reply.tokens += ev.token_ids
         reply.probs += probs(ev) or []
@@ -288,6 +289,7 @@ async def _complete_native(state: ServerState, request: Request, infill: bool) -
 
     def chunks(ev: TokenEvent) -> list[bytes]:
         nonlocal n_predicted
+        reply.id_slot = handle.slot
         n_predicted += len(ev.token_ids)
         out = []
         if ev.text or ev.token_ids:
@@ -339,7 +341,7 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
         handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
                                            extra_stops=extra_stops, n_probs=_n_probs(gen.top_n),
                                            chat_text=chat_text, lines=req.line_limits() if native else None,
-                                           cache_prompt=req.cache_prompt))
+                                           cache_prompt=req.cache_prompt, infill=isinstance(req, InfillRequest)))
     except SchedulerStopped:
         raise SHUTTING_DOWN from None
     except QueueFull as e:

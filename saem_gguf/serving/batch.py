@@ -30,11 +30,14 @@ a stop at every end-of-generation token (``llama_vocab_is_eog``), stop strings w
 of /completion and /infill (``LineLimits``: an indentation each new line must keep, a time after
 which a new line ends the answer).
 
-Prompt cache (llama-server's ``cache_prompt``): a finished request's KV cells stay in its slot
-(``_kept``); a new request goes to the free slot whose cells share most of its prompt's
-beginning and its prefill starts where they stop agreeing (at least its last prompt token is
-evaluated, for the logits its first token is sampled from). Those cells were computed in other
-ubatches than a fresh prefill would use, so the logits may differ in the last bits, as
+Prompt cache (llama-server's ``cache_prompt`` and ``--cache-ram``): a finished request's KV cells
+stay in its slot (``_kept``); a new request goes to the free slot whose cells hold the largest
+share of its prompt (above ``slot_similarity``), else to the least recently used one, and its
+prefill starts where the cells stop agreeing with it (at least its last prompt token is
+evaluated, for the logits its first token is sampled from). Cells a slot is about to lose go to
+the host-memory cache (serving.prompt_cache) and the cached prompt that serves the request
+better comes back in, as llama-server's ``get_available_slot`` does. Reused cells were computed
+in other ubatches than a fresh prefill would use, so the logits may differ in the last bits, as
 llama-server's do when it reuses its cache.
 """
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +61,7 @@ from saem_gguf.errors import SaemError
 from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar, grammar_sampler
 from saem_gguf.samplers import llama_server_chain
 from saem_gguf.serving.infill import FimTokens
+from saem_gguf.serving.prompt_cache import PromptCache, common_prefix
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class BatchRequest:
     # llama-server's cache_prompt: start from the cells a free slot kept of an earlier request
     # that shares the prompt's beginning (Scheduler._admit), and keep this one's for the next
     cache_prompt: bool = True
+    infill: bool = False  # an /infill request: it leaves the prompt cache as it is (as llama-server's)
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,7 @@ class SequenceHandle:
     def __init__(self, scheduler: Scheduler, req: BatchRequest, seed: int) -> None:
         self.request = req
         self.seed = seed  # the sampling seed in use (drawn at submit when the request gave none)
+        self.slot = -1  # the slot serving it, once admitted (llama-server's id_slot)
         self._scheduler = scheduler
         self._cond = threading.Condition()
         self._events: collections.deque[TokenEvent] = collections.deque()
@@ -244,7 +251,12 @@ class Scheduler:
     """Continuous batching over ``engine``'s model (see the module docstring). The engine is the
     scheduler's alone while it runs: do not generate through the engine meanwhile."""
 
-    def __init__(self, engine: Engine, n_parallel: int, queue_max: int = 64) -> None:
+    def __init__(self, engine: Engine, n_parallel: int, queue_max: int = 64, cache_ram_mib: int = 8192,
+                 slot_similarity: float = 0.1) -> None:
+        """``cache_ram_mib``: llama-server's --cache-ram, the host memory the prompt cache may hold
+        (-1: no limit, 0: none); ``slot_similarity``: its --slot-prompt-similarity, the share of a
+        prompt a free slot's cells must hold for the request to go there rather than to the
+        least recently used slot (0: always the least recently used)."""
         if n_parallel < 1 or n_parallel > engine.cfg.n_parallel:
             raise SaemError(f"the scheduler's {n_parallel} slots need an engine loaded with n_parallel >= "
                             f"{n_parallel} (it has {engine.cfg.n_parallel})")
@@ -268,6 +280,11 @@ class Scheduler:
         self._slots: list[_Sequence | None] = [None] * n_parallel
         # per free slot, the tokens whose KV cells it kept from its last request (cache_prompt)
         self._kept: list[list[int]] = [[] for _ in range(n_parallel)]
+        self._last_used = [-1] * n_parallel  # when each slot's last request ended (a count, for LRU)
+        self._uses = 0
+        self._slot_similarity = slot_similarity
+        self._prompt_cache = None if cache_ram_mib == 0 else \
+            PromptCache(cache_ram_mib, int(self._lc.llama_n_ctx(self._ctx)))
         self._accepting = True
         self._draining = True
         self._thread: threading.Thread | None = None
@@ -387,6 +404,7 @@ class Scheduler:
             self._decode_step()
         with self._lock:
             self._tokens = self._steps = self._rows = self._step_decodes = 0
+        self._last_used, self._uses = [-1] * self.n_parallel, 0  # no slot used yet, as llama-server's
         self.engine.reset_stats()
 
     def start(self, warm_up: list[int] | None = None) -> None:
@@ -502,9 +520,9 @@ class Scheduler:
                     free = [slot for slot, s in enumerate(self._slots) if s is None]
                     while free and self._waiting:
                         handle = self._waiting.popleft()
-                        slot = self._slot_for(handle.request, free)
+                        slot, update = self._slot_for(handle.request, free)
                         free.remove(slot)
-                        admit.append((slot, handle))
+                        admit.append((slot, handle, update, tuple(free)))
                     if admit or any(s is not None for s in self._slots):
                         break
                     if not self._accepting:
@@ -514,24 +532,46 @@ class Scheduler:
             for s in cancelled:  # outside the lock: _finish takes it
                 self._finish(s, "cancelled", b"")
             self._wake_step_consumers()  # before the wait below
-        for slot, handle in admit:
-            self._admit(slot, handle)
+        for slot, handle, update, idle in admit:
+            self._admit(slot, handle, update, idle)
         return True
 
-    def _slot_for(self, req: BatchRequest, free: list[int]) -> int:
-        """The free slot whose kept cells share the longest beginning with ``req``'s prompt (the
-        first free one where none does, or where the request does not cache its prompt)."""
-        if not req.cache_prompt:
-            return free[0]
-        shared = [common_prefix(self._kept[slot], req.prompt_tokens) for slot in free]
-        return free[shared.index(max(shared))]
+    def _slot_for(self, req: BatchRequest, free: list[int]) -> tuple[int, bool]:
+        """(slot, whether to update the prompt cache) for ``req``, as llama-server's
+        ``get_available_slot``: the free slot whose kept cells hold the largest share of its
+        prompt, above ``slot_similarity`` (the cache is updated when that would lose more than
+        half of them), else the least recently used one (the last of equals; cache updated)."""
+        prompt = req.prompt_tokens
+        chosen, best = None, 0.0
+        if self._slot_similarity != 0.0:
+            for slot in free:
+                if not self._kept[slot]:
+                    continue
+                share = common_prefix(self._kept[slot], prompt) / len(prompt)
+                if share > best and share > self._slot_similarity:
+                    chosen, best = slot, share
+            if chosen is not None:
+                return chosen, best * len(prompt) / len(self._kept[chosen]) < 0.5
+        for slot in free:
+            if chosen is None or self._last_used[slot] <= self._last_used[chosen]:
+                chosen = slot
+        return chosen, True
 
-    def _admit(self, slot: int, handle: SequenceHandle) -> None:
+    def _admit(self, slot: int, handle: SequenceHandle, update_cache: bool = False, idle: tuple[int, ...] = ()) -> None:
         """Put ``handle``'s request in ``slot`` (fresh stage state); its prompt is evaluated by the
         next steps (``_prefill``) from the end of the beginning it shares with the cells the slot
         kept (llama-server's cache_prompt: at least its last token is evaluated, for its logits),
-        or from the start."""
+        or from the start. ``update_cache``: first the slot's cells go to the prompt cache and the
+        cached prompt that serves the request best comes in (not for /infill, as llama-server);
+        after, the ``idle`` slots' cells are saved there too (llama-server's cache_idle_slots)."""
         req = handle.request
+        handle.slot = slot
+        if update_cache and self._prompt_cache is not None and not req.infill:
+            self._save_cells(slot)
+            if not self._load_cells(slot, req.prompt_tokens):
+                self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+                self._kept[slot] = []
+            self._prompt_cache.update()
         sampling = req.sampling
         room = self._n_ctx_seq - len(req.prompt_tokens)
         limit = room if req.max_tokens < 0 else min(req.max_tokens, room)
@@ -548,6 +588,38 @@ class Scheduler:
         self._lc.llama_memory_seq_rm(self._mem, slot, seq.n_past, -1)
         if self.engine.placement is not None:
             self.engine.placement.reset_sequence(slot)
+        if self._prompt_cache is not None:
+            for other in idle:
+                if self._save_cells(other):
+                    self._prompt_cache.update()
+
+    def _save_cells(self, slot: int) -> bool:
+        """The cells ``slot`` kept into the prompt cache (llama-server's ``prompt_save``); False
+        where it makes no entry (none kept, held already, over the limit)."""
+        kept, lc = self._kept[slot], self._lc
+        if not kept:
+            return False
+        size = int(lc.llama_state_seq_get_size_ext(self._ctx, slot, 0))
+        entry = self._prompt_cache.alloc(kept, size)
+        if entry is None:
+            return False
+        lc.llama_state_seq_get_data_ext(self._ctx, entry.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
+                                        slot, 0)
+        return True
+
+    def _load_cells(self, slot: int, prompt: list[int]) -> bool:
+        """Into ``slot``, the cached prompt that serves ``prompt`` better than its own cells, if
+        any (llama-server's ``prompt_load``); False where llama.cpp could not restore it."""
+        entry = self._prompt_cache.best(self._kept[slot], prompt)
+        if entry is None:
+            return True
+        n = self._lc.llama_state_seq_set_data_ext(self._ctx, entry.data.ctypes.data_as(
+            ctypes.POINTER(ctypes.c_uint8)), entry.size, slot, 0)
+        self._prompt_cache.remove(entry)
+        if n != entry.size:
+            return False
+        self._kept[slot] = entry.tokens
+        return True
 
     def _prefill(self, seq: _Sequence) -> None:
         """Evaluate the next ubatch of ``seq``'s prompt (``-ub`` tokens from where the last one
@@ -723,6 +795,8 @@ class Scheduler:
             cells = seq.handle.request.prompt_tokens + seq.tokens
             kept = cells[:seq.n_past] if seq.handle.request.cache_prompt and reason in ("stop", "length") else []
             self._kept[seq.slot] = kept
+            self._uses += 1
+            self._last_used[seq.slot] = self._uses
             self._lc.llama_memory_seq_rm(self._mem, seq.slot, len(kept), -1)
             seq.sampler.close()
         finally:
@@ -737,15 +811,6 @@ class Scheduler:
                                         stop_word=None if hit is None else hit.decode("utf-8", "replace"),
                                         timings=(first - seq.t_admitted, now - first), keep=keep),
                         self._step_wakes)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` share from their start."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if differ.size else n
 
 
 def _set_all(flags: list[asyncio.Event]) -> None:

@@ -674,12 +674,13 @@ class NativeReply:
     content: bytearray = field(default_factory=bytearray)
     tokens: list[int] = field(default_factory=list)
     probs: list[dict] = field(default_factory=list)
+    id_slot: int = -1  # the slot that served it (set once the request is admitted)
 
     def partial(self, text: bytes, token_ids: tuple[int, ...], probs: list[dict] | None,
                 n_predicted: int, n_prompt: int) -> dict:
         """A streamed chunk: the text this event releases."""
         out = {"index": 0, "content": text.decode("utf-8", errors="ignore"),
-               "tokens": list(token_ids) if self.return_tokens else [], "stop": False, "id_slot": -1,
+               "tokens": list(token_ids) if self.return_tokens else [], "stop": False, "id_slot": self.id_slot,
                "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
         if probs:
             out["completion_probabilities"] = probs
@@ -700,7 +701,7 @@ class NativeReply:
         n_gen += stop_type == "eos"
         content = "" if streamed else self.content.decode("utf-8", errors="ignore")
         tokens = self.tokens if self.return_tokens and not streamed else []
-        out = {"index": 0, "content": content, "tokens": tokens, "id_slot": -1,
+        out = {"index": 0, "content": content, "tokens": tokens, "id_slot": self.id_slot,
                "stop": True, "model": self.model, "tokens_predicted": n_gen, "tokens_evaluated": n_prompt,
                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
                "truncated": False, "stop_type": stop_type,
