@@ -49,18 +49,20 @@ def test_decode_rows_times_llama_decode_per_batch_size(tmp_path, llama_cpp):
     assert "rows/s" in proc.stdout
 
 
-def test_bench_prompt_cache_runs_a_conversation_with_and_without_the_cache(tmp_path):
-    """bench/bench_prompt_cache.py on the embedded model, 3 turns: with the cache, each turn after
-    the first evaluates fewer prompt tokens than without, and the JSON keeps every turn."""
+def test_bench_prompt_cache_runs_conversations_three_ways(tmp_path):
+    """bench/bench_prompt_cache.py on the embedded model, 2 conversations of 3 turns taking turns:
+    the host-memory cache evaluates fewer prompt tokens than the slot's cells alone, which
+    evaluate no more than no cache; the JSON keeps every request."""
     out = tmp_path / "pc.json"
     r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prompt_cache.py"), "--turns", "3", "--repeat", "1",
-                        "--max-tokens", "8", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--conversations", "2", "--max-tokens", "8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "off / on" in r.stdout and "load average" in r.stdout
-    runs = json.loads(out.read_text())["runs"]
-    by = {run["cache"]: run["turns"] for run in runs}
-    assert [t["cache_n"] for t in by[False]] == [0, 0, 0] and all(t["cache_n"] > 0 for t in by[True][1:])
-    assert sum(t["prompt_n"] for t in by[True]) < sum(t["prompt_n"] for t in by[False])
+    assert "off / ram" in r.stdout and "load average" in r.stdout
+    runs = {run["way"]: run["requests"] for run in json.loads(out.read_text())["runs"]}
+    evaluated = {way: sum(q["prompt_n"] for q in reqs) for way, reqs in runs.items()}
+    assert len(runs["off"]) == 4 and all(q["cache_n"] == 0 for q in runs["off"])
+    assert evaluated["ram"] < evaluated["slot"] <= evaluated["off"]
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prompt_cache.py"), "--json",
                           str(tmp_path / "no" / "x.json")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no such folder" in bad.stderr.splitlines()[-1]
