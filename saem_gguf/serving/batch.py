@@ -603,8 +603,11 @@ class Scheduler:
         entry = self._prompt_cache.alloc(kept, size)
         if entry is None:
             return False
-        lc.llama_state_seq_get_data_ext(self._ctx, entry.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
-                                        slot, 0)
+        n = lc.llama_state_seq_get_data_ext(self._ctx, entry.data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                            size, slot, 0)
+        if n != size:  # llama.cpp could not write the state: keep no half entry
+            self._prompt_cache.remove(entry)
+            return False
         return True
 
     def _load_cells(self, slot: int, prompt: list[int]) -> bool:
