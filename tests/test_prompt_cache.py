@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from saem_gguf.serving.prompt_cache import MIB, PromptCache, common_prefix
 
 
@@ -58,3 +60,16 @@ def test_common_prefix_against_a_plain_loop():
         while n < min(len(a), len(b)) and a[n] == b[n]:
             n += 1
         assert common_prefix(a, b) == n
+
+
+def test_out_of_memory_makes_no_entry_and_lowers_the_limit(monkeypatch):
+    c = _cache(-1, 0, ([1], 100), ([2], 30))
+    real = np.empty
+
+    def refuse(n, dtype):  # the next state does not fit in memory
+        raise MemoryError
+
+    monkeypatch.setattr(np, "empty", refuse)
+    assert c.alloc([3], 10**12) is None
+    monkeypatch.setattr(np, "empty", real)
+    assert c.limit_size == 52 and [s.tokens for s in c.states] == [[2]]  # 40 % of 130 bytes: the oldest went

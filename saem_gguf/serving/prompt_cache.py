@@ -9,7 +9,8 @@ moves the state in and out of the context (``llama_state_seq_get_data_ext`` /
 
 * ``alloc``: an entry is not made for tokens an entry already holds whole, nor for a state larger
   than the whole limit; entries whose tokens the new one holds whole are dropped; the oldest go
-  until the new one fits.
+  until the new one fits; where the memory cannot be had, the limit becomes 40 % of what the
+  cache holds.
 * ``best``: the entry that keeps at least a quarter of its own tokens for the new prompt and both
   keeps a larger share of itself and covers a larger share of the new prompt than the slot's
   own cells do (the first such, in age order, that beats the best so far).
@@ -70,7 +71,12 @@ class PromptCache:
         if self.limit_size > 0:
             while self.states and self.size() + size > self.limit_size:
                 self.states.pop(0)
-        entry = CachedPrompt(list(tokens), np.empty(size, np.uint8))
+        try:
+            entry = CachedPrompt(list(tokens), np.empty(size, np.uint8))
+        except MemoryError:  # as llama-server: a smaller limit from now on, and no entry
+            self.limit_size = max(1, int(0.4 * self.size()))
+            self.update()
+            return None
         self.states.append(entry)
         return entry
 
