@@ -154,6 +154,30 @@ def test_prompt_cache_in_host_memory_as_llama_server(flags):
         assert ours.stop() == 0, ours.stderr()
 
 
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 600}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 20}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "stop": ["shelves"]}),
+], ids=["chat-eos", "chat-length", "completion"])
+def test_openai_answers_carry_llama_servers_timings(pair, route, body):
+    """llama-server's ``timings`` on an OpenAI answer (what web UIs show tokens/s from): the
+    counts as there, on the body and, streamed, on the last chunk (the usage chunk when asked)."""
+    counts = ("cache_n", "prompt_n", "predicted_n")
+    body = {"temperature": 0, "cache_prompt": False, **body}
+    stock, ours = (httpx.post(url + route, json=body, timeout=300).json() for url in pair)
+    assert [ours["timings"][k] for k in counts] == [stock["timings"][k] for k in counts]
+    assert set(ours["timings"]) == set(stock["timings"])
+    for include_usage in (False, True):
+        last = []
+        for url in pair:
+            streamed = {**body, "stream": True, "stream_options": {"include_usage": include_usage}}
+            with httpx.stream("POST", url + route, json=streamed, timeout=300) as r:
+                chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            assert "timings" not in chunks[0] and "timings" in chunks[-1]
+            last.append([chunks[-1]["timings"][k] for k in counts])
+        assert last[0] == last[1]
+
+
 def test_infill_on_a_model_without_fim_tokens_is_refused_as_by_llama_server(pair):
     answers = [httpx.post(url + "/infill", json={"input_prefix": "a", "input_suffix": "b"}, timeout=60)
                for url in pair]

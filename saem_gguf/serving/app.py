@@ -35,8 +35,8 @@ from saem_gguf.serving.infill import FimTokens, InfillLimits, infill_tokens
 from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
     SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Generation,
-    InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation, native_probs,
-    native_settings, parse_request, piece_json, request_logit_bias, sse,
+    InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation,
+    llama_timings, native_probs, native_settings, parse_request, piece_json, request_logit_bias, sse,
 )
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
 from saem_gguf.thinking import THINK_OPEN, forced_open_prefix, template_reasons
@@ -208,6 +208,7 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
             reply.logprobs.extend(tokens)
         if ev.finish_reason is not None:
             reply.finish_reason, reply.usage = ev.finish_reason, (*(ev.usage or (0, 0)), ev.cached)
+            reply.timings = _timings(ev)
 
     def chunks(ev: TokenEvent) -> list[bytes]:
         nonlocal offset, lead
@@ -224,9 +225,11 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
             offset += len(piece)
         if ev.finish_reason is not None:
             reply.usage = (*(ev.usage or (0, 0)), ev.cached)
-            out.append(sse(reply.chunk(finish_reason=ev.finish_reason)))
+            last = [reply.chunk(finish_reason=ev.finish_reason)]
             if req.stream_options and req.stream_options.include_usage:
-                out.append(sse(reply.usage_chunk()))
+                last.append(reply.usage_chunk())
+            last[-1]["timings"] = _timings(ev)  # on the last chunk, as llama-server's
+            out += [sse(c) for c in last]
             out.append(SSE_DONE)
         return out
 
@@ -402,6 +405,13 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     if system is None or any(m["role"] == "system" for m in messages):
         return messages
     return [{"role": "system", "content": system}, *messages]
+
+
+def _timings(ev: TokenEvent) -> dict:
+    """llama-server's timings of a final event (its end-of-generation token counted, as there)."""
+    n_prompt, n_gen = ev.usage or (0, 0)
+    eos = ev.finish_reason == "stop" and ev.stop_word is None
+    return llama_timings(n_prompt, ev.cached, n_gen + eos, *(ev.timings or (0.0, 0.0)))
 
 
 def _n_probs(top_n: int | None) -> int:

@@ -567,6 +567,19 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int = 0) -> dic
             "text_offset": offsets}
 
 
+def llama_timings(n_prompt: int, cached: int, n_gen: int, prompt_s: float, gen_s: float) -> dict:
+    """llama-server's ``timings`` object: ``cache_n`` prompt tokens an earlier request's cells
+    served, ``prompt_n`` evaluated, ``predicted_n`` generated (the end-of-generation token it
+    sampled counted, as there), with their times and rates."""
+    n_eval = n_prompt - cached
+    return {"cache_n": cached, "prompt_n": n_eval, "prompt_ms": prompt_s * 1e3,
+            "prompt_per_token_ms": prompt_s * 1e3 / max(n_eval, 1),
+            "prompt_per_second": n_eval / prompt_s if prompt_s > 0 else 0.0,
+            "predicted_n": n_gen, "predicted_ms": gen_s * 1e3,
+            "predicted_per_token_ms": gen_s * 1e3 / max(n_gen, 1),
+            "predicted_per_second": n_gen / gen_s if gen_s > 0 else 0.0}
+
+
 @dataclass
 class Reply:
     """One request's answer, accumulated from the scheduler's events."""
@@ -581,6 +594,7 @@ class Reply:
     finish_reason: str | None = None
     usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion and cached prompt tokens (``usage``)
     reasoning: str | None = None  # a chat answer's thinking, apart (llama-server's reasoning_content)
+    timings: dict | None = None  # llama-server's timings (llama_timings), once the answer is done
 
     @classmethod
     def start(cls, chat: bool, model: str, top_n: int | None) -> Reply:
@@ -602,9 +616,10 @@ class Reply:
                 choice["message"]["reasoning_content"] = self.reasoning
         else:
             choice["text"] = self.text
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
                 "usage": usage(*self.usage)}
+        return body if self.timings is None else {**body, "timings": self.timings}
 
     def chunk(self, text: str | None = None, tokens: list[TokenLogprob] | None = None,
               finish_reason: str | None = None, role: bool = False, text_offset: int = 0,
@@ -693,8 +708,6 @@ class NativeReply:
         (``cache_n``: the prompt tokens an earlier request's cells served, ``prompt_n`` the
         ones evaluated)."""
         n_prompt, n_gen = usage
-        n_eval = n_prompt - cached
-        prompt_s, gen_s = timings
         stop_type = "limit" if finish_reason == "length" else "word" if stop_word is not None else "eos"
         # llama-server counts the end-of-generation token it sampled (usage does not, as
         # llama-cpp-python); the last sampled token is never decoded into the cache
@@ -706,12 +719,7 @@ class NativeReply:
                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
                "truncated": False, "stop_type": stop_type,
                "stopping_word": stop_word or "", "tokens_cached": n_prompt + max(n_gen - 1, 0),
-               "timings": {"cache_n": cached, "prompt_n": n_eval, "prompt_ms": prompt_s * 1e3,
-                           "prompt_per_token_ms": prompt_s * 1e3 / max(n_eval, 1),
-                           "prompt_per_second": n_eval / prompt_s if prompt_s > 0 else 0.0,
-                           "predicted_n": n_gen, "predicted_ms": gen_s * 1e3,
-                           "predicted_per_token_ms": gen_s * 1e3 / max(n_gen, 1),
-                           "predicted_per_second": n_gen / gen_s if gen_s > 0 else 0.0}}
+               "timings": llama_timings(n_prompt, cached, n_gen, *timings)}
         if self.probs and not streamed:
             out["completion_probabilities"] = self.probs
         return out
