@@ -159,15 +159,15 @@ def test_cancel_frees_the_slot_and_its_cells_at_once(qwen3_path):
         long = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[0]), 200, SamplingConfig()))
         events = long.events(timeout=60)
         assert next(events).finish_reason is None  # generating
-        # (cache_prompt off: a finished request's cells are not kept for the next either)
-        waiting = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[1]), 4, SamplingConfig(), cache_prompt=False))
+        waiting = sched.submit(BatchRequest(eng.prompt_tokens(PROMPTS[1]), 4, SamplingConfig()))
         long.cancel()
         rest = list(events)
         assert rest[-1].finish_reason == "cancelled" and rest[-1].usage[1] < 200
         assert [e.finish_reason for e in rest].count("cancelled") == 1
         done = collect(waiting)  # the freed slot serves the next request
         assert done[-1].finish_reason == "length" and done[-1].usage[1] == 4
-        assert lc.llama_memory_seq_pos_max(mem, 0) == -1  # no KV cells left behind
+        # the cancelled request's cells are gone; the next one's stay (the prompt cache)
+        assert lc.llama_memory_seq_pos_max(mem, 0) == len(eng.prompt_tokens(PROMPTS[1])) + 4 - 2
         assert sched.stats()["busy_slots"] == 0
         long.cancel()  # a second cancel of an ended request changes nothing
 
@@ -187,6 +187,7 @@ def test_a_request_starts_from_the_cells_its_slot_kept(qwen3_path, alone):
         h = sched.submit(BatchRequest(prompts[1], MAX_TOKENS[1], SamplingConfig()))
         again = collect(h)
         assert h.slot == 0 and again[-1].cached == len(prompts[1]) - 1  # its slot's cells; the last token evaluated
+        assert sched.stats()["prompt_tokens_cached"] == len(prompts[1]) - 1
         assert reply(again)[0] == alone[1].tokens
         assert lc.llama_memory_seq_pos_max(mem, 1) == kept[0] - 1  # the other slot untouched
         fresh = collect(sched.submit(BatchRequest(prompts[1], MAX_TOKENS[1], SamplingConfig(), cache_prompt=False)))

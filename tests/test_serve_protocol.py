@@ -280,7 +280,8 @@ def test_metrics_text_has_every_figure_the_stats_have():
 
     stats = {"requests": 5, "tokens": 120, "tokens_per_s": 42.5, "queue_len": 2, "busy_slots": 4, "n_parallel": 4,
              "hit_rate": 0.75, "bytes_moved": 1_000_000, "copies": 10, "boundaries": 3, "plans": 2,
-             "decode_steps": 40, "mean_batch": 3.0, "policy": "saem"}
+             "decode_steps": 40, "mean_batch": 3.0, "policy": "saem", "prompt_tokens_cached": 77,
+             "prompt_cache_entries": 2, "prompt_cache_bytes": 4096}
     now = [100.0]
     metrics = ServerMetrics(lambda: stats, clock=lambda: now[0])
     now[0] = 104.0  # 120 tokens in 4 s since the collector began
@@ -293,7 +294,8 @@ def test_metrics_text_has_every_figure_the_stats_have():
               "saem_queue_length": 2, "saem_busy_slots": 4, "saem_slots": 4, "saem_expert_hit_rate": 0.75,
               "saem_expert_bytes_moved_total": 1e6, "saem_expert_copies_total": 10,
               "saem_stage_boundaries_total": 3, "saem_placement_updates_total": 2, "saem_decode_steps_total": 40,
-              "saem_mean_batch": 3.0}
+              "saem_mean_batch": 3.0, "saem_prompt_tokens_cached_total": 77, "saem_prompt_cache_entries": 2,
+              "saem_prompt_cache_bytes": 4096}
     for name, value in expect.items():
         assert samples[(name, ())] == value, name
     assert samples[("saem_http_responses_total", (("route", "/v1/completions"), ("status", "200")))] == 2

@@ -112,6 +112,22 @@ def test_prompt_cache_reuses_cells_as_llama_server(pair):
     assert ours["usage"] == stock["usage"] and stock["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_no_cache_prompt_flag_as_llama_server():
+    """serve --no-cache-prompt: requests that do not say evaluate their whole prompt; one that asks
+    for the cache gets it, as with llama-server's flag."""
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048", "--no-cache-prompt")
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--parse-special", "--no-cache-prompt"]).start()
+    try:
+        for body in ({}, {}, {"cache_prompt": True}):
+            s, o = _both((stock.url, ours.url), "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0,
+                                                                **body})
+            assert [o["timings"][k] for k in ("cache_n", "prompt_n")] == [s["timings"][k] for k in ("cache_n", "prompt_n")]
+        assert s["timings"]["cache_n"] > 0
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+
+
 @pytest.mark.parametrize("samplers", [["top_k", "top_p", "min_p", "temperature"], ["temperature", "top_k"], "kt",
                                       ["temp"], [], ["penalties", "top_k", "temperature"],
                                       ["top-k", "Nucleus", "typ", "minp", "temperature", "dry", "xtc", "bogus"]])

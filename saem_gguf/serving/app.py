@@ -59,6 +59,7 @@ class ServeConfig:
     parse_special: bool = False  # --parse-special: raw prompts' special-token text becomes those tokens
     n_batch: int = 2048  # -b, which /infill's prompt layout budgets from as llama-server's does
     spm_infill: bool = False  # --spm-infill: /infill puts the suffix before the prefix
+    cache_prompt: bool = True  # --cache-prompt / --no-cache-prompt: a request's cache_prompt by default
 
 
 @dataclass
@@ -344,7 +345,8 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
         handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
                                            extra_stops=extra_stops, n_probs=_n_probs(gen.top_n),
                                            chat_text=chat_text, lines=req.line_limits() if native else None,
-                                           cache_prompt=req.cache_prompt, infill=isinstance(req, InfillRequest)))
+                                           cache_prompt=state.cfg.cache_prompt if req.cache_prompt is None
+                                           else req.cache_prompt, infill=isinstance(req, InfillRequest)))
     except SchedulerStopped:
         raise SHUTTING_DOWN from None
     except QueueFull as e:

@@ -76,7 +76,7 @@ class BatchRequest:
     chat_text: str | None = None
     lines: LineLimits | None = None  # llama-server's n_indent / t_max_predict_ms (None: neither)
     # llama-server's cache_prompt: start from the cells a free slot kept of an earlier request
-    # that shares the prompt's beginning (Scheduler._admit), and keep this one's for the next
+    # that shares the prompt's beginning (Scheduler._admit); its own are kept for the next either way
     cache_prompt: bool = True
     infill: bool = False  # an /infill request: it leaves the prompt cache as it is (as llama-server's)
 
@@ -291,6 +291,7 @@ class Scheduler:
         self._failure: str | None = None
         self._batch = self._lc.llama_batch_init(max(self._n_ubatch, n_parallel), 0, 1)
         self._requests = 0
+        self._cached_tokens = 0  # prompt tokens the prompt cache served (not evaluated)
         self._tokens = 0  # generated
         self._steps = 0  # decode steps (one token of each decoding sequence)
         self._rows = 0  # tokens those steps decoded
@@ -397,13 +398,16 @@ class Scheduler:
         llama-server's warm-up run is. Then every slot is empty again (KV cells freed) and the counters, the
         engine's placement figures included, start from zero; residency stays what the policy
         chose (placement never changes results)."""
-        req = BatchRequest(list(prompt_tokens), n_tokens, SamplingConfig(temp=0.0, ignore_eos=True), cache_prompt=False)
+        req = BatchRequest(list(prompt_tokens), n_tokens, SamplingConfig(temp=0.0, ignore_eos=True))
         for slot in range(self.n_parallel):
             self._admit(slot, SequenceHandle(self, req, seed=0))
         while any(s is not None for s in self._slots):
             self._decode_step()
+        for slot in range(self.n_parallel):  # its cells serve no request
+            self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+            self._kept[slot] = []
         with self._lock:
-            self._tokens = self._steps = self._rows = self._step_decodes = 0
+            self._tokens = self._steps = self._rows = self._step_decodes = self._cached_tokens = 0
         self._last_used, self._uses = [-1] * self.n_parallel, 0  # no slot used yet, as llama-server's
         self.engine.reset_stats()
 
@@ -453,12 +457,17 @@ class Scheduler:
         """The engine's placement figures (Engine.stats(): hit rate, bytes moved, boundaries,
         placement updates) and the serving counters: requests accepted, tokens generated, their
         rate since start(), queue length, busy slots, decode steps, their mean batch size
-        (sequences per step) and llama_decode calls per step (runs of consecutive slots).
+        (sequences per step) and llama_decode calls per step (runs of consecutive slots); the
+        prompt tokens the prompt cache served, and the host-memory cache's entries and bytes.
         ``tokens`` is the scheduler's count of generated tokens (it replaces the engine's count
         of decoded ones, one fewer per reply cut by its limit)."""
         d = self.engine.stats()
         with self._lock:
             busy = sum(s is not None for s in self._slots)
+            cache = self._prompt_cache
+            d.update(prompt_tokens_cached=self._cached_tokens,
+                     prompt_cache_entries=len(cache.states) if cache is not None else 0,
+                     prompt_cache_bytes=cache.size() if cache is not None else 0)
             d.update(requests=self._requests, tokens=self._tokens, queue_len=len(self._waiting),
                      busy_slots=busy, n_parallel=self.n_parallel, decode_steps=self._steps,
                      mean_batch=round(self._rows / self._steps, 3) if self._steps else 0.0,
@@ -585,6 +594,7 @@ class Scheduler:
         self._kept[slot] = []
         with self._lock:
             self._slots[slot] = seq
+            self._cached_tokens += seq.n_cached
         self._lc.llama_memory_seq_rm(self._mem, slot, seq.n_past, -1)
         if self.engine.placement is not None:
             self.engine.placement.reset_sequence(slot)
@@ -793,10 +803,11 @@ class Scheduler:
                 logprobs: tuple | None = None, error: str | None = None, keep: int | None = None) -> None:
         """End ``seq``: free its slot and KV cells, then push its final event."""
         try:
-            # the cells stay for the next request on this slot that shares their beginning, unless
-            # the request asked otherwise or failed (then nothing is known of them)
+            # the cells stay for the next request on this slot that shares their beginning (also
+            # after one that did not use the cache, as llama-server's), unless it was cancelled or
+            # failed (then nothing is known of them)
             cells = seq.handle.request.prompt_tokens + seq.tokens
-            kept = cells[:seq.n_past] if seq.handle.request.cache_prompt and reason in ("stop", "length") else []
+            kept = cells[:seq.n_past] if reason in ("stop", "length") else []
             self._kept[seq.slot] = kept
             self._uses += 1
             self._last_used[seq.slot] = self._uses

@@ -40,6 +40,12 @@ STAT_METRICS = (
     StatMetric("expert_copies", CounterMetricFamily, "copies", "Experts copied to the GPU"),
     StatMetric("stage_boundaries", CounterMetricFamily, "boundaries", "Stage boundaries the detector reported"),
     StatMetric("placement_updates", CounterMetricFamily, "plans", "Placement updates that changed residency"),
+    StatMetric("prompt_tokens_cached", CounterMetricFamily, "prompt_tokens_cached",
+               "Prompt tokens the prompt cache served (not evaluated)"),
+    StatMetric("prompt_cache_entries", GaugeMetricFamily, "prompt_cache_entries",
+               "Prompts held in the host-memory prompt cache (--cache-ram)"),
+    StatMetric("prompt_cache_bytes", GaugeMetricFamily, "prompt_cache_bytes",
+               "Bytes of KV state held in the host-memory prompt cache"),
 )
 
 

@@ -128,8 +128,9 @@ class _Common(_Strict):
     grammar: str | None = None
     json_schema: dict | None = None
     # llama-server's, on every completion route: start from the cells an earlier request left in
-    # its slot as far as the prompts agree (batch.py, "Prompt cache")
-    cache_prompt: bool = True
+    # its slot as far as the prompts agree (batch.py, "Prompt cache"); None: the server's
+    # --cache-prompt / --no-cache-prompt
+    cache_prompt: bool | None = None
     # llama-server's sampler order: names, or one character each (saem_gguf.samplers)
     samplers: str | list[str] | None = None
 
