@@ -116,14 +116,21 @@ def clamp_threads(n_threads: int | None, note: Callable[[str], None], flag: str 
 
 
 def checked_engine_inputs(cfg, note: Callable[[str], None]):
-    """(cfg with -t and -tb clamped, the validated ModelInfo, the model path) for ``Engine``: the model
-    file checked for everything llama.cpp asserts on, -c and the model's context against memory."""
+    """(cfg with -t and -tb clamped and -c 0 made the model's context length, the validated
+    ModelInfo, the model path) for ``Engine``: the model file checked for everything llama.cpp
+    asserts on, -c and the model's context against memory."""
     path = cfg.model
     if path is None:
         from saem_gguf.default_model import default_model_path
 
         path = default_model_path()
     info = read_model_info(path, for_load=True)
+    if cfg.n_ctx == 0:  # llama.cpp's -c 0: the context the model was trained for
+        if info.n_ctx_train <= 0:
+            raise SaemError(f"{path}: the model gives no context length ({info.architecture}.context_length): "
+                            "give -c N")
+        note(f"-c 0: the model's context length, {info.n_ctx_train} tokens")
+        cfg = dataclasses.replace(cfg, n_ctx=info.n_ctx_train)
     check_context(info, cfg.n_ctx, cfg.record, available_memory())
     cfg = dataclasses.replace(cfg, n_threads=clamp_threads(cfg.n_threads, note),
                               n_threads_batch=clamp_threads(cfg.n_threads_batch, note, "-tb"))

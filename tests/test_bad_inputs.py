@@ -101,7 +101,7 @@ for _name, _needle in (("empty", "not a GGUF"), ("not_gguf", "not a GGUF"),
 add(Case("inspect-missing", lambda b, d: ["inspect", str(d / "nope.gguf")], 1, "no such file"))
 add(Case("inspect-directory", lambda b, d: ["inspect", str(d)], 1, "directory"))
 # inspect's own flags
-for _flags, _code, _needle in ((["-c", "-1"], 2, "-c"), (["-c", "0"], 2, "-c"),
+for _flags, _code, _needle in ((["-c", "-1"], 2, "-c"),
                                (["-c", str(2**31)], 2, "-c"), (["-c", "many"], 2, "invalid int"),
                                (["--ecr", "2"], 2, "out of range"), (["--ecr", "nan"], 2, "ECR"),
                                (["--ecr=-1%"], 2, "out of range"), (["--ecr", "abc"], 2, "ECR"),
@@ -129,7 +129,7 @@ for _name, (_changes, _needle) in LOAD_MISMATCH.items():
 COMMAND_TAIL = {"generate": lambda d: ["-p", "hi", "-n", "2"], "bench": lambda d: ["-n", "2", "--reps", "1"],
                 "trace": lambda d: ["-o", str(d / "t.npz")]}
 for _cmd, _tail in COMMAND_TAIL.items():
-    for _flags, _code, _needle in ((["-c", "0"], 2, "-c"), (["-c", "-5"], 2, "-c"),
+    for _flags, _code, _needle in ((["-c", "-1"], 2, "-c"), (["-c", "-5"], 2, "-c"),
                                    (["-c", str(2**32)], 1, "-c"), (["-c", "99999999999"], 1, "-c"),
                                    (["-t", "0"], 2, "-t"), (["-t", "x"], 2, "-t"), (["-tb", "0"], 2, "-tb"),
                                    (["--numa", "bogus"], 2, "--numa"),
@@ -319,7 +319,7 @@ for _flags, _code, _needle in ((["--port", "70000"], 2, "--port"), (["--port", "
                                (["--queue", "0"], 2, "--queue"), (["--api-key", ""], 2, "API key"),
                                (["--api-key", " , "], 2, "API key"), (["--shutdown-timeout", "-1"], 2, "--shutdown"),
                                (["--shutdown-timeout", "inf"], 2, "--shutdown"), (["--temp", "nan"], 2, "--temp"),
-                               (["-c", "0"], 2, "-c"), (["--policy", "bogus"], 2, "--policy"),
+                               (["-c", "-1"], 2, "-c"), (["--policy", "bogus"], 2, "--policy"),
                                (["--host", "no.such.host.invalid"], 1, "--host"),
                                (["--host", "192.0.2.1"], 1, "not one of this machine's"),
                                (["-m", "/nonexistent/m.gguf"], 1, "no such file")):

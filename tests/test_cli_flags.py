@@ -54,6 +54,20 @@ def test_threads_and_batch_threads_reach_the_context(model, llama_cpp):
             eng.close()
 
 
+# --- context size ----------------------------------------------------------------------------------
+
+def test_ctx_size_zero_is_the_models_context_length(model, llama_cpp):
+    """llama.cpp's -c 0 (llama.vim's documented command line has --ctx-size 0): the context the
+    GGUF was trained for, said in a note; the generated test models say 4096."""
+    eng = open_with("-m", model, "-c", "0")
+    try:
+        assert eng.cfg.n_ctx == 4096 == llama_cpp.llama_n_ctx(eng.llm.ctx)
+        assert any(n.startswith("-c 0: the model's context length, 4096") for n in eng.notes), eng.notes
+    finally:
+        eng.close()
+    assert "must be >= 0, got -1" in one_line_usage_error(run_cli("generate", "-m", model, "-c", "-1", "-p", "x"))
+
+
 # --- batch sizes, KV cache types, flash attention -----------------------------------------------
 
 def test_batch_sizes_reach_the_context(model, llama_cpp):
@@ -379,3 +393,9 @@ def test_chat_replies_run_to_their_end_of_turn_by_default():
 
     assert build_parser().parse_args(["chat"]).n_predict == -1
     assert build_parser().parse_args(["chat", "-n", "64"]).n_predict == 64
+
+
+def test_inspect_ctx_size_zero_plans_for_the_models_context(model):
+    r = run_cli("inspect", model, "-c", "0", "--ecr", "25%", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["cache_plan"]["n_ctx"] == 4096

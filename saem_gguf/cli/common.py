@@ -109,7 +109,8 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
     g = p.add_argument_group("model (llama.cpp flags, same names and meanings)")
     g.add_argument("-m", "--model", type=Path, required=model_required, default=None,
                    help="GGUF model" + ("" if model_required else " (default: the embedded model)"))
-    g.add_argument("-c", "--ctx-size", type=_positive_int, default=4096, help="context size (4096)")
+    g.add_argument("-c", "--ctx-size", type=_non_negative_int, default=4096,
+                   help="context size (4096; 0: the model's own context length, as llama.cpp)")
     g.add_argument("-t", "--threads", type=_positive_int, default=None,
                    help="CPU threads of a one-token decode, as llama.cpp's -t (default: every CPU this "
                         "process may use; serve has its own rule, see its help)")

@@ -8,6 +8,7 @@ import json
 from saem_gguf.budget import ECR_HELP, format_size, parse_size, plan_from_budget, plan_from_ecr
 from saem_gguf.cli.arg_types import bounded_int
 from saem_gguf.cli.common import ecr_arg, ram_budget_arg
+from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo, read_model_info
 from saem_gguf.model_check import MAX_CONTEXT
 
@@ -22,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--vram-budget", metavar="SIZE", help="device memory to plan for, e.g. 8G, 12GiB")
     g.add_argument("--ecr", metavar="R", type=ecr_arg, help=ECR_HELP + ": the VRAM it needs")
-    p.add_argument("-c", "--ctx-size", type=bounded_int(1, MAX_CONTEXT), default=4096,
-                   help="context for the KV cache (4096)")
+    p.add_argument("-c", "--ctx-size", type=bounded_int(0, MAX_CONTEXT), default=4096,
+                   help="context for the KV cache (4096; 0: the model's own context length, as llama.cpp)")
     p.add_argument("--overhead", metavar="SIZE", default=None,
                    help="device compute-buffer reserve (default: estimated from the model)")
     p.add_argument("--ram-budget", metavar="SIZE|auto", type=ram_budget_arg, default=None,
@@ -35,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     info = read_model_info(args.model)
+    if args.ctx_size == 0:  # as the engine reads -c 0 (resources.checked_engine_inputs)
+        if info.n_ctx_train <= 0:
+            raise SaemError(f"{args.model}: the model gives no context length: give -c N")
+        args.ctx_size = info.n_ctx_train
     overhead = parse_size(args.overhead) if args.overhead is not None else None
     plan = None
     if args.vram_budget is not None:
