@@ -459,14 +459,13 @@ def _make_llama_class(llama_cpp):
             sampler = super()._init_sampler(*args, **kw)
             chain = sampler.sampler
             if self._saem_logit_bias:
-                # llama.cpp's logit bias comes first in its chain: put it before the others. Its
-                # entries in order, as a list (LlamaSampler.add_logit_bias takes a dict: one per token)
+                from saem_gguf.samplers import logit_bias_sampler
+
+                # llama.cpp's logit bias comes first in its chain: put it before the others
                 members = [llama_cpp.llama_sampler_chain_remove(chain, 0)
                            for _ in range(llama_cpp.llama_sampler_chain_n(chain))]
-                entries = (llama_cpp.llama_logit_bias * len(self._saem_logit_bias))(
-                    *(llama_cpp.llama_logit_bias(t, b) for t, b in self._saem_logit_bias))
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_logit_bias(
-                    self.n_vocab(), len(self._saem_logit_bias), entries))
+                llama_cpp.llama_sampler_chain_add(chain, logit_bias_sampler(llama_cpp, self.n_vocab(),
+                                                                            self._saem_logit_bias))
                 for m in members:
                     llama_cpp.llama_sampler_chain_add(chain, m)
             if grammar is None:

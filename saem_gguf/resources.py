@@ -115,6 +115,16 @@ def clamp_threads(n_threads: int | None, note: Callable[[str], None], flag: str 
     return n_threads
 
 
+def context_size(info: ModelInfo, n_ctx: int) -> int:
+    """``-c``, with llama.cpp's 0 read as the context the model was trained for."""
+    if n_ctx != 0:
+        return n_ctx
+    if info.n_ctx_train <= 0:
+        raise SaemError(f"{info.path}: the model gives no context length ({info.architecture}.context_length): "
+                        "give -c N")
+    return info.n_ctx_train
+
+
 def checked_engine_inputs(cfg, note: Callable[[str], None]):
     """(cfg with -t and -tb clamped and -c 0 made the model's context length, the validated
     ModelInfo, the model path) for ``Engine``: the model file checked for everything llama.cpp
@@ -125,12 +135,9 @@ def checked_engine_inputs(cfg, note: Callable[[str], None]):
 
         path = default_model_path()
     info = read_model_info(path, for_load=True)
-    if cfg.n_ctx == 0:  # llama.cpp's -c 0: the context the model was trained for
-        if info.n_ctx_train <= 0:
-            raise SaemError(f"{path}: the model gives no context length ({info.architecture}.context_length): "
-                            "give -c N")
-        note(f"-c 0: the model's context length, {info.n_ctx_train} tokens")
-        cfg = dataclasses.replace(cfg, n_ctx=info.n_ctx_train)
+    if cfg.n_ctx == 0:
+        cfg = dataclasses.replace(cfg, n_ctx=context_size(info, 0))
+        note(f"-c 0: the model's context length, {cfg.n_ctx} tokens")
     check_context(info, cfg.n_ctx, cfg.record, available_memory())
     cfg = dataclasses.replace(cfg, n_threads=clamp_threads(cfg.n_threads, note),
                               n_threads_batch=clamp_threads(cfg.n_threads_batch, note, "-tb"))

@@ -65,6 +65,13 @@ def cli_sampler_order(text: str) -> tuple[str, ...]:
     return sampler_order([n for n in text.split(";") if n])
 
 
+def logit_bias_sampler(lc, n_vocab: int, pairs: list[tuple[int, float]]):
+    """llama.cpp's logit-bias member for ``pairs`` (token id, bias), in order, each entry kept (a
+    token given twice gets both; LlamaSampler.add_logit_bias takes a dict: one per token)."""
+    entries = (lc.llama_logit_bias * len(pairs))(*(lc.llama_logit_bias(t, b) for t, b in pairs))
+    return lc.llama_sampler_init_logit_bias(n_vocab, len(pairs), entries)
+
+
 def llama_server_chain(lc, vocab, n_vocab: int, order: tuple[str, ...], *, temp: float, top_k: int, top_p: float,
                        min_p: float, typical_p: float, repeat_last_n: int, repeat_penalty: float,
                        frequency_penalty: float, presence_penalty: float, logit_bias: list[tuple[int, float]],
@@ -76,8 +83,7 @@ def llama_server_chain(lc, vocab, n_vocab: int, order: tuple[str, ...], *, temp:
     chain = _internals.LlamaSampler()
     add = lambda member: lc.llama_sampler_chain_add(chain.sampler, member)  # noqa: E731
     if logit_bias:
-        entries = (lc.llama_logit_bias * len(logit_bias))(*(lc.llama_logit_bias(t, b) for t, b in logit_bias))
-        add(lc.llama_sampler_init_logit_bias(n_vocab, len(logit_bias), entries))
+        add(logit_bias_sampler(lc, n_vocab, logit_bias))
     for name in order:
         if name in OFF_BY_DEFAULT:
             continue

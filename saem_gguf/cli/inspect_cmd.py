@@ -8,9 +8,9 @@ import json
 from saem_gguf.budget import ECR_HELP, format_size, parse_size, plan_from_budget, plan_from_ecr
 from saem_gguf.cli.arg_types import bounded_int
 from saem_gguf.cli.common import ecr_arg, ram_budget_arg
-from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo, read_model_info
 from saem_gguf.model_check import MAX_CONTEXT
+from saem_gguf.resources import context_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,10 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     info = read_model_info(args.model)
-    if args.ctx_size == 0:  # as the engine reads -c 0 (resources.checked_engine_inputs)
-        if info.n_ctx_train <= 0:
-            raise SaemError(f"{args.model}: the model gives no context length: give -c N")
-        args.ctx_size = info.n_ctx_train
+    args.ctx_size = context_size(info, args.ctx_size)  # -c 0: the model's, as the engine reads it
     overhead = parse_size(args.overhead) if args.overhead is not None else None
     plan = None
     if args.vram_budget is not None:

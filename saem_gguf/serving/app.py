@@ -36,7 +36,7 @@ from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
     SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Generation,
     InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation,
-    llama_timings, native_probs, native_settings, parse_request, piece_json, request_logit_bias, sse,
+    llama_timings, native_probs, native_settings, parse_request, piece_json, request_logit_bias, sse, stop_type,
 )
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
 from saem_gguf.thinking import THINK_OPEN, forced_open_prefix, template_reasons
@@ -412,7 +412,7 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
 def _timings(ev: TokenEvent) -> dict:
     """llama-server's timings of a final event (its end-of-generation token counted, as there)."""
     n_prompt, n_gen = ev.usage or (0, 0)
-    eos = ev.finish_reason == "stop" and ev.stop_word is None
+    eos = stop_type(ev.finish_reason, ev.stop_word) == "eos"
     return llama_timings(n_prompt, ev.cached, n_gen + eos, *(ev.timings or (0.0, 0.0)))
 
 

@@ -101,7 +101,7 @@ class LineState:
     has_new_line: bool = False  # a released text held a newline
     last_nl_pos: int = 0  # where the line being checked starts (0: none yet)
 
-    def indent_cut(self, text: bytes) -> int | None:
+    def indent_cut(self, text: bytes | bytearray) -> int | None:
         """After a token: the length the text is cut to when the line being checked breaks the
         indentation rule, else None. llama-server's order and quirks: a line is checked from the
         token after the one that moved ``last_nl_pos`` to it, and ``last_nl_pos`` moves at most one
@@ -767,7 +767,7 @@ class Scheduler:
         logprobs = self._logprobs(batch_index, tok, seq.handle.request.n_probs)
         if lc.llama_vocab_is_eog(self._vocab, tok):
             # llama-server checks the indentation on this token too (its text is empty)
-            keep = None if seq.lines is None else seq.lines.indent_cut(bytes(seq.text.text))
+            keep = None if seq.lines is None else seq.lines.indent_cut(seq.text.text)
             self._finish(seq, "stop", seq.text.flush(), keep=keep)
             return
         seq.tokens.append(tok)
@@ -777,7 +777,7 @@ class Scheduler:
         piece, stopped = seq.text.add(self.engine._piece_after(seq.tokens), last)
         keep, limited = None, False
         if seq.lines is not None:  # after the stop strings and the length, as llama-server checks them
-            keep = seq.lines.indent_cut(bytes(seq.text.text))
+            keep = seq.lines.indent_cut(seq.text.text)
             late = seq.lines.out_of_time(piece, (time.perf_counter() - seq.t_first) * 1e3)
             limited = keep is not None or late  # a limit, even where a stop string also ended it (as there)
         if stopped or last or limited:

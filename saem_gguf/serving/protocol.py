@@ -568,6 +568,13 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int = 0) -> dic
             "text_offset": offsets}
 
 
+def stop_type(finish_reason: str, stop_word: str | None) -> str:
+    """llama-server's ``stop_type`` of an answer: ``limit`` (its length or a line limit),
+    ``word`` (a stop string) or ``eos`` (an end-of-generation token, which llama-server counts
+    among the tokens predicted; usage does not, as llama-cpp-python)."""
+    return "limit" if finish_reason == "length" else "word" if stop_word is not None else "eos"
+
+
 def llama_timings(n_prompt: int, cached: int, n_gen: int, prompt_s: float, gen_s: float) -> dict:
     """llama-server's ``timings`` object: ``cache_n`` prompt tokens an earlier request's cells
     served, ``prompt_n`` evaluated, ``predicted_n`` generated (the end-of-generation token it
@@ -709,16 +716,16 @@ class NativeReply:
         (``cache_n``: the prompt tokens an earlier request's cells served, ``prompt_n`` the
         ones evaluated)."""
         n_prompt, n_gen = usage
-        stop_type = "limit" if finish_reason == "length" else "word" if stop_word is not None else "eos"
-        # llama-server counts the end-of-generation token it sampled (usage does not, as
-        # llama-cpp-python); the last sampled token is never decoded into the cache
-        n_gen += stop_type == "eos"
+        stopped = stop_type(finish_reason, stop_word)
+        # llama-server counts the end-of-generation token it sampled; the last sampled token is
+        # never decoded into the cache
+        n_gen += stopped == "eos"
         content = "" if streamed else self.content.decode("utf-8", errors="ignore")
         tokens = self.tokens if self.return_tokens and not streamed else []
         out = {"index": 0, "content": content, "tokens": tokens, "id_slot": self.id_slot,
                "stop": True, "model": self.model, "tokens_predicted": n_gen, "tokens_evaluated": n_prompt,
                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": "\n" in content,
-               "truncated": False, "stop_type": stop_type,
+               "truncated": False, "stop_type": stopped,
                "stopping_word": stop_word or "", "tokens_cached": n_prompt + max(n_gen - 1, 0),
                "timings": llama_timings(n_prompt, cached, n_gen, *timings)}
         if self.probs and not streamed:
