@@ -98,7 +98,11 @@ def detector_events(ts: TraceSet, cues: str = "general", template=None) -> list[
     else:
         cue_maker = _detector_factory(ts, cues, implicit=False)
         combined_maker = _detector_factory(ts, cues, implicit=True)
-    cued = detected_cues(ts.sequences, cue_maker)
+    if template is not None and not template.config.use_cues:
+        # a profile whose calibration kept no cue (implicit detection only): no cue event
+        cued = [{} for _ in ts.sequences]
+    else:
+        cued = detected_cues(ts.sequences, cue_maker)
     combined = detected_events(ts.sequences, combined_maker)
     return [(np.array(sorted(c), np.int64), np.array(sorted(a), np.int64), c) for c, a in zip(cued, combined)]
 

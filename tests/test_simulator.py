@@ -13,8 +13,8 @@ from saem_gguf.cli.main import main
 from saem_gguf.costmodel import HW_PRESETS, CostModel
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.simulator import (
-    SimConfig, build_blocks, calibration_counts, calibration_sample, default_cost, replay, run_policy, simulate,
-    split_calibration,
+    SimConfig, build_blocks, calibration_counts, calibration_sample, default_cost, detector_events, replay, run_policy,
+    simulate, split_calibration,
 )
 from saem_gguf.trace import ModelSignature, SequenceTrace, TraceSet, save_traces, validate_traces
 
@@ -195,6 +195,22 @@ def test_detector_events(synth):
     replay(pol, blocks, acct)
     reasons = [r for _, r in pol.boundaries]
     assert "implicit" in reasons and "cue" in reasons
+
+
+def test_detector_events_of_a_profile_that_kept_no_cue(synth):
+    """A calibration that kept no cue makes an implicit-only detector (StageDetector.from_profile);
+    replaying under it as a template (the engine's saem pricing its layout on the calibration
+    routing) has no cue event, only routing-shift ones. It raised on making the cue twin."""
+    from saem_gguf.stage.detector import DetectorConfig, StageDetector
+
+    _, _, synthetic = synth
+    ts = synthetic.make_stage_traces(synthetic.SyntheticConfig(n_layer=8, n_expert=32, top_k=4, n_sequences=2,
+                                                               seed=3, n_stages=6))
+    implicit_only = StageDetector(1, None, DetectorConfig(use_cues=False, use_implicit=True), n_layer=8,
+                                  n_expert=32, top_k=4)
+    events = detector_events(ts, template=implicit_only)
+    assert all(cue.size == 0 and not texts for cue, _, texts in events)
+    assert sum(both.size for _, both, _ in events) > 0
 
 
 def test_cli_simulate_synthetic(tmp_path, capsys):
