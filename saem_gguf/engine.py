@@ -729,7 +729,10 @@ class Engine:
         if not self.info.is_moe:
             raise SaemError(f"{self.info.architecture} is a dense model: no experts to place")
         detector, calib, cue_counts, routing = self._make_detector(policy)
-        cost = CostModel.from_expert_bytes(self.info.moe_layers[0].bytes_per_expert, get_hw(self.cfg.hw))
+        # the native layer makes each decode wait for every copy queued before it
+        # (moe_cache.cpp wait_copies_on_compute), whatever the profile says
+        hw = get_hw(self.cfg.hw).replace(copy_barrier=True)
+        cost = CostModel.from_expert_bytes(self.info.moe_layers[0].bytes_per_expert, hw)
         policy_args = dict(policy_args or {})
         if policy == "n-cpu-moe" and self.cfg.n_cpu_moe is not None:
             policy_args["n_cpu_layers"] = self._n_cpu_moe_layers()
@@ -749,6 +752,9 @@ class Engine:
             tried = ", ".join(f"{n}: {tok:.4g}" for n, tok in prices.items())
             self.note(f"slot layout: {whole} of {n_slots.size} MoE layers fully resident, the rest cached "
                       f"(the fastest replaying the calibration sample; estimated tok/s by whole layers {tried})")
+        if policy == "static-hot" and calib is None:
+            self.note("static-hot has no calibration counts (make a profile with `calibrate` and pass "
+                      "--profile): it places no expert, every one runs on the CPU")
         if policy == "saem-cue" and not cue_counts:
             self.note("saem-cue has no cue profiles (make them with `calibrate` and pass --profile): "
                       "it ranks like saem")

@@ -11,7 +11,7 @@ from saem_gguf.costmodel import (
 )
 from saem_gguf.policies import make_policy
 from saem_gguf.accounting import A_HIT, Accounting
-from saem_gguf.policies.adaptive import CTL_LEADER, AdaptiveSaemPolicy, candidate_kind, copy_cost_in_hits, hit_gains
+from saem_gguf.policies.adaptive import CTL_LEADER, CTL_SWITCH_COST, AdaptiveSaemPolicy, candidate_kind, copy_cost_in_hits, hit_gains
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import OP_EVICT, OP_PREFETCH, ResidencyChange, RoutingBlock, StepEvents
 from saem_gguf.link_budget import LinkMeter
@@ -99,6 +99,22 @@ def test_candidate_names_and_copy_cost():
     assert copy_cost_in_hits(CostModel.from_expert_bytes(2_654_208, HW.replace(dma_slows_cpu=False)).array) == 0
     # on a busy link the copy queues while CPU experts run: its whole transfer counts
     assert copy_cost_in_hits(qwen, busy_link=True) == pytest.approx(1.16, abs=0.01)
+    # with the copy barrier (the engine's) a queued copy holds up the next step for its whole
+    # transfer: 116.2 us over the 38.5 us a hit saves; on an idle link it hides as before
+    barrier = CostModel.from_expert_bytes(2_654_208, HW.replace(copy_barrier=True)).array
+    assert copy_cost_in_hits(barrier, busy_link=True) == pytest.approx(3.02, abs=0.01)
+    assert copy_cost_in_hits(barrier) == copy_cost_in_hits(qwen)
+
+
+@pytest.mark.parametrize("copy_barrier", [False, True])
+def test_a_switch_is_priced_at_the_busy_link_under_the_copy_barrier(copy_barrier):
+    """A leader switch copies a burst: under the barrier the next steps wait for all of it."""
+    ctx = _ctx(2, 16, 2, 4, None)
+    ctx.cost = CostModel.from_expert_bytes(2_654_208, HW.replace(copy_barrier=copy_barrier))
+    pol = AdaptiveSaemPolicy()
+    pol.start(ctx)
+    busy, idle = copy_cost_in_hits(ctx.cost.array, busy_link=True), copy_cost_in_hits(ctx.cost.array)
+    assert pol._ctl[CTL_SWITCH_COST] == pytest.approx(busy if copy_barrier else 0.5 * idle)
 
 
 def _copies_under_budgets(make, ctx, routing, budgets):

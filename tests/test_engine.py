@@ -108,6 +108,33 @@ def test_the_decode_steps_kernels_are_bound_to_the_routing_sink(qwen3_path, refe
         eng.close()
 
 
+def test_policies_price_copies_with_the_native_copy_barrier(qwen3_path, tmp_path):
+    """The native layer makes every decode wait for the copies queued before it, so the policies'
+    cost model says so whatever the hardware profile (here one without the barrier) says."""
+    import dataclasses
+    import json
+
+    from saem_gguf.costmodel import HW_PRESETS
+
+    profile = tmp_path / "hw.json"
+    profile.write_text(json.dumps(dataclasses.asdict(HW_PRESETS["rtx4090-ddr5"].replace(copy_barrier=False))))
+    eng = Engine(EngineConfig(model=qwen3_path, n_ctx=256, policy="saem", ecr=0.25, n_threads=2, hw=str(profile)))
+    try:
+        cost = eng.placement.policy.ctx.cost
+        assert cost.hw.copy_barrier and cost.hw.h2d_bw == HW_PRESETS["rtx4090-ddr5"].h2d_bw
+    finally:
+        eng.close()
+
+
+def test_static_hot_without_calibration_says_it_places_nothing(qwen3_path):
+    eng = Engine(EngineConfig(model=qwen3_path, n_ctx=256, policy="static-hot", ecr=0.5, n_threads=2))
+    try:
+        assert any("static-hot has no calibration counts" in n for n in eng.notes)
+        assert (eng.placement.state.slot_of < 0).all()
+    finally:
+        eng.close()
+
+
 def test_stats_report_the_budget_and_an_uneven_layout(qwen3_path):
     """n-cpu-moe puts the budget's bytes in whole layers: the stats give the mean slots per layer
     and the ECR actually held (not the largest layer's) and the layout. The test model has 3 MoE

@@ -153,6 +153,29 @@ def test_a_named_count_of_resident_layers_is_kept_as_asked():
             make_policy("saem", layout=bad)
 
 
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_whole_layers_start_with_every_expert(calibrated):
+    """A whole layer holds every expert from load, as n-cpu-moe's do, even the experts calibration
+    never saw (without calibration, all of them): else each is copied in on its first use while
+    decoding (the first device run's saem at ECR 50 % without a profile: 0.85x n-cpu-moe, the same
+    layout, simulated on its costs)."""
+    L, E, K = 6, 32, 4
+    calib = _skewed_calib(L, E, K, skew=0.3) if calibrated else None
+    if calib is not None:
+        calib[:, E // 2:] = 0  # half the experts never routed to in calibration
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                        calib_counts=calib)
+    state = make_policy("saem", layout="resident-2").start(ctx)
+    whole = state.n_slots == E
+    assert whole.sum() == 2
+    assert (state.slot_of[whole] >= 0).all()
+    # the cached layers: the calibrated top experts, as before; no evidence, no copy (the slots
+    # wait for the routing)
+    held = (state.slot_of[~whole] >= 0).sum(axis=1)
+    expect = np.minimum(state.n_slots[~whole], (calib[~whole] > 0).sum(axis=1)) if calibrated else 0
+    assert (held == expect).all()
+
+
 def test_whole_layer_grid_spans_uniform_to_every_whole_layer():
     assert whole_layer_grid(24, 7) == [0, 4, 8, 12, 16, 20, 24]
     assert whole_layer_grid(3) == [0, 1, 2, 3]

@@ -137,24 +137,37 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope):
     routing = _routing(rng, steps, batch, L, E, K)
     scored = 0
     priced_above_idle = False
+    # cue events re-rank the stage candidate (candidate 0, a fixed set) after the kernel scored the
+    # step; its entrants are charged as its copies at the next scored step
+    cue_steps = {20, 45, 70}
+    placed = 0
     for s in range(steps):
         before = pol._c_slot >= 0
-        pol.observe(routing[s], StepEvents(n_rows=batch))
+        events = StepEvents(rows=(0,), cues=("x",), n_rows=batch) if s in cue_steps else StepEvents(n_rows=batch)
+        pol.observe(routing[s], events)
         after = pol._c_slot >= 0
         if not (routing[s, :, 0, 0] >= 0).any():
+            placed += int(np.count_nonzero(after[:, :, 0] & ~before[:, :, 0]))
             continue
         scored += 1
         alpha = pol._ctl[CTL_ALPHA]
         w = max(alpha, 1.0 / scored)
         for c in range(C):
-            copies = int(np.count_nonzero(after[:, :, c] & ~before[:, :, c] & (n_slots > 0)[:, None]))
+            entrants = after[:, :, c] & ~before[:, :, c] & (n_slots > 0)[:, None]
+            if c == 0:  # the re-rank after this step is charged at the next one
+                copies, placed = placed, int(np.count_nonzero(entrants))
+                after_scoring = before[:, :, 0]
+            else:
+                copies, after_scoring = int(np.count_nonzero(entrants)), after[:, :, c]
             rate[c] += alpha * (copies - rate[c])
             price = naive.adaptive_copy_price(pol._ctl[CTL_COPY_COST], cost, rate[c], step_s, load_slope)
             priced_above_idle |= price > pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
-            gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after[:, :, c], n_slots, cost, price)
+            gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, price)
+            gain -= price * copies if c == 0 else 0.0
             expect[c] += w * (gain - expect[c])
         np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)
     assert priced_above_idle == (load_slope > 0)  # the load term was exercised
+    assert sum(r == "cue" for _, r in pol.boundaries) >= 2  # and the stage candidate's re-ranks
 
 
 def test_estimated_step_equals_naive():

@@ -21,7 +21,8 @@ Each step, each candidate earns what its set (before its own update) would have 
 expert time on the cost model, in one-token hits (``hit_gains``: ``t_cpu(c) - t_gpu(c)`` for an
 expert used by ``c`` of the step's tokens, plus the CPU round trip a layer skips when every
 expert it used was held), less the price of the copies it made; the score is an exponential
-average over ``horizon_steps``. Counting token hits instead would favour the rule that hits
+average over ``horizon_steps``. The stage candidate's re-ranks count as its copies
+(``charge_placements``), as a cache's loads do. Counting token hits instead would favour the rule that hits
 most, which is not the fastest where one CPU expert in a layer costs the whole round trip (the
 embedded model: a hit saves 1.4 us, the round trip 30 us) or where a batch shares an expert's
 weight read. The real cache follows the leader's set: after each layer runs, the leader's
@@ -57,7 +58,7 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.costmodel import (
-    C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_STEP_S, C_SYNC, link_bytes_per_copy, t_cpu, t_gpu, t_xfer,
+    C_BARRIER, C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_STEP_S, C_SYNC, link_bytes_per_copy, t_cpu, t_gpu, t_xfer,
 )
 from saem_gguf.kernel_books import (
     Book, KernelBooks, entry_point, f64_1d, f64_2d, f64_3d, i32_1d, i32_2d, i32_3d, i64_2d, u8_1d,
@@ -93,7 +94,8 @@ CAND_KIND = 0  # KIND_*
 CAND_LAM = 1  # LRFU decay per step (KIND_DECAY), else 0
 CAND_REF = 2  # KIND_DECAY: the step the keys are scaled to
 CAND_RATE = 3  # copies per step, averaged like the score: how busy the candidate keeps the link
-N_CAND = 4
+CAND_PLACED = 4  # copies a fixed set's re-rank made since the last step (the stage rule's placements)
+N_CAND = 5
 
 # Control block of the kernel (float64 array ``ctl``)
 CTL_LEADER = 0  # index of the candidate the real cache follows
@@ -175,6 +177,12 @@ class AdaptiveConfig:
     # its copies rises from copy_cost to the busy-link price by this share of its load; 0: one
     # price per copy whatever the load
     load_slope: float = 0.5
+    # the stage candidate pays for its re-ranks as a cache pays for its loads: the copies a
+    # placement of its set would make, priced like any copy at the next step (copy_charge). Free
+    # re-ranks made the stage rule look best in the steps after each request's placement, on the
+    # prompt's routing, and the cache followed it with a burst of copies (fitted device costs,
+    # ECR 50 %: a second request at 174.5 tok/s against static-hot's 233.5; charged, 233.5)
+    charge_placements: bool = True
 
 
 @njit(cache=True)
@@ -199,7 +207,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     rows int16 [B, L, K]: the step's routing (-1 rows: no token); g: global step;
     slot_of/owner/n_slots: the real CacheState, updated in place; cand float64 [C, N_CAND]:
     each candidate's CAND_* parameters (CAND_RATE: its copies per step, averaged with weight
-    1 / horizon from 0, updated here); c_slot int32 [L, E, C] / c_owner int32 [C, L, Smax]:
+    1 / horizon from 0, updated here; CAND_PLACED: copies its re-ranks made since the last step,
+    charged and cleared here); c_slot int32 [L, E, C] / c_owner int32 [C, L, Smax]:
     each candidate's expert->slot and slot->expert maps; c_key float64 [L, E, C]: their
     priority keys (caching.py; an expert's entries of all candidates share a cache line, as a
     step reads them together: after a decode each line is a cache miss); c_floor float64 [C, L]:
@@ -356,6 +365,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     alpha = ctl[CTL_ALPHA]
     w = max(alpha, 1.0 / ctl[CTL_SCORED]) if ctl[CTL_WARM] > 0 else alpha
     for c in range(C):
+        made[c] += cand[c, CAND_PLACED]
+        cand[c, CAND_PLACED] = 0.0
         cand[c, CAND_RATE] += alpha * (made[c] - cand[c, CAND_RATE])
         net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
                                         ctl[CTL_LOAD_SLOPE])
@@ -438,12 +449,19 @@ def copy_cost_in_hits(cost: np.ndarray, busy_link: bool = False) -> float:
     of its ``t_xfer`` slows CPU experts. That loss, over the time a hit saves against a one-token
     CPU run (``t_cpu(1) - t_gpu(1)``), is the copy's price. ``busy_link``: the copy waits in the
     queue while CPU experts run, so none of it hides behind a dense part (``copy_charge``'s
-    busy-link price)."""
+    busy-link price); with the copy barrier (C_BARRIER: the engine's native layer makes the next
+    step wait for every copy queued before it) a queued copy holds up the next step for its whole
+    transfer, so its busy-link price is ``t_xfer`` itself (the first device run's tokens/s are fitted
+    better with that barrier than without: bench/device/fit_device_run.py)."""
     saved = t_cpu(1, cost) - t_gpu(1, cost)
+    if saved <= 0:
+        return 0.0
+    if busy_link and cost[C_BARRIER] > 0:
+        return float(t_xfer(cost) / saved)
     f = max(float(cost[C_DMA_SLOW]), 1.0)
     hidden = 0.0 if busy_link or cost[C_OVERLAP] > 0 else float(cost[C_DENSE_LAYER_S])
     busy = max(0.0, t_xfer(cost) - hidden)
-    return float(busy * (1.0 - 1.0 / f) / saved) if saved > 0 else 0.0
+    return float(busy * (1.0 - 1.0 / f) / saved)
 
 
 def resident_layers(layout: str) -> int | None:
@@ -478,13 +496,15 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
                  copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
                  start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
+                 charge_placements: bool = True,
                  **overrides) -> None:
         super().__init__(config, **overrides)
         # what a copy of this policy under another layout is built from (_replayed_layout)
         self._args = dict(config=config, horizon_steps=horizon_steps, switch_margin=switch_margin,
                           warm_start=warm_start, candidates=candidates, prior_tokens=prior_tokens,
                           copy_cost=copy_cost, copy_price=copy_price, start_leader=start_leader,
-                          first_switch=first_switch, load_slope=load_slope, **overrides)
+                          first_switch=first_switch, load_slope=load_slope,
+                          charge_placements=charge_placements, **overrides)
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
@@ -495,7 +515,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
                                        copy_cost=copy_cost, copy_price=float(copy_price), layout=layout,
                                        start_leader=start_leader, first_switch=int(first_switch),
-                                       load_slope=float(load_slope))
+                                       load_slope=float(load_slope),
+                                       charge_placements=bool(charge_placements))
         self._resident = resident_layers(layout)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
@@ -560,7 +581,12 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_COPY_COST] = self.adaptive.copy_price * copy_cost_in_hits(ctx.cost.array) \
             if self.adaptive.copy_cost is None else self.adaptive.copy_cost
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
-        self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * self._ctl[CTL_COPY_COST]
+        # a switch's copies come in a burst, which the copy barrier makes the next steps wait for:
+        # there each is priced at its whole transfer (on the device-fitted costs the idle price let
+        # the cache switch 100-130 times in 4,300 steps and move 4-5x lfu-cpu's bytes for its hits)
+        barrier = ctx.cost.array[C_BARRIER] > 0 and self.adaptive.copy_cost is None
+        self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * (
+            copy_cost_in_hits(ctx.cost.array, busy_link=True) if barrier else self._ctl[CTL_COPY_COST])
         # a fixed copy_cost is one price whatever the load
         self._ctl[CTL_COPY_COST_FULL] = copy_cost_in_hits(ctx.cost.array, busy_link=True) \
             if self.adaptive.copy_cost is None else self.adaptive.copy_cost
@@ -620,6 +646,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         shadow = self._stage_shadow
         plan = plan_from_scores(shadow, scores, reason=reason)
         shadow.place(plan)
+        if self.adaptive.charge_placements:
+            self._cand[0, CAND_PLACED] += len(plan.copies)
         self._c_key[:, :, 0] = scores
         self._behind[plan.copies[:, 0]] = 1
         self._behind[plan.evictions[:, 0]] = 1

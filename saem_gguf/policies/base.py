@@ -131,8 +131,14 @@ class Policy(ABC):
         return state
 
     def initial_plan(self, ctx: PolicyContext, state: CacheState) -> ResidencyPlan | None:
-        """Load-time placement; default: the calibrated top experts of each layer."""
-        return plan_from_scores(state, ctx.calib, reason="load")
+        """Load-time placement; default: the calibrated top experts of each layer, and every
+        expert of a layer with a slot for each (a layout's whole layers, as n-cpu-moe's): ranking
+        has nothing to decide there, and experts without calibration counts would otherwise be
+        copied in while decoding, on the first use of each (without calibration, every one)."""
+        scores = ctx.calib.copy()
+        whole = state.n_slots >= ctx.n_expert
+        scores[whole] += 1.0  # every expert above 0: rank_fill_kernel copies in only positive scores
+        return plan_from_scores(state, scores, reason="load")
 
     def begin_group(self, block: RoutingBlock) -> ResidencyChange | None:
         """A new batch of requests starts decoding (default: nothing changes)."""
