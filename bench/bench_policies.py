@@ -62,6 +62,8 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 import numpy as np  # noqa: E402
 
 from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
+from saem_gguf.costmodel import get_hw  # noqa: E402
+from saem_gguf.errors import SaemError  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies import POLICIES, make_policy  # noqa: E402
 from saem_gguf.simulator import NOT_IMPLEMENTABLE, SimConfig, default_cost, simulate, split_calibration  # noqa: E402
@@ -163,13 +165,13 @@ def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tupl
 def measure(task: tuple) -> list[dict]:
     """The rows of one family (every ECR x batch): saem's tokens/s and its ratios to the others
     (``stored``: the others' tokens/s per (ECR, batch), from a --reuse file; saem alone is run)."""
-    fam, ecrs, batches, trace, seed, cues, drawn, saem_kwargs, stored = task
+    fam, ecrs, batches, trace, seed, cues, drawn, saem_kwargs, stored, hw = task
     ts, calib = family_traces(fam, trace, seed, drawn)
     names = ("saem",) if stored else ("saem", *OTHERS, "oracle")
     cfg = SimConfig(policies=names, ecrs=ecrs, batches=batches)
     if fam == "model":
         cfg = dataclasses.replace(cfg, cues=cues)
-    res = simulate(ts, cfg, default_cost(ts), calib=calib, policy_kwargs={"saem": saem_kwargs})
+    res = simulate(ts, cfg, default_cost(ts, hw), calib=calib, policy_kwargs={"saem": saem_kwargs})
     rows = []
     for B in batches:
         for e in ecrs:
@@ -234,7 +236,13 @@ def main(argv=None) -> int:
                    "tokens/s stored in this --json output of the same workloads")
     p.add_argument("--saem", default="{}", metavar="JSON", help="keyword arguments of the saem policy, a JSON "
                    "object (e.g. '{\"copy_price\": 0.75}')")
+    p.add_argument("--hw", default="rtx4090-ddr5", help="the cost model's hardware: a preset or a profile JSON "
+                   "(e.g. bench/device/results/2026-12-04-h200/fitted_hw.json; default rtx4090-ddr5)")
     a = p.parse_args(argv)
+    try:
+        get_hw(a.hw)
+    except SaemError as e:
+        p.error(str(e))
     if a.jobs < 1:
         p.error("--jobs must be at least 1")
     try:
@@ -250,7 +258,7 @@ def main(argv=None) -> int:
     fams, drawn = selected_families(p, a)
     ecrs = tuple(100.0 * e for e in a.ecr)  # SimConfig counts in percent
     stored = stored_runs(p, a.reuse, fams, ecrs, a.batch) if a.reuse else {}
-    tasks = [(f, ecrs, a.batch, a.trace, a.seed, a.cues, drawn, saem_kwargs, stored.get(f)) for f in fams]
+    tasks = [(f, ecrs, a.batch, a.trace, a.seed, a.cues, drawn, saem_kwargs, stored.get(f), a.hw) for f in fams]
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
           f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")
     out = []

@@ -12,7 +12,11 @@ help find the fault.
                     run vs the CPU backend's (a child process with no GPU visible) within a
                     tolerance; native routing counts vs the per-token routing read back
   bench.md / .json  decode tok/s (mean ± stddev over reps) and prefill tok/s per policy x ECR, on a
-                    Qwen3-30B-A3B-shaped model (replayed reasoning text: real stage structure)
+                    Qwen3-30B-A3B-shaped model (replayed reasoning text: real stage structure),
+                    calibrated first (a profile from 4 other examples, as `calibrate` makes);
+                    per repetition a first request on a fresh cache and a second, other one on
+                    the cache the first left; the policies price with the profile fitted to the
+                    first device run (bench/device/fit_device_run.py)
   overlap.json      per decode step: time with K async expert copies issued before it, without,
                     and the copies alone; hidden = copy time not added to the step; the host time
                     to issue them one call each and batched (the engine's two calls)
@@ -47,6 +51,8 @@ PROMPT = ("Question: a train leaves at 3 pm and travels 120 km at 80 km/h. When 
 CHECK_POLICIES = ("cpu-moe", "saem", "gpu-all")
 BENCH_POLICIES = ("gpu-all", "cpu-moe", "n-cpu-moe", "static-hot", "lru-cpu", "lfu-cpu", "saem",
                   "saem-cue")
+# the first device run's constants (bench/device/fit_device_run.py): the H200 machine's best known
+FITTED_HW = Path(__file__).resolve().parent / "results" / "2026-12-04-h200" / "fitted_hw.json"
 ECR_FREE_POLICIES = ("gpu-all", "cpu-moe")  # measured once: they ignore the cache size
 # ubatch sizes of the teacher-forced logits: 1 (mmvq), 3 (mmvq's multi-token MoE kernel), 12 (mmq)
 FORCED_UBATCHES = (1, 3, 12)
@@ -68,6 +74,8 @@ class RunSizes:
     overlap_steps: int
     overlap_copies: int  # async expert copies issued before each measured step
     bench_budget_s: float  # the bench stops repeating (noted) once it has used this much
+    calib_examples: int  # held-out examples replayed to calibrate the bench model
+    calib_tokens: int  # decode tokens of each
     n_ctx: int = 1024
 
 
@@ -78,7 +86,7 @@ def sizes(dry_run: bool, layers: int, reps: int) -> RunSizes:
                          planted=STAGE_PLANT, name="device-dry-run")
         return RunSizes(tiny, tiny, check_tokens=12, bench_tokens=12, reps=reps,
                         ecrs=(0.125, 0.25, 0.5), check_ecrs=(0.25, 0.5), overlap_steps=4,
-                        overlap_copies=2, bench_budget_s=120, n_ctx=512)
+                        overlap_copies=2, bench_budget_s=120, calib_examples=2, calib_tokens=24, n_ctx=512)
     check = ModelSpec(arch="qwen3moe", expert_type="q4_0", n_layer=4, n_embd=512, n_ff_exp=256,
                       n_expert=32, n_expert_used=4, n_head=8, n_head_kv=2, head_dim=64,
                       planted=STAGE_PLANT, name="device-check")
@@ -88,7 +96,7 @@ def sizes(dry_run: bool, layers: int, reps: int) -> RunSizes:
                       expert_pool=8, planted=STAGE_PLANT, name="qwen3-30b-a3b-shape")
     return RunSizes(check, bench, check_tokens=48, bench_tokens=96, reps=reps,
                     ecrs=(0.125, 0.25, 0.5), check_ecrs=(0.25, 0.5), overlap_steps=48,
-                    overlap_copies=16, bench_budget_s=210)
+                    overlap_copies=16, bench_budget_s=300, calib_examples=4, calib_tokens=600)
 
 
 def _log(msg: str) -> None:
@@ -244,60 +252,117 @@ def _cpu_backend_logits(model: Path, seq: list[int], n_prompt: int, n_ctx: int, 
         npy.unlink(missing_ok=True)
 
 
-def bench(model: Path, rs: RunSizes, out: Path) -> None:
+def _replay_text(eng: Engine, example, n_tokens: int) -> str:
+    """The first ``n_tokens`` tokens of ``example``'s completion, as text (the replayed decode)."""
+    toks = eng.llm.tokenize(example.completion.encode(), add_bos=False, special=True)[:n_tokens]
+    return eng.llm.detokenize(toks).decode("utf-8", errors="ignore")
+
+
+def calibrate(model: Path, rs: RunSizes) -> Path:
+    """A profile of the bench model, as a user makes one with ``calibrate`` before choosing a
+    placement: the routing of ``rs.calib_examples`` held-out examples (others than the bench's)
+    replayed on the GPU (gpu-all: routing does not depend on placement), then calibrate's own
+    work (calibrate_cmd.build_profile). Without it static-hot has nothing to place and saem
+    neither priors nor a routing sample to choose its layout by (the first run had none)."""
+    from saem_gguf.cli.calibrate_cmd import build_profile
+    from saem_gguf.defaultmodel.corpus import heldout_examples
+    from saem_gguf.trace import TraceSet
+
+    examples = heldout_examples(2 + rs.calib_examples, seed=7)[2:]  # 0, 1: the bench's requests
+    eng = Engine(EngineConfig(model=model, n_ctx=rs.n_ctx, policy="gpu-all", progress=False, record=True))
+    try:
+        seqs = []
+        for ex in examples:
+            eng.replay(ex.prompt, _replay_text(eng, ex, rs.calib_tokens))
+            seqs.append(eng.sequence_trace())
+        ts = TraceSet(eng.signature(), seqs, source="engine")
+    finally:
+        eng.close()
+    path = model.with_suffix(".profile.json")  # beside the generated model: not one of the run's files
+    build_profile(ts).save(str(path))
+    return path
+
+
+def bench(model: Path, rs: RunSizes, out: Path, hw: str) -> None:
+    """Per policy x ECR and repetition: the placement set up afresh (the native cache re-made,
+    its load-time copies done, as after loading the model), then two requests timed: the first
+    (``decode_tps``, a cold cache, as the first device run measured) and a second, other one
+    (``decode_tps_warm``: the cache as the first request left it, as a server's second request
+    finds it). Hit rate and MB/token per request."""
     from saem_gguf.defaultmodel.corpus import heldout_examples
 
-    ex = heldout_examples(1, seed=7)[0]
-    auto = Engine(EngineConfig(model=model, n_ctx=rs.n_ctx, policy="saem", vram_budget=AUTO, progress=False))
+    first, second = heldout_examples(2, seed=7)
+    t = time.perf_counter()
+    profile = calibrate(model, rs)
+    _log(f"bench model calibrated on {rs.calib_examples} other examples in {time.perf_counter() - t:.1f} s")
+    auto = Engine(EngineConfig(model=model, n_ctx=rs.n_ctx, policy="saem", vram_budget=AUTO, progress=False,
+                               profile=profile, hw=hw))
     auto_notes = [n for n in auto.notes if "vram-budget" in n or "expert cache" in n]
     auto.close()
     for n in auto_notes:
         _log(n)
-    eng = _engine(model, "cpu-moe", rs.ecrs[0], rs.n_ctx)
+    eng = Engine(EngineConfig(model=model, n_ctx=rs.n_ctx, policy="cpu-moe", progress=False, profile=profile,
+                              hw=hw))
     try:
-        c_toks = eng.llm.tokenize(ex.completion.encode(), add_bos=False, special=True)[: rs.bench_tokens]
-        continuation = eng.llm.detokenize(c_toks).decode("utf-8", errors="ignore")
+        texts = [_replay_text(eng, first, rs.bench_tokens), _replay_text(eng, second, rs.bench_tokens)]
+        prompts = [len(eng.prompt_tokens(x.prompt, parse_special=True)) for x in (first, second)]
         configs = [(p, None) for p in BENCH_POLICIES if p in ECR_FREE_POLICIES]
         configs += [(p, e) for e in rs.ecrs for p in BENCH_POLICIES if p not in ECR_FREE_POLICIES]
-        rows = {c: {"pp": [], "tg": [], "stats": {}} for c in configs}
+        rows = {c: {"pp": [], "tg": [], "tg_warm": [], "stats": {}, "stats_warm": {}, "layout": None}
+                for c in configs}
         for pol, ecr in configs:  # warm-up: kernels, planner JIT, pages
             eng.set_placement(pol, eng.info.n_expert if ecr is None else _slots(eng, ecr))
-            eng.replay(ex.prompt, continuation)
+            eng.replay(first.prompt, texts[0])
         t0, reps_done = time.perf_counter(), 0
         for rep in range(rs.reps):
             if rep >= 3 and time.perf_counter() - t0 > rs.bench_budget_s:
                 break
             for pol, ecr in configs:
                 eng.set_placement(pol, eng.info.n_expert if ecr is None else _slots(eng, ecr))
-                res = eng.replay(ex.prompt, continuation)
                 r = rows[(pol, ecr)]
+                res = eng.replay(first.prompt, texts[0])
                 r["pp"].append(res.prompt_tokens / res.seconds_prompt)
                 r["tg"].append(len(res.tokens) / res.seconds_decode)
                 r["stats"] = eng.stats()
+                eng.reset_stats()
+                res = eng.replay(second.prompt, texts[1])
+                r["tg_warm"].append(len(res.tokens) / res.seconds_decode)
+                r["stats_warm"] = eng.stats()
+                r["layout"] = r["stats"].get("slot_layout")
             reps_done += 1
             _log(f"bench rep {rep + 1}: {time.perf_counter() - t0:.0f} s")
         overlap(eng, rs, out)  # on the same loaded model: one load of the big file less
     finally:
         eng.close()
     results = []
-    lines = [f"model: {model.name} ({rs.bench_model.n_layer} layers), prompt {res.prompt_tokens} tokens, "
-             f"{len(c_toks)} decode tokens per rep, {reps_done} reps",
-             "", "| policy | ECR | decode tok/s (mean ± sd) | prefill tok/s | hit rate | MB/token |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [f"model: {model.name} ({rs.bench_model.n_layer} layers), calibrated on {rs.calib_examples} other "
+             f"examples, cost model {Path(hw).name}; prompts {prompts[0]} and {prompts[1]} tokens, "
+             f"{rs.bench_tokens} decode tokens per request, {reps_done} reps",
+             "", "| policy | ECR | first request tok/s | hit | MB/token | second request tok/s | hit | MB/token "
+             "| prefill tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def mean_sd(xs: list[float]) -> tuple[float, float]:
+        return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
     for (pol, ecr), r in rows.items():
-        tg_mean, tg_sd = statistics.mean(r["tg"]), statistics.stdev(r["tg"]) if len(r["tg"]) > 1 else 0.0
+        (tg, tg_sd), (tw, tw_sd) = mean_sd(r["tg"]), mean_sd(r["tg_warm"])
         pp = statistics.mean(r["pp"])
-        s = r["stats"]
+        s, w = r["stats"], r["stats_warm"]
         results.append({"policy": pol, "ecr": ecr, "decode_tps": r["tg"], "prefill_tps": r["pp"],
-                        "decode_mean": tg_mean, "decode_sd": tg_sd, "prefill_mean": pp,
-                        **{k: s.get(k) for k in ("hit_rate", "mb_moved_per_token", "copies", "boundaries")}})
-        lines.append(f"| {pol} | {'all' if ecr is None else f'{ecr:.1%}'} | {tg_mean:.1f} ± {tg_sd:.1f} | "
-                     f"{pp:.0f} | {s.get('hit_rate', 0):.1%} | {s.get('mb_moved_per_token', 0):.2f} |")
+                        "decode_mean": tg, "decode_sd": tg_sd, "prefill_mean": pp,
+                        **{k: s.get(k) for k in ("hit_rate", "mb_moved_per_token", "copies", "boundaries")},
+                        "decode_tps_warm": r["tg_warm"], "decode_mean_warm": tw, "decode_sd_warm": tw_sd,
+                        **{f"{k}_warm": w.get(k) for k in ("hit_rate", "mb_moved_per_token", "copies")},
+                        "slot_layout": r["layout"]})
+        lines.append(f"| {pol} | {'all' if ecr is None else f'{ecr:.1%}'} | {tg:.1f} ± {tg_sd:.1f} | "
+                     f"{s.get('hit_rate', 0):.1%} | {s.get('mb_moved_per_token', 0):.2f} | {tw:.1f} ± {tw_sd:.1f} | "
+                     f"{w.get('hit_rate', 0):.1%} | {w.get('mb_moved_per_token', 0):.2f} | {pp:.0f} |")
     table = "\n".join(lines)
     print(table, flush=True)
     (out / "bench.md").write_text(table + "\n")
     (out / "bench.json").write_text(json.dumps({"model": str(model), "spec": asdict(rs.bench_model),
-                                                "reps": reps_done, "decode_tokens": len(c_toks),
+                                                "reps": reps_done, "decode_tokens": rs.bench_tokens,
+                                                "hw": str(hw), "profile": profile.name,
                                                 "vram_budget_auto": auto_notes,
                                                 "results": results}, indent=1) + "\n")
 
@@ -409,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny models (this machine's CPU build)")
     ap.add_argument("--layers", type=int, default=16, help="layers of the bench model (16)")
     ap.add_argument("--reps", type=int, default=3, help="bench repetitions (3)")
+    ap.add_argument("--hw", default=str(FITTED_HW),
+                    help="the cost model the policies decide with (default: the profile fitted to the first "
+                         "device run, bench/device/fit_device_run.py)")
     ap.add_argument("--models", type=Path, default=None,
                     help="where the generated models are cached (default: the test-model cache)")
     a = ap.parse_args(argv)
@@ -426,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     bench_model = ensure_model(rs.bench_model, a.models)
     _log(f"bench model ready in {time.perf_counter() - t:.1f} s ({bench_model.stat().st_size / 2**30:.2f} GiB)")
-    bench(bench_model, rs, a.out)
+    bench(bench_model, rs, a.out, a.hw)
     return 0 if correct else 1
 
 

@@ -35,35 +35,43 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from saem_gguf.cli.trace_cmd import check_n_predict
-    from saem_gguf.engine import FAMILY_CUES
     from saem_gguf.errors import SaemError
-    from saem_gguf.simulator import calibration_counts, calibration_sample
-    from saem_gguf.stage.calibrate import CalibrationConfig, calibrate_traceset, encode_routing
-    from saem_gguf.stage.cues import CueSet
 
     check_output_path(args.output, "calibrate -o")
     if args.min_stage_tokens < 1:
         raise SaemError("--min-stage-tokens must be >= 1")
     if args.prompts is not None:
         check_n_predict(args.n_predict)
-    ts = _traces(args)
-    if not ts.sequences or not any(s.n_tokens for s in ts.sequences):
-        raise SaemError("no traced tokens to calibrate on")
-    arch = ts.signature.arch
-    candidates = CueSet.load(args.cues or FAMILY_CUES.get(arch, "general"))
-    prof = calibrate_traceset(ts, candidates, CalibrationConfig(min_stage_tokens=args.min_stage_tokens))
-    counts = calibration_counts(ts, ts.signature.n_layer, ts.signature.n_expert)
-    prof.stats["expert_counts"] = counts.astype(int).tolist()
-    prof.stats["cue_profiles"] = _cue_profiles(ts, candidates, args.min_stage_tokens)
-    # what the adaptive saem replays itself over at load to choose its slot layout
-    sample = calibration_sample(ts)
-    if sample.sequences:
-        prof.stats["calibration_routing"] = encode_routing(sample)
+    prof = build_profile(_traces(args), args.cues, args.min_stage_tokens)
     prof.save(args.output)
     kept = ", ".join(c.text for c in prof.cues) or "(none: implicit detection only)"
     profiled = ", ".join(c["text"] for c in prof.stats["cue_profiles"]["cues"]["cues"]) or "(none)"
     print(f"{args.output}: Tmodel = {kept}; saem-cue profiles: {profiled}", file=sys.stderr)
     return 0
+
+
+def build_profile(ts: TraceSet, cues: str | None = None, min_stage_tokens: int = 32):
+    """The profile of ``ts``'s model from its traces (the command's work; bench/device calls it
+    too): Tmodel and thresholds, expert counts, saem-cue's stage profiles and the routing sample
+    the adaptive saem replays at load. ``cues``: the candidate cue set (default: the family's)."""
+    from saem_gguf.engine import FAMILY_CUES
+    from saem_gguf.errors import SaemError
+    from saem_gguf.simulator import calibration_counts, calibration_sample
+    from saem_gguf.stage.calibrate import CalibrationConfig, calibrate_traceset, encode_routing
+    from saem_gguf.stage.cues import CueSet
+
+    if not ts.sequences or not any(s.n_tokens for s in ts.sequences):
+        raise SaemError("no traced tokens to calibrate on")
+    candidates = CueSet.load(cues or FAMILY_CUES.get(ts.signature.arch, "general"))
+    prof = calibrate_traceset(ts, candidates, CalibrationConfig(min_stage_tokens=min_stage_tokens))
+    counts = calibration_counts(ts, ts.signature.n_layer, ts.signature.n_expert)
+    prof.stats["expert_counts"] = counts.astype(int).tolist()
+    prof.stats["cue_profiles"] = _cue_profiles(ts, candidates, min_stage_tokens)
+    # what the adaptive saem replays itself over at load to choose its slot layout
+    sample = calibration_sample(ts)
+    if sample.sequences:
+        prof.stats["calibration_routing"] = encode_routing(sample)
+    return prof
 
 
 def _cue_profiles(ts: TraceSet, candidates, min_stage_tokens: int) -> dict:
