@@ -49,3 +49,25 @@ def test_the_fitted_cost_model_reproduces_the_device(run):
     assert hw.copy_barrier and s["barrier_off_best"]["rms_log_error_dynamic"] > s["rms_log_error_dynamic"]
     assert 12 * GB <= hw.h2d_bw <= 25 * GB
     assert found["sim"][("gpu-all", None)]["tok_s"] == pytest.approx(dev[("gpu-all", None)]["decode_mean"], rel=1e-3)
+
+
+def test_a_calibrated_runs_bench_is_replayed_with_its_calibration(tmp_path):
+    """The bench as device_bench.py runs it now names its profile in bench.json: its replay
+    calibrates on the same examples (bench_calibration), so static-hot places the calibrated
+    experts (the first run's, uncalibrated, placed none), and the prediction covers every row."""
+    import json
+    import shutil
+
+    shutil.copy(RUN / "trace.npz", tmp_path / "trace.npz")  # no trace_long: the first run's is used
+    bench = json.loads((RUN / "bench.json").read_text())
+    (tmp_path / "bench.json").write_text(json.dumps({**bench, "profile": "bench.profile.json"}))
+    assert fdr.run_calibration(RUN) is None
+    calib = fdr.run_calibration(tmp_path)
+    full = [s.n_tokens - s.prompt_len for s in load_traces(str(RUN / "trace_long.npz")).sequences[1:5]]
+    assert [s.n_tokens - s.prompt_len for s in calib.sequences] == [min(n, 600) for n in full]
+    ts = load_traces(str(tmp_path / "trace.npz"))
+    sim = fdr.simulate_run(ts, HW_PRESETS["h200-server"], ("static-hot",), [0.25], calib)
+    assert sim[("static-hot", 0.25)]["hit_rate"] > 0.25
+    rows = fdr.predict_bench(tmp_path, HW_PRESETS["h200-server"], [0.25])
+    assert {r["policy"] for r in rows} >= {"saem", "static-hot", "n-cpu-moe", "gpu-all"}
+    assert all(r["first_tok_s"] > 0 and r["second_tok_s"] > 0 for r in rows)

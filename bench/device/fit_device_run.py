@@ -92,10 +92,43 @@ def device_rows(run: Path) -> dict[tuple[str, float | None], dict]:
     return {(r["policy"], r["ecr"]): r for r in json.loads((run / "bench.json").read_text())["results"]}
 
 
-def simulate_run(ts: TraceSet, hw: HardwareProfile, policies: tuple[str, ...], ecrs: list[float]) -> dict:
+# the stage detector's cue set: the engine's on a qwen3moe model without a profile (FAMILY_CUES)
+CUES = "qwen3"
+
+
+def long_traces(run: Path) -> TraceSet:
+    """Held-out examples 1-7 of seed 7 replayed on the bench model: RUN/trace_long.npz, else the
+    first run's (the same generated model and examples; the signature is checked)."""
+    from saem_gguf.trace import check_signature
+
+    path = run / "trace_long.npz"
+    ts = load_traces(str(path if path.exists() else DEFAULT_RUN / "trace_long.npz"))
+    check_signature(ts, load_traces(str(run / "trace.npz")).signature, where=str(path))
+    return ts
+
+
+def bench_calibration(run: Path, calib_examples: int = 4, calib_tokens: int = 600) -> TraceSet:
+    """The routing device_bench.calibrate profiles the bench model on: held-out examples 2.. of
+    seed 7 (``calib_examples`` of them, ``calib_tokens`` decoded each)."""
+    from saem_gguf.simulator import _cut
+
+    long = long_traces(run)
+    return TraceSet(long.signature, [_cut(s, s.prompt_len + calib_tokens)
+                                     for s in long.sequences[1:1 + calib_examples]], source="engine")
+
+
+def run_calibration(run: Path) -> TraceSet | None:
+    """The calibration a run's bench had: none for the first run's bench (its bench.json names no
+    profile), else the bench's own (bench_calibration)."""
+    return bench_calibration(run) if json.loads((run / "bench.json").read_text()).get("profile") else None
+
+
+def simulate_run(ts: TraceSet, hw: HardwareProfile, policies: tuple[str, ...], ecrs: list[float],
+                 calib: TraceSet | None = None) -> dict:
     """(policy, ECR as a fraction, None for the ECR-free ones) -> the simulator's row."""
     cost = CostModel.from_expert_bytes(ts.signature.expert_bytes, hw)
-    res = simulate(ts, SimConfig(policies=policies, ecrs=tuple(100.0 * e for e in ecrs), batches=(1,)), cost)
+    cfg = SimConfig(policies=policies, ecrs=tuple(100.0 * e for e in ecrs), batches=(1,), cues=CUES)
+    res = simulate(ts, cfg, cost, calib=calib)
     return {(r["policy"], None if r["policy"] in ("gpu-all", "cpu-moe") else r["ecr"] / 100.0): r for r in res.rows}
 
 
@@ -105,12 +138,13 @@ def log_error(sim: dict, dev: dict, policies: tuple[str, ...]) -> float:
     return math.sqrt(sum(e * e for e in errs) / len(errs))
 
 
-def fit(ts: TraceSet, dev: dict, base: HardwareProfile, ecrs: list[float]) -> tuple[HardwareProfile, dict]:
+def fit(ts: TraceSet, dev: dict, base: HardwareProfile, ecrs: list[float],
+        calib: TraceSet | None = None) -> tuple[HardwareProfile, dict]:
     L = ts.signature.n_layer
     K = ts.signature.n_expert_used
     expert_bytes = ts.signature.expert_bytes
     # 1. the GPU side: every layer's dense part and resident experts, from gpu-all
-    probe = simulate_run(ts, base.replace(gpu_layer_overhead_s=0.0), ("gpu-all",), ecrs)[("gpu-all", None)]
+    probe = simulate_run(ts, base.replace(gpu_layer_overhead_s=0.0), ("gpu-all",), ecrs, calib)[("gpu-all", None)]
     per_layer = (1.0 / dev[("gpu-all", None)]["decode_mean"] - 1.0 / probe["tok_s"]) / L
     gpu_overhead = max(0.0, per_layer)
     # 2. a CPU layer's expert time, from the whole-layer placements
@@ -133,7 +167,7 @@ def fit(ts: TraceSet, dev: dict, base: HardwareProfile, ecrs: list[float]) -> tu
                 hw = base.replace(gpu_layer_overhead_s=gpu_overhead, sync_s=sync,
                                   cpu_expert_overhead_s=CPU_EXPERT_OVERHEAD_S, cpu_mem_bw=expert_bytes / per_expert,
                                   h2d_bw=h2d * GB, copy_barrier=barrier, dma_slows_cpu=True)
-                sim = simulate_run(ts, hw, STATIC + DYNAMIC, ecrs)
+                sim = simulate_run(ts, hw, STATIC + DYNAMIC, ecrs, calib)
                 trials.append((log_error(sim, dev, DYNAMIC), log_error(sim, dev, STATIC + DYNAMIC), hw, sim))
     trials.sort(key=lambda t: t[0])
     best_dyn, best_all, hw, sim = trials[0]
@@ -155,20 +189,19 @@ def predict_bench(run: Path, hw: HardwareProfile, ecrs: list[float], decode_toke
     calibrated on held-out examples 2.. (``calib_examples`` of them, ``calib_tokens`` decoded
     each), then per policy x ECR the first request (example 0, a cold cache) and a second (example
     1, the cache as the first left it), ``decode_tokens`` each. From RUN/trace.npz (example 0) and
-    RUN/trace_long.npz (examples 1-7)."""
+    long_traces (examples 1-7)."""
     from saem_gguf.simulator import _cut
 
     from device_bench import BENCH_POLICIES, ECR_FREE_POLICIES
 
     first = load_traces(str(run / "trace.npz"))
-    long = load_traces(str(run / "trace_long.npz"))
+    long = long_traces(run)
     sig = first.signature
     one = first.sequences[0]
     two = _cut(long.sequences[0], long.sequences[0].prompt_len + decode_tokens)
-    calib = TraceSet(sig, [_cut(s, s.prompt_len + calib_tokens) for s in long.sequences[1:1 + calib_examples]],
-                     source="engine")
+    calib = bench_calibration(run, calib_examples, calib_tokens)
     cost = CostModel.from_expert_bytes(sig.expert_bytes, hw)
-    cfg = SimConfig(policies=BENCH_POLICIES, ecrs=tuple(100.0 * e for e in ecrs), batches=(1,), cues="qwen3")
+    cfg = SimConfig(policies=BENCH_POLICIES, ecrs=tuple(100.0 * e for e in ecrs), batches=(1,), cues=CUES)
     runs = {}
     for name, seqs in (("first", [one]), ("both", [one, two])):
         res = simulate(TraceSet(sig, seqs, source="engine"), cfg, cost, calib=calib)
@@ -207,12 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     ecrs = sorted({e for (_, e) in dev if e is not None})
     base = HW_PRESETS[a.base].replace(name=f"{a.run.name}-fit", notes="")
     base = base.replace(cpu_cores=a.cores)
-    hw, found = fit(ts, dev, base, ecrs)
+    calib = run_calibration(a.run)
+    hw, found = fit(ts, dev, base, ecrs, calib)
     hw = hw.replace(notes=f"fitted to {a.run.name}'s bench by bench/device/fit_device_run.py: "
                           f"rms log error {found['summary']['rms_log_error_all']:.3f} over its rows")
     shown = STATIC + DYNAMIC + ("static-hot", "saem", "saem-cue")
-    as_run = simulate_run(ts, HW_PRESETS[a.engine_hw].replace(cpu_cores=base.cpu_cores), shown, ecrs)
-    fitted = simulate_run(ts, hw, shown, ecrs)
+    as_run = simulate_run(ts, HW_PRESETS[a.engine_hw].replace(cpu_cores=base.cpu_cores), shown, ecrs, calib)
+    fitted = simulate_run(ts, hw, shown, ecrs, calib)
     print(f"{a.run.name}: {trace.name}, {sum(s.n_tokens - s.prompt_len for s in ts.sequences)} decoded tokens "
           f"(fitted on {', '.join(STATIC + DYNAMIC)}; saem simulated with this code, which is not the code "
           "nor the cost model its device rows ran with)")
@@ -228,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     print("fit: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                               for k, v in summ.items() if not isinstance(v, (list, dict))))
     print(f"best without the barrier: {summ['barrier_off_best']}")
-    if (a.run / "trace_long.npz").exists():
+    if (a.run / "trace_long.npz").exists() or (DEFAULT_RUN / "trace_long.npz").exists():
         print("\nthe bench as device_bench.py runs it now (calibrated; a first and a second request), "
               "simulated on the fitted profile:")
         print("| policy | ECR | first request tok/s | hit | second request tok/s | hit |")

@@ -20,9 +20,9 @@ Candidates, each a full shadow cache (sets only; no pricing):
 Each step, each candidate earns what its set (before its own update) would have saved in
 expert time on the cost model, in one-token hits (``hit_gains``: ``t_cpu(c) - t_gpu(c)`` for an
 expert used by ``c`` of the step's tokens, plus the CPU round trip a layer skips when every
-expert it used was held), less the price of the copies it made; the score is an exponential
-average over ``horizon_steps``. The stage candidate's re-ranks count as its copies
-(``charge_placements``), as a cache's loads do. Counting token hits instead would favour the rule that hits
+expert it used was held), less the price of the copies it made (the stage candidate's re-ranks
+count as its copies, ``charge_placements``, as a cache's loads do); the score is an exponential
+average over ``horizon_steps``. Counting token hits instead would favour the rule that hits
 most, which is not the fastest where one CPU expert in a layer costs the whole round trip (the
 embedded model: a hit saves 1.4 us, the round trip 30 us) or where a batch shares an expert's
 weight read. The real cache follows the leader's set: after each layer runs, the leader's
