@@ -583,7 +583,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_HORIZON] = self.adaptive.horizon_steps
         # a switch's copies come in a burst, which the copy barrier makes the next steps wait for:
         # there each is priced at its whole transfer (on the device-fitted costs the idle price let
-        # the cache switch 100-130 times in 4,300 steps and move 4-5x lfu-cpu's bytes for its hits)
+        # the cache switch 100-133 times in 4,285 steps and move 4.1-5.4x lfu-cpu's bytes for its hits)
         barrier = ctx.cost.array[C_BARRIER] > 0 and self.adaptive.copy_cost is None
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * (
             copy_cost_in_hits(ctx.cost.array, busy_link=True) if barrier else self._ctl[CTL_COPY_COST])
