@@ -258,6 +258,22 @@ def _replay_text(eng: Engine, example, n_tokens: int) -> str:
     return eng.llm.detokenize(toks).decode("utf-8", errors="ignore")
 
 
+def replayed_routing(model: Path, policy: str, examples, n_tokens: int, n_ctx: int):
+    """The routing of ``examples`` replayed on ``model`` (each prompt and the first ``n_tokens``
+    tokens of its completion) as a TraceSet, recorded by an engine under ``policy``."""
+    from saem_gguf.trace import TraceSet
+
+    eng = Engine(EngineConfig(model=model, n_ctx=n_ctx, policy=policy, progress=False, record=True))
+    try:
+        seqs = []
+        for ex in examples:
+            eng.replay(ex.prompt, _replay_text(eng, ex, n_tokens))
+            seqs.append(eng.sequence_trace())
+        return TraceSet(eng.signature(), seqs, source="engine", meta={"model": model.name})
+    finally:
+        eng.close()
+
+
 def calibrate(model: Path, rs: RunSizes) -> Path:
     """A profile of the bench model, as a user makes one with ``calibrate`` before choosing a
     placement: the routing of ``rs.calib_examples`` held-out examples (others than the bench's)
@@ -266,18 +282,9 @@ def calibrate(model: Path, rs: RunSizes) -> Path:
     neither priors nor a routing sample to choose its layout by (the first run had none)."""
     from saem_gguf.cli.calibrate_cmd import build_profile
     from saem_gguf.defaultmodel.corpus import heldout_examples
-    from saem_gguf.trace import TraceSet
 
     examples = heldout_examples(2 + rs.calib_examples, seed=7)[2:]  # 0, 1: the bench's requests
-    eng = Engine(EngineConfig(model=model, n_ctx=rs.n_ctx, policy="gpu-all", progress=False, record=True))
-    try:
-        seqs = []
-        for ex in examples:
-            eng.replay(ex.prompt, _replay_text(eng, ex, rs.calib_tokens))
-            seqs.append(eng.sequence_trace())
-        ts = TraceSet(eng.signature(), seqs, source="engine")
-    finally:
-        eng.close()
+    ts = replayed_routing(model, "gpu-all", examples, rs.calib_tokens, rs.n_ctx)
     path = model.with_suffix(".profile.json")  # beside the generated model: not one of the run's files
     build_profile(ts).save(str(path))
     return path

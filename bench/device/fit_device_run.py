@@ -65,26 +65,18 @@ CPU_EXPERT_OVERHEAD_S = 4e-6  # the preset's; the per-expert time's fixed part, 
 
 def record(run: Path) -> Path:
     """The device bench's replay on this machine's build, its routing saved as ``run/trace.npz``."""
-    from device_bench import sizes
+    from device_bench import replayed_routing, sizes
 
     from saem_gguf.defaultmodel.corpus import heldout_examples
-    from saem_gguf.engine import Engine, EngineConfig
     from saem_gguf.testmodels import ensure_model
 
     spec = json.loads((run / "bench.json").read_text())
     rs = sizes(False, int(spec["spec"]["n_layer"]), 1)
     model = ensure_model(rs.bench_model)
-    ex = heldout_examples(1, seed=7)[0]  # device_bench.bench's example
-    eng = Engine(EngineConfig(model=model, n_ctx=rs.n_ctx, policy="cpu-moe", ecr=0.0, progress=False, record=True))
-    try:
-        c_toks = eng.llm.tokenize(ex.completion.encode(), add_bos=False, special=True)[: rs.bench_tokens]
-        eng.replay(ex.prompt, eng.llm.detokenize(c_toks).decode("utf-8", errors="ignore"))
-        ts = TraceSet(eng.signature(), [eng.sequence_trace()], source="engine",
-                      meta={"model": model.name, "run": run.name})
-    finally:
-        eng.close()
+    examples = heldout_examples(1, seed=7)  # device_bench.bench's first request
+    ts = replayed_routing(model, "cpu-moe", examples, rs.bench_tokens, rs.n_ctx)
     out = run / "trace.npz"
-    save_traces(ts, str(out))
+    save_traces(dataclasses.replace(ts, meta={**ts.meta, "run": run.name}), str(out))
     return out
 
 
@@ -192,7 +184,7 @@ def predict_bench(run: Path, hw: HardwareProfile, ecrs: list[float], decode_toke
     long_traces (examples 1-7)."""
     from saem_gguf.simulator import _cut
 
-    from device_bench import BENCH_POLICIES, ECR_FREE_POLICIES
+    from device_bench import BENCH_POLICIES
 
     first = load_traces(str(run / "trace.npz"))
     long = long_traces(run)
@@ -200,20 +192,14 @@ def predict_bench(run: Path, hw: HardwareProfile, ecrs: list[float], decode_toke
     one = first.sequences[0]
     two = _cut(long.sequences[0], long.sequences[0].prompt_len + decode_tokens)
     calib = bench_calibration(run, calib_examples, calib_tokens)
-    cost = CostModel.from_expert_bytes(sig.expert_bytes, hw)
-    cfg = SimConfig(policies=BENCH_POLICIES, ecrs=tuple(100.0 * e for e in ecrs), batches=(1,), cues=CUES)
-    runs = {}
-    for name, seqs in (("first", [one]), ("both", [one, two])):
-        res = simulate(TraceSet(sig, seqs, source="engine"), cfg, cost, calib=calib)
-        runs[name] = {(r["policy"], r["ecr"]): r for r in res.rows}
+    runs = {name: simulate_run(TraceSet(sig, seqs, source="engine"), hw, BENCH_POLICIES, ecrs, calib)
+            for name, seqs in (("first", [one]), ("both", [one, two]))}
     rows = []
     for key, r1 in runs["first"].items():
-        if key[0] in ECR_FREE_POLICIES and key[1] != cfg.ecrs[0]:
-            continue
         r2 = runs["both"][key]
         t2 = r2["time_s"] - r1["time_s"]
         n2 = r2["tokens"] - r1["tokens"]
-        rows.append({"policy": key[0], "ecr": None if key[0] in ECR_FREE_POLICIES else key[1] / 100.0,
+        rows.append({"policy": key[0], "ecr": key[1],
                      "first_tok_s": r1["tok_s"], "first_hit": r1["hit_rate"],
                      "second_tok_s": n2 / t2 if t2 > 0 else 0.0,
                      "second_hit": (r2["hit_rate"] * r2["accesses"] - r1["hit_rate"] * r1["accesses"])
