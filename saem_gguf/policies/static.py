@@ -9,7 +9,7 @@ import numpy as np
 
 from saem_gguf.policies.base import Policy, PolicyContext
 from saem_gguf.policies.layout import max_whole_layers
-from saem_gguf.policies.state import ResidencyChange, ResidencyPlan, StepEvents
+from saem_gguf.policies.state import ResidencyChange, StepEvents
 
 
 class StaticPolicy(Policy):
@@ -37,12 +37,7 @@ class GpuAllPolicy(StaticPolicy):
 
     def slots_for(self, ctx: PolicyContext) -> np.ndarray:
         return np.full(ctx.n_layer, ctx.n_expert, np.int32)
-
-    def initial_plan(self, ctx, state):
-        L, E = ctx.n_layer, ctx.n_expert
-        l, e = np.meshgrid(np.arange(L), np.arange(E), indexing="ij")
-        copies = np.stack([l.ravel(), e.ravel(), e.ravel()], axis=1).astype(np.int32)
-        return ResidencyPlan(copies=copies, evictions=np.zeros((0, 3), np.int32), reason="load")
+    # initial_plan: Policy's default, which fills every whole layer
 
 
 class NCpuMoePolicy(StaticPolicy):
@@ -62,11 +57,7 @@ class NCpuMoePolicy(StaticPolicy):
         out = np.zeros(ctx.n_layer, np.int32)
         out[n_cpu:] = ctx.n_expert
         return out
-
-    def initial_plan(self, ctx, state):
-        rows = [(l, e, e) for l in range(ctx.n_layer) if state.n_slots[l] for e in range(ctx.n_expert)]
-        return ResidencyPlan(copies=np.array(rows, np.int32).reshape(-1, 3),
-                             evictions=np.zeros((0, 3), np.int32), reason="load")
+    # initial_plan: Policy's default, which fills every whole layer
 
 
 class StaticHotPolicy(StaticPolicy):
