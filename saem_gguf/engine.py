@@ -752,6 +752,11 @@ class Engine:
             tried = ", ".join(f"{n}: {tok:.4g}" for n, tok in prices.items())
             self.note(f"slot layout: {whole} of {n_slots.size} MoE layers fully resident, the rest cached "
                       f"(the fastest replaying the calibration sample; estimated tok/s by whole layers {tried})")
+        led = getattr(self.placement.policy, "replay_led", None)
+        if led:
+            leader = self.placement.policy.leader
+            self.note(f"saem starts following {leader} (it led {led[leader]} of the calibration replay's "
+                      f"{sum(led.values())} steps)")
         if policy == "static-hot" and calib is None:
             self.note("static-hot has no calibration counts (make a profile with `calibrate` and pass "
                       "--profile): it places no expert, every one runs on the CPU")

@@ -211,6 +211,16 @@ def adaptive_copy_price(idle: float, cost: np.ndarray, copies_per_step: float, s
     return idle + slope * load * (full - idle)
 
 
+def adaptive_barrier_charge(idle: float, cost: np.ndarray, copies: int, step_s: float) -> float:
+    """What ``copies`` copies a candidate made in one step cost it, in one-token hits, under the
+    copy barrier (the next step waits for every copy queued before it): ``idle`` each, and the
+    copies beyond those the step's ``step_s`` seconds carry their whole transfer (t_xfer over
+    what one token's hit saves)."""
+    one = t_cpu(1, cost) - t_gpu(1, cost)
+    carried = step_s / t_xfer(cost)
+    return copies * idle + max(copies - carried, 0.0) * t_xfer(cost) / one
+
+
 def expected_step_s(calib: np.ndarray, top_k: int, n_slots: np.ndarray, cost: np.ndarray) -> float:
     """A one-token decode step's expected time with each layer's ``n_slots`` most counted
     experts on the GPU and the rest on the CPU: per layer the dense part, each expert's chance

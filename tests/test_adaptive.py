@@ -253,8 +253,9 @@ def test_hit_gains_are_the_cost_models_savings():
 
 
 def test_leader_at_start_and_no_switch_in_the_first_steps():
-    """The real cache starts following lrfu-16 (temporal-cpu's rule; the stage rule when lrfu-16
-    is not a candidate) and keeps it for ``first_switch`` steps: on drifting routing the first
+    """Without a calibration replay to choose from (tests/test_layout.py has that case), the real
+    cache starts following lrfu-16 (temporal-cpu's rule; the stage rule when lrfu-16 is not a
+    candidate) and keeps it for ``first_switch`` steps: on drifting routing the first
     steps' scores, which charge a cache's copies before the hits they buy, would otherwise hand
     the lead to a set that loads nothing and back."""
     rng = np.random.default_rng(4)

@@ -257,6 +257,10 @@ def test_saem_cue_and_saem_with_a_calibrated_profile_on_the_embedded_model(tmp_p
             if policy == "saem":  # 25 % of 6 x 32 experts: at most 1 whole layer
                 assert list(pol.layout_prices) == [0, 1]
                 assert any(m.startswith("slot layout: ") for m in notes), notes
+                # the leader at start is the rule that led the calibration replay, and it is said
+                names = [c for c, _, _ in pol.candidates]
+                first = max(names, key=lambda c: (pol.replay_led[c], -names.index(c)))
+                assert any(m.startswith(f"saem starts following {first} (it led ") for m in notes), notes
         finally:
             eng.close()
     assert outs["saem-cue"] == outs["cpu-moe"] == outs["saem"]

@@ -219,6 +219,47 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
         assert named.layout_prices == {}
 
 
+def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
+    """Under the copy barrier (the engine's), saem's real cache starts following the candidate
+    that led the most steps when the policy replayed its calibration routing under the layout it
+    chose (the steps each led are a plain replay's, held to that layout); a leader named in the
+    options wins; without a replay (uniform layout) or without the barrier it is lrfu-16,
+    temporal-cpu's rule."""
+    from saem_gguf.accounting import Accounting
+    from saem_gguf.simulator import replay
+
+    L, E, K = 6, 32, 4
+    # paper-length stages: here the replay's most-led rule is lrfu-64, not the default lrfu-16
+    calib = make_stage_traces(SyntheticConfig(n_layer=L, n_expert=E, top_k=K, n_sequences=3, seed=6))
+    sample = calibration_sample(calib, 1500)
+    barrier = CostModel.from_expert_bytes(SMALL.expert_bytes, SMALL.hw.replace(copy_barrier=True))
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=barrier,
+                        calib_counts=calibration_counts(calib, L, E))
+    ctx.replay_calibration = calibration_pricer(CalibrationReplay(sample), ctx)
+    pol = make_policy("saem")
+    state = pol.start(ctx)
+    n = int((state.n_slots == E).sum())
+    held = make_policy("saem", layout=f"resident-{n}")
+    held.start(PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=barrier,
+                             calib_counts=ctx.calib_counts))
+    replay(held, CalibrationReplay(sample).blocks(1), Accounting())
+    assert pol.replay_led == held.led_steps() and sum(pol.replay_led.values()) > 0
+    names = [c for c, _, _ in pol.candidates]
+    assert pol.leader == max(names, key=lambda c: (held.led_steps()[c], -names.index(c))) == "lrfu-64"
+    named = make_policy("saem", start_leader="lfu")
+    named.start(ctx)
+    assert named.leader == "lfu"
+    uniform = make_policy("saem", layout="uniform")
+    uniform.start(ctx)
+    assert uniform.replay_led == {} and uniform.leader == "lrfu-16"
+    plain = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=SMALL,
+                          calib_counts=ctx.calib_counts)
+    plain.replay_calibration = calibration_pricer(CalibrationReplay(sample), plain)
+    no_barrier = make_policy("saem")
+    no_barrier.start(plain)
+    assert sum(no_barrier.replay_led.values()) > 0 and no_barrier.leader == "lrfu-16"
+
+
 def test_simulate_gives_saem_its_calibration_sample_to_replay():
     """simulate() prices saem's layouts on calibration_sample(calib), at each batch size, with the
     events of the detector the replayed traces get: the row's layout is that replay's choice."""

@@ -114,19 +114,24 @@ def test_cpu_caches_equal_naive(name, kind, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("load_slope", [0.0, 0.5])
-def test_adaptive_scores_equal_naive(seed, batch, load_slope):
+@pytest.mark.parametrize("load_slope,barrier", [(0.0, False), (0.5, False), (0.5, True)])
+def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
     """Adaptive saem's candidate scores (decide_adaptive) equal naive.adaptive_step_gain averaged
     as documented: plain means over the first horizon, then weight 1 / horizon, on random
     routing with rows that finish early and layers of every cache size; each candidate's copies
     priced by its own link load (naive.adaptive_copy_price, its copy rate averaged with weight
-    1 / horizon from 0)."""
+    1 / horizon from 0); under the copy barrier each step's copies charged by
+    naive.adaptive_barrier_charge instead (those beyond what the step's time carries cost their
+    whole transfer)."""
     rng = np.random.default_rng(100 + seed)
     L, E, K, steps = 4, 16, 3, 90
     calib = rng.random((L, E)) * 40
     n_slots = np.array([0, 3, 6, E], np.int32)
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots, batch=batch,
-                        cost=CostModel.from_expert_bytes(2_654_208, HW), calib_counts=calib)
+                        # under the barrier a slower link, so that some steps' copies outrun them
+                        cost=CostModel.from_expert_bytes(2_654_208, HW.replace(copy_barrier=True, h2d_bw=HW.h2d_bw / 4)
+                                                         if barrier else HW),
+                        calib_counts=calib)
     pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=32.0, load_slope=load_slope)
     pol.start(ctx)
     cost = ctx.cost.array
@@ -137,6 +142,7 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope):
     routing = _routing(rng, steps, batch, L, E, K)
     scored = 0
     priced_above_idle = False
+    stalled = False  # under the barrier, a step's copies outran its time
     # cue events re-rank the stage candidate (candidate 0, a fixed set) after the kernel scored the
     # step; its entrants are charged as its copies at the next scored step
     cue_steps = {20, 45, 70}
@@ -160,13 +166,19 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope):
             else:
                 copies, after_scoring = int(np.count_nonzero(entrants)), after[:, :, c]
             rate[c] += alpha * (copies - rate[c])
-            price = naive.adaptive_copy_price(pol._ctl[CTL_COPY_COST], cost, rate[c], step_s, load_slope)
-            priced_above_idle |= price > pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
-            gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, price)
-            gain -= price * copies if c == 0 else 0.0
+            if barrier:
+                charge = naive.adaptive_barrier_charge(pol._ctl[CTL_COPY_COST], cost, copies, step_s)
+                stalled |= charge > copies * pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
+                gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, 0.0) - charge
+            else:
+                price = naive.adaptive_copy_price(pol._ctl[CTL_COPY_COST], cost, rate[c], step_s, load_slope)
+                priced_above_idle |= price > pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
+                gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, price)
+                gain -= price * copies if c == 0 else 0.0
             expect[c] += w * (gain - expect[c])
         np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)
-    assert priced_above_idle == (load_slope > 0)  # the load term was exercised
+    assert priced_above_idle == (load_slope > 0 and not barrier)  # the load term was exercised
+    assert stalled == barrier  # and the barrier's
     assert sum(r == "cue" for _, r in pol.boundaries) >= 2  # and the stage candidate's re-ranks
 
 

@@ -30,16 +30,22 @@ new residents are copied in best first, each replacing a resident that left the 
 as far as the step's link budget allows (``observe``'s ``link_budget``; the rest follow at later
 steps); a cache leader's new residents only once a step uses them (its own loads come at once:
 they are what the step used), a fixed set's (stage, static) at once. The leader at start is
-``lrfu-16`` (``DEFAULT_START_LEADER``); it changes when another candidate's score beats it by
-more than the copies a switch costs, spread over the horizon, and not in the first
-``first_switch`` steps.
+``lrfu-16`` (``DEFAULT_START_LEADER``); under the copy barrier, where a wrong cache start's
+loads hold up the decode, the candidate that led the most steps when the policy replayed its
+calibration routing at load (the replay that chooses the layout), when there was one; it changes
+when another candidate's score beats it by more than the copies a switch costs, spread over the
+horizon, and not in the first ``first_switch`` steps.
 ``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
 experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
 1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``). That is a copy's
 price on an idle link. A candidate that copies much keeps the link busy, its copies queue and
 their whole transfer slows CPU experts: each candidate's copies are priced by its own link load
 (its copy rate times ``t_xfer`` over an estimated step, ``copy_charge``), from ``copy_cost`` on
-an idle link towards the busy-link price.
+an idle link towards the busy-link price. Under the copy barrier (the engine's native layer:
+each decode waits for every copy queued before it) a step's copies are priced as that step
+pays them instead: ``copy_cost`` each, plus the whole transfer of those beyond what the step's
+estimated time carries (``CTL_HIDDEN_COPIES``), which hold up the next step; a rate averaged
+over the horizon hid the bursts (a token whose experts all miss loads one per layer at once).
 
 Because the baselines' own rules are candidates, the real cache trails the best of them only by
 the switching copies and the lag of the average: robust by construction, not by tuning.
@@ -111,16 +117,18 @@ CTL_FIRST_SWITCH = 9  # steps scored before the leader may change
 CTL_COPY_COST_FULL = 10  # a copy's cost in hits when its whole transfer slows CPU experts (a busy link)
 CTL_LINK_SHARE = 11  # share of an estimated step the link needs for one copy (t_xfer / step time)
 CTL_LOAD_SLOPE = 12  # how much of the busy-link price a copy pays per unit of load (copy_charge)
-N_CTL = 13
+CTL_HIDDEN_COPIES = 13  # under the copy barrier, copies an estimated step's time carries (0: no barrier)
+N_CTL = 14
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
-# The leader at start, when a candidate (else the stage rule). Until the stage rule's first
-# boundary (SAEM's warm-up) its set is the calibrated one, static's; a cache that loads the
-# misses it ran on the CPU is the better start wherever routing moves, and where it does not
-# the stage rule takes over at its first placement. Starting from the stage rule, traces whose
-# best rule is temporal-cpu's lost up to 0.14 % to it (the follower re-missing what the cache
-# loaded while it did not lead; docs/POLICIES.md).
+# The leader at start when no calibration replay names one (``_start_leader``), when a
+# candidate (else the stage rule). Until the stage rule's first boundary (SAEM's warm-up) its
+# set is the calibrated one, static's; a cache that loads the misses it ran on the CPU is the
+# better start wherever routing moves, and where it does not the stage rule takes over at its
+# first placement. Starting from the stage rule, traces whose best rule is temporal-cpu's lost
+# up to 0.14 % to it (the follower re-missing what the cache loaded while it did not lead;
+# docs/POLICIES.md).
 DEFAULT_START_LEADER = "lrfu-16"
 
 
@@ -167,9 +175,10 @@ class AdaptiveConfig:
     # "resident-N": auto's candidate with N whole layers resident (at most what the budget
     # holds), to measure auto's choice against the others (bench/bench_layout.py)
     layout: str = "auto"
-    # the candidate the real cache follows at start (the policy's default: DEFAULT_START_LEADER
-    # when it is a candidate, else the stage rule)
-    start_leader: str = DEFAULT_START_LEADER
+    # the candidate the real cache follows at start; None: under the copy barrier the one that
+    # led the most steps when the policy replayed its calibration routing under the chosen layout
+    # (slots_for), else DEFAULT_START_LEADER when it is a candidate, else the stage rule
+    start_leader: str | None = None
     # steps scored before the leader may change: the first steps' scores are means of a few
     # noisy steps, and a cache's copies are charged when made, before the hits they buy
     first_switch: int = 8
@@ -183,6 +192,9 @@ class AdaptiveConfig:
     # prompt's routing, and the cache followed it with a burst of copies (fitted device costs,
     # ECR 50 %: a second request at 174.5 tok/s against static-hot's 233.5; charged, 233.5)
     charge_placements: bool = True
+    # under the copy barrier, a step's copies beyond what its own time carries are charged their
+    # whole transfer (the next step waits for them), the rest the idle price
+    barrier_stalls: bool = True
 
 
 @njit(cache=True)
@@ -368,8 +380,12 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
         made[c] += cand[c, CAND_PLACED]
         cand[c, CAND_PLACED] = 0.0
         cand[c, CAND_RATE] += alpha * (made[c] - cand[c, CAND_RATE])
-        net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
-                                        ctl[CTL_LOAD_SLOPE])
+        hidden = ctl[CTL_HIDDEN_COPIES]
+        if hidden > 0:  # the barrier: what the step's time does not carry holds up the next step
+            net[c] -= made[c] * kappa + max(made[c] - hidden, 0.0) * ctl[CTL_COPY_COST_FULL]
+        else:
+            net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
+                                            ctl[CTL_LOAD_SLOPE])
         score[c] += w * (net[c] - score[c])
     return n_ops
 
@@ -496,7 +512,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
                  copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
                  start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
-                 charge_placements: bool = True,
+                 charge_placements: bool = True, barrier_stalls: bool = True,
                  **overrides) -> None:
         super().__init__(config, **overrides)
         # what a copy of this policy under another layout is built from (_replayed_layout)
@@ -504,24 +520,26 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                           warm_start=warm_start, candidates=candidates, prior_tokens=prior_tokens,
                           copy_cost=copy_cost, copy_price=copy_price, start_leader=start_leader,
                           first_switch=first_switch, load_slope=load_slope,
-                          charge_placements=charge_placements, **overrides)
+                          charge_placements=charge_placements, barrier_stalls=barrier_stalls,
+                          **overrides)
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
-        if start_leader is None:
-            start_leader = DEFAULT_START_LEADER if DEFAULT_START_LEADER in candidates else "stage"
+        # the steps each candidate led in the replay of the chosen layout (start's leader)
+        self.replay_led: dict[str, int] = {}
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
                                        copy_cost=copy_cost, copy_price=float(copy_price), layout=layout,
                                        start_leader=start_leader, first_switch=int(first_switch),
                                        load_slope=float(load_slope),
-                                       charge_placements=bool(charge_placements))
+                                       charge_placements=bool(charge_placements),
+                                       barrier_stalls=bool(barrier_stalls))
         self._resident = resident_layers(layout)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
-        if start_leader not in candidates:
+        if start_leader is not None and start_leader not in candidates:
             raise ValueError(f"the leader at start ({start_leader!r}) must be a candidate")
 
     def slots_for(self, ctx: PolicyContext) -> np.ndarray:
@@ -549,10 +567,34 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self.layout_prices = {}
         if whole_max == 0:  # no whole layer fits: the uniform layout is the only one
             return 0
+        led = {}
         for n in whole_layer_grid(whole_max):
-            self.layout_prices[n] = ctx.replay_calibration(type(self)(**self._args, layout=f"resident-{n}"))
+            replayed = type(self)(**self._args, layout=f"resident-{n}")
+            self.layout_prices[n] = ctx.replay_calibration(replayed)
+            led[n] = replayed.led_steps()
         best = max(self.layout_prices.values())
-        return min(n for n, tok in self.layout_prices.items() if tok == best)
+        n = min(n for n, tok in self.layout_prices.items() if tok == best)
+        self.replay_led = led[n]
+        return n
+
+    def _start_leader(self, barrier: bool) -> str:
+        """The candidate the real cache follows at start: the configured one; else, under the
+        copy barrier, the one that led the most steps in the calibration replay of the chosen
+        layout (the first candidate on a tie); else DEFAULT_START_LEADER (the stage rule when it
+        is not a candidate). Why the barrier decides: a cache leader loads the first steps'
+        misses before any score says whether it is the right rule. Without the barrier those
+        loads hide behind the decode and a wrong cache start costs little, while starting on
+        another rule where the cache was right costs the hits it would have loaded (the replay's
+        choice measured 0.9880x temporal-cpu at drawn-1-19, ECR 50 %, batch 8, against 1.0002x
+        from lrfu-16). Under the barrier the next decode waits for them: on the device-fitted
+        costs the device bench's first request ran at 0.89x static-hot (ECR 50 %) starting on
+        lrfu-16, at static-hot's tokens/s starting on the replay's choice (static)."""
+        names = self.adaptive.candidates
+        if self.adaptive.start_leader is not None:
+            return self.adaptive.start_leader
+        if barrier and self.replay_led:
+            return max(names, key=lambda c: (self.replay_led.get(c, 0), -names.index(c)))
+        return DEFAULT_START_LEADER if DEFAULT_START_LEADER in names else "stage"
 
     def start(self, ctx: PolicyContext) -> CacheState:
         state = super().start(ctx)
@@ -574,8 +616,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._score = np.zeros(C)
         self._led = np.zeros(C)
         self._ctl = np.zeros(N_CTL)
+        # under the copy barrier (the engine's native layer) queued copies hold up the next decode
+        barrier = ctx.cost.array[C_BARRIER] > 0 and self.adaptive.copy_cost is None
         # the leader at start, until the routing says otherwise
-        self._ctl[CTL_LEADER] = self.adaptive.candidates.index(self.adaptive.start_leader)
+        self._ctl[CTL_LEADER] = self.adaptive.candidates.index(self._start_leader(barrier))
         self._ctl[CTL_FIRST_SWITCH] = self.adaptive.first_switch
         self._ctl[CTL_ALPHA] = 1.0 / self.adaptive.horizon_steps
         self._ctl[CTL_COPY_COST] = self.adaptive.copy_price * copy_cost_in_hits(ctx.cost.array) \
@@ -584,7 +628,6 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         # a switch's copies come in a burst, which the copy barrier makes the next steps wait for:
         # there each is priced at its whole transfer (on the device-fitted costs the idle price let
         # the cache switch 100-133 times in 4,285 steps and move 4.1-5.4x lfu-cpu's bytes for its hits)
-        barrier = ctx.cost.array[C_BARRIER] > 0 and self.adaptive.copy_cost is None
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * (
             copy_cost_in_hits(ctx.cost.array, busy_link=True) if barrier else self._ctl[CTL_COPY_COST])
         # a fixed copy_cost is one price whatever the load
@@ -592,6 +635,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             if self.adaptive.copy_cost is None else self.adaptive.copy_cost
         self._ctl[CTL_LINK_SHARE] = t_xfer(ctx.cost.array) / estimated_step_s(ctx, state.n_slots)
         self._ctl[CTL_LOAD_SLOPE] = self.adaptive.load_slope
+        if barrier and self.adaptive.barrier_stalls:
+            self._ctl[CTL_HIDDEN_COPIES] = 1.0 / self._ctl[CTL_LINK_SHARE]
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
         self._gain_of, self._ctl[CTL_SYNC_GAIN] = hit_gains(ctx.cost.array, max(int(ctx.batch), 1))
         self._gain_rows = len(self._gain_of)  # a plain int: no NumPy attribute read per step
