@@ -99,12 +99,12 @@ def long_traces(run: Path) -> TraceSet:
     return ts
 
 
-def bench_calibration(run: Path, calib_examples: int = 4, calib_tokens: int = 600) -> TraceSet:
+def bench_calibration(long: TraceSet, calib_examples: int = 4, calib_tokens: int = 600) -> TraceSet:
     """The routing device_bench.calibrate profiles the bench model on: held-out examples 2.. of
-    seed 7 (``calib_examples`` of them, ``calib_tokens`` decoded each)."""
+    seed 7 (``calib_examples`` of them, ``calib_tokens`` decoded each), cut from ``long``
+    (long_traces: examples 1-7)."""
     from saem_gguf.simulator import _cut
 
-    long = long_traces(run)
     return TraceSet(long.signature, [_cut(s, s.prompt_len + calib_tokens)
                                      for s in long.sequences[1:1 + calib_examples]], source="engine")
 
@@ -112,7 +112,7 @@ def bench_calibration(run: Path, calib_examples: int = 4, calib_tokens: int = 60
 def run_calibration(run: Path) -> TraceSet | None:
     """The calibration a run's bench had: none for the first run's bench (its bench.json names no
     profile), else the bench's own (bench_calibration)."""
-    return bench_calibration(run) if json.loads((run / "bench.json").read_text()).get("profile") else None
+    return bench_calibration(long_traces(run)) if json.loads((run / "bench.json").read_text()).get("profile") else None
 
 
 def simulate_run(ts: TraceSet, hw: HardwareProfile, policies: tuple[str, ...], ecrs: list[float],
@@ -191,7 +191,7 @@ def predict_bench(run: Path, hw: HardwareProfile, ecrs: list[float], decode_toke
     sig = first.signature
     one = first.sequences[0]
     two = _cut(long.sequences[0], long.sequences[0].prompt_len + decode_tokens)
-    calib = bench_calibration(run, calib_examples, calib_tokens)
+    calib = bench_calibration(long, calib_examples, calib_tokens)
     runs = {name: simulate_run(TraceSet(sig, seqs, source="engine"), hw, BENCH_POLICIES, ecrs, calib)
             for name, seqs in (("first", [one]), ("both", [one, two]))}
     rows = []
