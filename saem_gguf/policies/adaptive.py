@@ -376,11 +376,11 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     ctl[CTL_SCORED] += 1
     alpha = ctl[CTL_ALPHA]
     w = max(alpha, 1.0 / ctl[CTL_SCORED]) if ctl[CTL_WARM] > 0 else alpha
+    hidden = ctl[CTL_HIDDEN_COPIES]
     for c in range(C):
         made[c] += cand[c, CAND_PLACED]
         cand[c, CAND_PLACED] = 0.0
         cand[c, CAND_RATE] += alpha * (made[c] - cand[c, CAND_RATE])
-        hidden = ctl[CTL_HIDDEN_COPIES]
         if hidden > 0:  # the barrier: what the step's time does not carry holds up the next step
             net[c] -= made[c] * kappa + max(made[c] - hidden, 0.0) * ctl[CTL_COPY_COST_FULL]
         else:
@@ -401,7 +401,8 @@ def copy_charge(idle, full, load, slope):
     0: one price whatever the load). Why: one price per copy made the
     churning rules look cheap. Between temporal-cpu's half-lives the simulated price of an extra
     copy rose from 0.42 hits (15 -> 37 copies a token) to 0.89 (37 -> 144), against 0.21 charged
-    (fastdrift-skewed, ECR 12.5 %, batch 1; docs/POLICIES.md)."""
+    (fastdrift-skewed, ECR 12.5 %, batch 1; docs/POLICIES.md). Under the copy barrier
+    decide_adaptive charges a step's copies by what that step carries instead (CTL_HIDDEN_COPIES)."""
     return idle + (full - idle) * min(load, 1.0) * slope
 
 
