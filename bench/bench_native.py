@@ -60,7 +60,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     mp = lc.llama_model_default_params()
     mp.n_gpu_layers = 0
-    mp.use_extra_bufts = False  # the same for every mode: repacked experts cannot be copied
+    # the same for every mode: stock would otherwise repack its experts, which the cache keeps plain
+    mp.use_extra_bufts = False
     mp.load_mode = 0  # LLAMA_LOAD_MODE_NONE: read into memory, no mmap page faults while timing
     model = lc.llama_model_load_from_file(args.model.encode(), mp)
     assert model, "model load failed"

@@ -7,6 +7,8 @@
 #include "llama-model.h"
 
 #include "ggml-backend.h"
+// the buffer type struct, to copy the CPU one (saem_plain_cpu_buft); reached through llama's src/
+#include "../ggml/src/ggml-backend-impl.h"
 #include "ggml-cpu.h"
 
 #include <algorithm>
@@ -51,6 +53,13 @@ static bool model_has_experts(const llama_context * ctx) {
     return false;
 }
 
+ggml_backend_buffer_type * saem_plain_cpu_buft() {
+    // a copy of the CPU buffer type under another address: patch 0008 tells the two apart, and
+    // anything that does use the copy gets the CPU buffer type's behaviour
+    static ggml_backend_buffer_type plain = *ggml_backend_cpu_buffer_type();
+    return &plain;
+}
+
 extern "C" {
 
 const char * saem_last_error(void) {
@@ -76,7 +85,7 @@ void * saem_expert_host_buft(int32_t want_pinned, int32_t * is_pinned) {
             }
         }
     }
-    return ggml_backend_cpu_buffer_type();
+    return saem_plain_cpu_buft();
 }
 
 const char * saem_expert_tensor_regex(void) {

@@ -235,8 +235,8 @@ static bool host_copyable(const ggml_tensor * t, std::string & why) {
     }
     if (!ggml_backend_buffer_is_host(t->buffer)) {
         why = std::string("tensor ") + t->name + " is in buffer '" + ggml_backend_buffer_name(t->buffer) +
-              "', not plain host memory (a repacked CPU_* buffer: load the model with use_extra_bufts=false; "
-              "a device buffer: keep the expert tensors on the host with saem_expert_host_buft() overrides)";
+              "', not plain host memory (a repacked or AMX buffer, or a device buffer: keep the expert tensors "
+              "in host memory with a saem_expert_host_buft() override, or load the model with use_extra_bufts=false)";
         return false;
     }
     if (!ggml_is_contiguous(t)) {

@@ -397,6 +397,19 @@ static int32_t ram_expert_residency(const llama_context * ctx, int32_t il, int32
     return SAEM_OK;
 }
 
+// The tensor's data lies in host RAM: a plain host buffer, or one of the CPU's extra buffer types
+// (repacked layouts, AMX), which keep their own layout there and so do not say is_host.
+static bool in_host_ram(const ggml_tensor * t) {
+    if (!t->buffer || !t->data) {
+        return false;
+    }
+    if (ggml_backend_buffer_is_host(t->buffer)) {
+        return true;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+    return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+}
+
 static int32_t ram_lock_non_expert(llama_context * ctx, uint64_t * locked_bytes) {
     saem_moe_cache & c = *saem_get_or_create_cache(ctx);
     saem_ram_state & st = saem_ram_state_of(c);
@@ -404,7 +417,7 @@ static int32_t ram_lock_non_expert(llama_context * ctx, uint64_t * locked_bytes)
     const llama_model & model = saem_ctx_access::model(*ctx);
     std::vector<page_range> ranges;
     for (const auto & [name, t] : model.tensors_by_name) {
-        if (!t->buffer || !t->data || !ggml_backend_buffer_is_host(t->buffer)) {
+        if (!in_host_ram(t)) {
             continue;  // device weights: nothing to page
         }
         bool expert = false;
@@ -412,7 +425,8 @@ static int32_t ram_lock_non_expert(llama_context * ctx, uint64_t * locked_bytes)
             expert = expert || is_expert_tensor(L, t);
         }
         if (!expert) {
-            ranges.push_back(pages_covering((uintptr_t) t->data, ggml_nbytes(t)));
+            // a repacked layout may take more bytes than the file's
+            ranges.push_back(pages_covering((uintptr_t) t->data, ggml_backend_buffer_get_alloc_size(t->buffer, t)));
         }
     }
     // merge overlapping / touching ranges: one mlock per run of pages

@@ -1,11 +1,12 @@
 // Internal C++ interface between the patched llama.cpp sources and native/.
 //
-// The patches (patches/0004-llama-moe-cache-hooks.patch) call exactly these functions; everything
+// The patches (patches/0005, 0006, 0008) call exactly these functions; everything
 // behind them lives in native/. Not part of the public C API (saem_native.h).
 #pragma once
 
 #include <cstdint>
 
+struct ggml_backend_buffer_type;
 struct ggml_tensor;
 struct llm_graph_context;
 class  llm_graph_result;
@@ -57,3 +58,8 @@ void saem_moe_after_compute (saem_moe_cache * c, llm_graph_result * res);
 
 // ~llama_context.
 void saem_moe_cache_free(saem_moe_cache * c);
+
+// llama_model_loader::create_tensor (patch 0008): an override to this buffer type puts the tensor
+// in the CPU buffer type itself, never in an extra (repacked, AMX) one. A stand-in: never allocated
+// from. saem_expert_host_buft() returns it where no GPU pinned buffer is wanted.
+ggml_backend_buffer_type * saem_plain_cpu_buft();

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define SAEM_NATIVE_ABI_VERSION 6
+#define SAEM_NATIVE_ABI_VERSION 7
 
 #if defined(_WIN32)
 #    define SAEM_API __declspec(dllexport)
@@ -63,9 +63,19 @@ SAEM_API int32_t saem_native_abi_version(void);
 SAEM_API const char * saem_last_error(void);
 
 // Host buffer type to keep expert tensors in (for llama_model_tensor_buft_override.buft): the pinned
-// host buffer type of the first GPU when want_pinned != 0 and a GPU backend exists, else the plain
-// CPU buffer type. *is_pinned (may be NULL) says which. Never NULL.
+// host buffer type of the first GPU when want_pinned != 0 and a GPU backend exists, else a stand-in
+// for the CPU buffer type that keeps the tensors in the CPU buffer itself (mapped under mmap) and
+// out of the extra buffer types (repacked, AMX) an override to the CPU buffer type would consider
+// (patch 0008): every other weight may then load with extra buffer types, as stock loads it.
+// *is_pinned (may be NULL) says which. Never NULL.
 SAEM_API void * saem_expert_host_buft(int32_t want_pinned, int32_t * is_pinned);
+
+// 1 when this build's CPU backend has ggml's AMX kernels (compiled for a CPU with AMX) but an AMX
+// tile instruction faults here, tried once per process in a forked child: some virtual machines
+// report AMX and grant the tile state, then fault on its first use (llama.cpp issue 20824), and
+// llama.cpp then crashes on the first prompt of a model whose quantized matrices went to the AMX
+// buffer. 0 otherwise (no AMX kernels, the tiles work, or the probe could not run).
+SAEM_API int32_t saem_cpu_amx_tiles_fault(void);
 
 // Regex matching every expert tensor name (ffn_{up,gate,down,gate_up}_exps and their biases/scales),
 // for llama_model_tensor_buft_override.pattern. Static storage.

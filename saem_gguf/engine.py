@@ -50,6 +50,9 @@ CUE_RANKING_POLICIES = ("saem", "saem-cue")
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 FLASH_ATTN = ("on", "off", "auto")
 MAX_PARALLEL = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h)
+# matrix types ggml's AMX buffer runs with tile instructions (ggml-cpu/amx/common.h,
+# qtype_has_amx_kernels); F16 there runs on AVX-512, no tiles
+AMX_TILE_TYPES = frozenset(("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"))
 
 
 @dataclass
@@ -73,6 +76,9 @@ class EngineConfig:
     cache_type_k: str = "f16"  # -ctk
     cache_type_v: str = "f16"  # -ctv
     use_mmap: bool = True  # --no-mmap clears it
+    # -nr/--no-repack clears it: llama.cpp's extra buffer types (repacked layouts, AMX) for the
+    # weights other than the experts, which always stay as the file has them (the cache copies them)
+    use_extra_bufts: bool = True
     use_mlock: bool = False  # --mlock
     tensor_overrides: tuple = ()  # -ot: tensor_overrides.TensorOverride, in order
     numa: str | None = None  # llama.cpp's --numa strategy: distribute | isolate | numactl
@@ -302,6 +308,8 @@ def _make_llama_class(llama_cpp):
           (``kv_unified`` stays llama.cpp's default, off, as in llama-server with ``-np N``);
         - ``saem_tensor_overrides`` (the user's ``-ot``, resolved): appended after that expert
           override, so it decides the expert tensors and the user's patterns everything else;
+        - ``saem_no_repack``: llama.cpp's ``-nr`` (``use_extra_bufts`` off), which ``Llama`` cannot
+          express;
         - ``saem_flash_attn_auto``: llama.cpp's ``-fa auto``, which ``Llama`` cannot express (its
           ``flash_attn`` is a bool), set once the model is loaded, right before the context;
         - a progress callback (it moves ``saem_progress``'s bar, if any) that cancels the load when
@@ -311,8 +319,10 @@ def _make_llama_class(llama_cpp):
         def __init__(self, *args, saem_hook: Callable[[list[int]], None] | None = None,
                      saem_experts_on_host: bool = False, saem_progress: TextIO | None = None,
                      saem_tensor_overrides: list[tuple[bytes, int]] | None = None,
-                     saem_flash_attn_auto: bool = False, saem_n_seq_max: int = 1, **kw):
+                     saem_flash_attn_auto: bool = False, saem_n_seq_max: int = 1,
+                     saem_no_repack: bool = False, **kw):
             self._saem_hook = None
+            self._saem_no_repack = saem_no_repack
             self._saem_n_seq_max = saem_n_seq_max
             self._saem_on_host = saem_experts_on_host
             self._saem_user_overrides = saem_tensor_overrides or []
@@ -357,6 +367,8 @@ def _make_llama_class(llama_cpp):
             from saem_gguf.tensor_overrides import override_array
 
             rows = list(self._saem_user_overrides)
+            if self._saem_no_repack:
+                params.use_extra_bufts = False
             if self._saem_on_host:
                 from saem_gguf import native_api as na
 
@@ -639,6 +651,13 @@ class Engine:
         if use_mmap and managed and na.saem_expert_host_buft(True)[1]:
             use_mmap = False
             self.note("experts load into pinned host memory, so the model is read without mmap")
+        no_repack = not cfg.use_extra_bufts
+        amx_types = sorted(set(self.info.matrix_types) & AMX_TILE_TYPES)
+        if not no_repack and amx_types and na.saem_cpu_amx_tiles_fault():
+            no_repack = True
+            self.note(f"this CPU's AMX tiles fault on use (seen in virtual machines): llama.cpp would crash "
+                      f"on the first prompt with this model's {', '.join(amx_types)} matrices in its AMX "
+                      "buffer, so the model loads without extra buffer types, as with -nr")
         if cfg.use_mlock and not llama_cpp.llama_supports_mlock():
             self.note("--mlock is not supported on this system: ignored by llama.cpp")
         kv_type = {name: int(gguf.GGMLQuantizationType[name.upper()]) for name in KV_CACHE_TYPES}
@@ -652,7 +671,7 @@ class Engine:
             n_gpu_layers=ngl, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
             flash_attn=cfg.flash_attn == "on", saem_flash_attn_auto=cfg.flash_attn == "auto",
             type_k=kv_type[cfg.cache_type_k], type_v=kv_type[cfg.cache_type_v],
-            use_mmap=use_mmap, use_mlock=cfg.use_mlock,
+            use_mmap=use_mmap, use_mlock=cfg.use_mlock, saem_no_repack=no_repack,
             saem_tensor_overrides=resolve(llama_cpp, overrides))
 
     def _slots_per_layer(self) -> int | None:

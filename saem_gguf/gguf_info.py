@@ -65,6 +65,9 @@ class ModelInfo:
     expert_bytes: int  # all routed experts, all layers
     non_expert_bytes: int  # everything else (attention, embeddings, router, shared experts)
     expert_types: list[str]
+    # ggml types of the other 2-D weight matrices (attention, shared experts, dense FFNs, output;
+    # not the token embedding, which llama.cpp only reads rows of)
+    matrix_types: list[str] = field(default_factory=list)
 
     @property
     def is_moe(self) -> bool:
@@ -183,6 +186,7 @@ def _info_from_reader(path: Path, reader) -> ModelInfo:
     layers: dict[int, MoELayer] = {}
     expert_bytes = total_bytes = 0
     types: set[str] = set()
+    matrix_types: set[str] = set()
     has_shexp = False
     for t in reader.tensors:  # offsets, sizes and types: checked by check_model
         nbytes = int(t.n_bytes)
@@ -191,6 +195,8 @@ def _info_from_reader(path: Path, reader) -> ModelInfo:
             has_shexp = True
         m = EXPERT_TENSOR.match(t.name)
         if not m:
+            if len(t.shape) == 2 and t.name.endswith(".weight") and t.name != "token_embd.weight":
+                matrix_types.add(t.tensor_type.name)
             continue
         il = int(m.group(1))
         if il >= n_layer:
@@ -219,6 +225,7 @@ def _info_from_reader(path: Path, reader) -> ModelInfo:
         n_expert_used=n_used, n_expert_shared=n_shared, n_ff_exp=n_ff_exp,
         moe_layers=[layers[k] for k in sorted(layers)], expert_bytes=expert_bytes,
         non_expert_bytes=total_bytes - expert_bytes, expert_types=sorted(types),
+        matrix_types=sorted(matrix_types),
     )
 
 

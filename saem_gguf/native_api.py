@@ -23,7 +23,7 @@ import numpy as np
 from saem_gguf.errors import BuildError, SaemError
 from saem_gguf.llama_lib import load_llama_cpp
 
-ABI_VERSION = 6  # SAEM_NATIVE_ABI_VERSION
+ABI_VERSION = 7  # SAEM_NATIVE_ABI_VERSION
 
 # status codes (saem_native.h)
 SAEM_OK = 0
@@ -180,6 +180,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "saem_native_abi_version": ([], ctypes.c_int32),
     "saem_last_error": ([], ctypes.c_char_p),
     "saem_expert_host_buft": ([ctypes.c_int32, _P_I32], ctypes.c_void_p),
+    "saem_cpu_amx_tiles_fault": ([], ctypes.c_int32),
     "saem_expert_tensor_regex": ([], ctypes.c_char_p),
     "saem_moe_n_layers": ([_CTX], ctypes.c_int32),
     "saem_moe_get_layer_info": ([_CTX, ctypes.c_int32, ctypes.POINTER(saem_moe_layer_info)], ctypes.c_int32),
@@ -346,6 +347,11 @@ def saem_expert_host_buft(want_pinned: bool) -> tuple[int, bool]:
     return int(p), bool(pinned.value)
 
 
+def saem_cpu_amx_tiles_fault() -> bool:
+    """int32_t saem_cpu_amx_tiles_fault(void);  -- the build has AMX kernels, the tiles fault here."""
+    return bool(_fn("saem_cpu_amx_tiles_fault")())
+
+
 def saem_expert_tensor_regex() -> str:
     """const char * saem_expert_tensor_regex(void);"""
     return _fn("saem_expert_tensor_regex")().decode()
@@ -354,9 +360,11 @@ def saem_expert_tensor_regex() -> str:
 def keep_experts_on_host(model_params: Any, *, pinned: bool = True) -> Any:
     """Set ``model_params`` (a ``llama_cpp.llama_model_params``) so every expert tensor stays in host
     memory the cache can copy from: a tensor-buffer override to :func:`saem_expert_host_buft`
-    (pinned host memory of the first GPU when ``pinned`` and a GPU exists, else the CPU buffer),
-    ``use_extra_bufts = False`` (no repacking: repacked experts cannot be copied) and, for pinned
-    memory, ``load_mode = LLAMA_LOAD_MODE_NONE`` (mmap would bypass the pinned buffer).
+    (pinned host memory of the first GPU when ``pinned`` and a GPU exists, else the plain CPU
+    buffer, never repacked: repacked experts cannot be copied) and, for pinned memory,
+    ``load_mode = LLAMA_LOAD_MODE_NONE`` (mmap would bypass the pinned buffer). Every other weight
+    loads as stock llama.cpp loads it, extra buffer types (repacking, AMX) included unless the
+    caller turned them off (``use_extra_bufts``, llama.cpp's ``--no-repack``).
 
     Returns the override array: keep it alive until the model is loaded."""
     buft, is_pinned = saem_expert_host_buft(pinned)
@@ -366,7 +374,6 @@ def keep_experts_on_host(model_params: Any, *, pinned: bool = True) -> Any:
     arr[1].pattern = None
     arr[1].buft = None
     model_params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
-    model_params.use_extra_bufts = False
     if is_pinned:
         model_params.load_mode = 0  # LLAMA_LOAD_MODE_NONE
     return arr

@@ -43,10 +43,13 @@ def stock_env(stock_lib) -> dict[str, str]:
     return env
 
 
-def reference(stock_lib, model, cases: list[dict], n_ctx: int = N_CTX) -> list[list[dict]]:
-    """Per case, the stock side's calls: prompt tokens, text, finish_reason."""
+def reference(stock_lib, model, cases: list[dict], n_ctx: int = N_CTX,
+              no_repack: bool = False) -> list[list[dict]]:
+    """Per case, the stock side's calls: prompt tokens, text, finish_reason (``no_repack``:
+    llama.cpp's ``-nr``)."""
     r = subprocess.run([sys.executable, str(REFERENCE)], input=json.dumps(
-        {"model": str(model), "n_ctx": n_ctx, "cases": cases}), capture_output=True, text=True,
+        {"model": str(model), "n_ctx": n_ctx, "no_repack": no_repack, "cases": cases}),
+        capture_output=True, text=True,
         env=stock_env(stock_lib), timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)

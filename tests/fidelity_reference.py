@@ -3,7 +3,7 @@
 Run as a subprocess with LLAMA_CPP_LIB_PATH set to the unpatched build's lib dir; it never imports
 saem_gguf (one libllama per process). Reads a JSON job on stdin, prints JSON results:
 
-    {"model": PATH, "n_ctx": N, "cases": [
+    {"model": PATH, "n_ctx": N, "no_repack": BOOL (optional: llama.cpp's -nr), "cases": [
         {"kind": "completion", "prompt": TEXT, "max_tokens": N, "temperature": T, "seed": S,
          "stop": [TEXT, ...], "grammar": GBNF, "json_schema": TEXT, "logit_bias": [[ID, BIAS], ...]},
         {"kind": "chat", "system": TEXT|null, "turns": [TEXT, ...], "max_tokens": N}]}
@@ -66,6 +66,17 @@ def run_case(model: str, n_ctx: int, case: dict) -> dict:
 
 def main() -> None:
     job = json.load(sys.stdin)
+    if job.get("no_repack"):
+        # llama.cpp's -nr, which llama-cpp-python's Llama cannot express: Llama starts its model
+        # params from these defaults (llama_cpp/llama.py calls them through llama_cpp.llama_cpp)
+        default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+        def no_repack_params():
+            p = default_params()
+            p.use_extra_bufts = False
+            return p
+
+        llama_cpp.llama_cpp.llama_model_default_params = no_repack_params
     json.dump([run_case(job["model"], job["n_ctx"], c) for c in job["cases"]], sys.stdout)
 
 

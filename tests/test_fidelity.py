@@ -21,10 +21,14 @@ import sys
 import pytest
 
 from conftest import REPO
-from fidelity_helpers import N_CTX, engine, model_for, reference, result_row, same, stock_env, stock_lib  # noqa: F401
+from native_helpers import spec
+from fidelity_helpers import (N_CTX, REFERENCE, engine, model_for, reference, result_row, same, stock_env,  # noqa: F401
+                              stock_lib)
+from saem_gguf import native_api as na
 from saem_gguf.chat import ChatSession
 from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
 from saem_gguf.policies import POLICIES
+from saem_gguf.testmodels import ensure_model
 
 PROMPT = "First, compute 12 + 7. Wait, let me verify the sum."
 SYSTEM = "You check every step."
@@ -202,6 +206,47 @@ def test_seeded_sampling_matches_stock(llama_cpp, stock_lib):
             assert c["text"] == want[0]["text"], f"API, seed {s}"
     finally:
         llm.close()
+
+
+def test_no_repack_answers_as_stock_with_no_repack(llama_cpp, stock_lib):
+    """``-nr`` (llama.cpp's ``--no-repack``): the weights other than the experts load without
+    extra buffer types on both sides. On a CPU with AMX the F16 matrices otherwise go to ggml's
+    AMX buffer, which rounds differently, so there the two runs differ and each matches its own."""
+    model = model_for("qwen2moe", "chatml", True)
+    cases = [{"kind": "completion", "prompt": PROMPT, "max_tokens": 32, "temperature": 0.9, "seed": 0}]
+    for no_repack in (False, True):
+        want = reference(stock_lib, model, cases, no_repack=no_repack)[0][0]
+        eng = engine(model, "lru", use_extra_bufts=not no_repack)
+        try:
+            same(result_row(eng.generate(PROMPT, 32, SamplingConfig(temp=0.9, seed=0))), want,
+                 f"no_repack={no_repack}")
+        finally:
+            eng.close()
+
+
+def test_quantized_matrices_load_as_stock_loads_them_or_without_the_faulting_amx(llama_cpp, stock_lib):
+    """Q4_0 attention and output matrices: stock puts them in ggml's AMX buffer on a CPU with AMX,
+    else in a repacked layout on AVX2, and the engine loads them the same way (only the experts
+    stay as the file has them), so sampled text is stock's. Where the AMX tiles fault when used
+    (some virtual machines, this project's CI among them) stock dies on the first prompt: there the
+    engine says so and loads them as with -nr, and answers as stock with -nr."""
+    model = ensure_model(spec("qwen3moe", "q8_0", matrix_type="q4_0"))
+    cases = [{"kind": "completion", "prompt": PROMPT, "max_tokens": 32, "temperature": 0.9, "seed": 0}]
+    fault = na.saem_cpu_amx_tiles_fault()
+    if fault:  # the premise: stock really dies on this model here
+        r = subprocess.run([sys.executable, str(REFERENCE)], input=json.dumps(
+            {"model": str(model), "n_ctx": N_CTX, "cases": cases}), capture_output=True, text=True,
+            env=stock_env(stock_lib), timeout=600, cwd=REPO)
+        assert r.returncode < 0, f"stock did not crash (rc {r.returncode}): the probe is wrong"
+    want = reference(stock_lib, model, cases, no_repack=fault)[0][0]
+    notes: list[str] = []
+    eng = Engine(EngineConfig(model=model, n_ctx=N_CTX, n_threads=2, policy="lru", ecr=0.25, seed=0),
+                 log=notes.append)
+    try:
+        same(result_row(eng.generate(PROMPT, 32, SamplingConfig(temp=0.9, seed=0))), want, "Q4_0 matrices")
+    finally:
+        eng.close()
+    assert any("AMX tiles fault" in n and "Q4_0" in n for n in notes) == fault, notes
 
 
 def test_model_without_template_falls_back_like_llama_cpp_python(llama_cpp, stock_lib):

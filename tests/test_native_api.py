@@ -233,6 +233,22 @@ def test_dense_lead_layer_takes_no_slots():
             na.saem_moe_set_slot_map(r.ctx, 0, [])
 
 
+def test_the_expert_override_keeps_experts_plain_where_the_rest_is_repacked():
+    """With extra buffer types on (llama.cpp's default), an override to saem_expert_host_buft()
+    keeps the Q4_0 experts as the file has them, mapped from it (so the cache can copy them, and
+    the RAM tier find them), where an override to the CPU buffer type itself lets llama.cpp repack
+    them (test_repacked_experts_are_refused shows that without an override)."""
+    path = ensure_model(spec("qwen3moe", "q4_0", n_embd=128, n_ff_exp=128))
+    with Runner(path, repack=True, keep_on_host=False) as r:
+        if all(i.host_copyable for i in layer_infos(r.ctx)):
+            pytest.skip("this CPU has no repacked Q4_0 layout (no extra buffer type used)")
+    with Runner(path, repack=True, keep_on_host=True) as r:
+        infos = layer_infos(r.ctx)
+        assert all(i.host_copyable for i in infos)
+        na.saem_moe_cache_init(r.ctx, [2] * len(infos))
+        assert na.saem_ram_experts_mapped(r.ctx)[0]
+
+
 def test_repacked_experts_are_refused():
     """Q4_0 experts repacked by the CPU backend (use_extra_bufts) cannot be copied into slots."""
     path = ensure_model(spec("qwen3moe", "q4_0", n_embd=128, n_ff_exp=128))

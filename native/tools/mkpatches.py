@@ -31,6 +31,9 @@ CONCERNS = [
                                       "ggml/src/ggml-cuda/ggml-cuda.cu": lambda h: "event_query" in h}),
     ("0005-llama-graph-moe-branches", {"src/llama-graph.h": None, "src/llama-graph.cpp": None}),
     ("0006-llama-context-moe-cache-hooks", {"src/llama-context.h": None, "src/llama-context.cpp": None}),
+    # 0007 (CUDA mmvq/mmq) was written by hand after this tool: its ggml-cuda.cu hunks would also
+    # match 0003's predicate, so the tool cannot split a tree that holds both
+    ("0008-llama-model-loader-plain-cpu-override", {"src/llama-model-loader.cpp": None}),
 ]
 
 

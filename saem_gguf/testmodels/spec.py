@@ -8,6 +8,9 @@ from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 EXPERT_TYPES = ("f16", "q8_0", "q4_0", "q4_k")
+# the other weight matrices: f16, or q4_0, which llama.cpp loads into its extra buffer types as it
+# would a real Q4_0 model's (AMX where the CPU has it, else a repacked layout on AVX2 CPUs)
+MATRIX_TYPES = ("f16", "q4_0")
 
 # Stage vocabulary of reasoning text (computing, checking, trying another way, concluding), each
 # pinned to its own token group, so that routing on such text changes at stage boundaries.
@@ -34,6 +37,8 @@ class ModelSpec:
     n_expert_used: int = 2
     n_dense_lead: int = 0  # leading dense FFN layers before the MoE ones (DeepSeek style)
     expert_type: str = "q8_0"
+    # the matrices that are not experts: attention, shared experts, dense FFNs, embeddings, output
+    matrix_type: str = "f16"
     n_ctx_train: int = 4096
     seed: int = 0
     # Planted routing: each vocabulary token belongs to one of n_expert // n_expert_used groups,
@@ -60,6 +65,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.expert_type not in EXPERT_TYPES:
             raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}")
+        if self.matrix_type not in MATRIX_TYPES:
+            raise ValueError(f"matrix_type must be one of {MATRIX_TYPES}, got {self.matrix_type!r}")
         from saem_gguf.testmodels.vocab import CHAT_TEMPLATES
 
         if self.chat_template not in CHAT_TEMPLATES:

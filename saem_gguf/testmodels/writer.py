@@ -44,8 +44,9 @@ def write_gguf(path: Path, spec: ModelSpec, vocab: Vocab,
                tensors: Iterable[tuple[str, np.ndarray, str]], *, name: str | None = None,
                description: str = "saem_gguf generated test model (random weights, planted routing)",
                chat_template: str | None = CHATML_TEMPLATE) -> Path:
-    """Write ``tensors`` ((name, float32 array in NumPy order, kind) with kind "f32" | "f16" |
-    "expert" = the spec's expert type) with the spec's hyperparameters and ``vocab``."""
+    """Write ``tensors`` ((name, float32 array in NumPy order, kind) with kind "f32" | "f16" = the
+    spec's matrix type | "expert" = the spec's expert type) with the spec's hyperparameters and
+    ``vocab``."""
     arch = get_arch(spec.arch)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,7 +58,7 @@ def write_gguf(path: Path, spec: ModelSpec, vocab: Vocab,
             _write_metadata(w, spec, arch, vocab, name or spec.name or f"saem-test-{spec.arch}",
                             description, chat_template)
             for tname, arr, kind in tensors:
-                qkind = spec.expert_type if kind == "expert" else kind
+                qkind = {"expert": spec.expert_type, "f16": spec.matrix_type}.get(kind, kind)
                 if isinstance(arr, PooledExperts):
                     data, qt = quantize(arr.pool, qkind)
                     data = np.ascontiguousarray(data[arr.index])
