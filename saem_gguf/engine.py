@@ -653,7 +653,11 @@ class Engine:
             self.note("experts load into pinned host memory, so the model is read without mmap")
         no_repack = not cfg.use_extra_bufts
         amx_types = sorted(set(self.info.matrix_types) & AMX_TILE_TYPES)
-        if not no_repack and amx_types and na.saem_cpu_amx_tiles_fault():
+        # every layer and the output on a GPU (-ngl auto/all, no -ot): no matrix is multiplied on
+        # the CPU, so no AMX buffer
+        all_on_gpu = (llama_cpp.llama_supports_gpu_offload() and (ngl < 0 or ngl > self.info.n_layer)
+                      and not overrides)
+        if not no_repack and amx_types and not all_on_gpu and na.saem_cpu_amx_tiles_fault():
             no_repack = True
             self.note(f"this CPU's AMX tiles fault on use (seen in virtual machines): llama.cpp would crash "
                       f"on the first prompt with this model's {', '.join(amx_types)} matrices in its AMX "

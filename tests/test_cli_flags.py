@@ -161,6 +161,32 @@ def test_no_mmap_and_mlock_reach_the_loader(model):
     assert mapped and locked > 0
 
 
+# --- extra buffer types: -nr -------------------------------------------------------------------
+
+def test_no_repack_reaches_the_loader(model):
+    """llama.cpp's -nr: no extra buffer type (repacked layout, AMX) for any weight, where without
+    it the weights other than the experts get one as in stock. Read from llama.cpp's own log: Q4_0
+    matrices (repacked on AVX2, AMX where the CPU has it), or F16 ones where the AMX tiles fault
+    (the engine then keeps Q4_0 out of AMX itself; F16 runs there without tiles)."""
+    from saem_gguf import native_api as na
+
+    if na.saem_cpu_amx_tiles_fault():
+        path = model
+    else:
+        path = str(ensure_model(spec_for("qwen3moe", "q8_0", matrix_type="q4_0", seed=5)))
+
+    def extra_buffers(*argv: str) -> list[str]:
+        r = run_cli("generate", "-m", path, "-p", "x", "-n", "1", "--verbose", "--hw", "rtx4090-ddr5", *argv)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [line for line in r.stderr.splitlines()
+                if "model buffer size" in line and ("AMX" in line or "REPACK" in line)]
+
+    stock_like = extra_buffers()
+    if not stock_like:
+        pytest.skip("this CPU has no extra buffer type for these weights")
+    assert extra_buffers("-nr") == [] and extra_buffers("--no-repack") == []
+
+
 # --- offload: -ngl, -cmoe, -ncmoe ---------------------------------------------------------------
 
 def test_ngl_values(model, llama_cpp):

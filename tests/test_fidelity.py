@@ -22,8 +22,7 @@ import pytest
 
 from conftest import REPO
 from native_helpers import spec
-from fidelity_helpers import (N_CTX, REFERENCE, engine, model_for, reference, result_row, same, stock_env,  # noqa: F401
-                              stock_lib)
+from fidelity_helpers import N_CTX, REFERENCE, engine, model_for, reference, result_row, same, stock_env, stock_lib  # noqa: F401,E501
 from saem_gguf import native_api as na
 from saem_gguf.chat import ChatSession
 from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
