@@ -34,6 +34,7 @@ def test_inspect_matches_generator(arch, quant):
     assert info.n_embd == spec.n_embd and info.n_head_kv == spec.n_head_kv
     assert info.n_expert_shared == (1 if arch == "qwen2moe" else 0)
     assert info.expert_types == [QT[quant].name]
+    assert info.matrix_types == ["F16", "F32"]  # attention etc. in F16; the router's F32
     assert [l.index for l in info.moe_layers] == list(range(spec.n_layer))
     # gate + up: n_ff rows of n_embd; down: n_embd rows of n_ff
     per = 2 * expert_bytes(spec.n_ff_exp, spec.n_embd, quant) + expert_bytes(spec.n_embd, spec.n_ff_exp, quant)
@@ -83,3 +84,13 @@ def test_dense_model_reported_as_dense():
     assert r.returncode == 0 and "dense model" in r.stdout
     r = run_cli("inspect", info.path, "--ecr", "0.5")
     assert r.returncode == 1 and "dense" in r.stderr
+
+
+def test_inspect_names_the_types_of_the_other_matrices():
+    """The matrix types decide llama.cpp's extra buffer types (repacked, AMX) for the non-expert
+    weights; the token embedding, only read by rows, is not among them."""
+    path = ensure_model(spec_for("qwen3moe", "q8_0", matrix_type="q4_0", seed=3))
+    assert read_model_info(path).matrix_types == ["F32", "Q4_0"]
+    r = run_cli("inspect", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "(matrices F32, Q4_0)" in r.stdout

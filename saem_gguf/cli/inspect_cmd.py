@@ -121,7 +121,8 @@ def render(info: ModelInfo, layers: bool = False) -> str:
         ("bytes / expert", f"{format_size(info.moe_layers[0].bytes_per_expert)} per layer, "
                            f"{format_size(info.bytes_per_expert_all_layers)} across all MoE layers"),
         ("expert weights", format_size(info.expert_bytes)),
-        ("non-expert", format_size(info.non_expert_bytes)),
+        ("non-expert", format_size(info.non_expert_bytes)
+                       + (f"  (matrices {', '.join(info.matrix_types)})" if info.matrix_types else "")),
     ]
     out = _table(rows, "model")
     if layers:
