@@ -43,14 +43,19 @@ def stock_env(stock_lib) -> dict[str, str]:
     return env
 
 
+def run_reference(stock_lib, model, cases: list[dict], n_ctx: int = N_CTX,
+                  no_repack: bool = False) -> subprocess.CompletedProcess:
+    """The stock side's process, run to its end (``no_repack``: llama.cpp's ``-nr``)."""
+    return subprocess.run([sys.executable, str(REFERENCE)], input=json.dumps(
+        {"model": str(model), "n_ctx": n_ctx, "no_repack": no_repack, "cases": cases}),
+        capture_output=True, text=True, env=stock_env(stock_lib), timeout=600, cwd=REPO)
+
+
 def reference(stock_lib, model, cases: list[dict], n_ctx: int = N_CTX,
               no_repack: bool = False) -> list[list[dict]]:
     """Per case, the stock side's calls: prompt tokens, text, finish_reason (``no_repack``:
     llama.cpp's ``-nr``)."""
-    r = subprocess.run([sys.executable, str(REFERENCE)], input=json.dumps(
-        {"model": str(model), "n_ctx": n_ctx, "no_repack": no_repack, "cases": cases}),
-        capture_output=True, text=True,
-        env=stock_env(stock_lib), timeout=600, cwd=REPO)
+    r = run_reference(stock_lib, model, cases, n_ctx, no_repack)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     for res in out:  # the reference really ran on the stock library

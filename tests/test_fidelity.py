@@ -22,7 +22,7 @@ import pytest
 
 from conftest import REPO
 from native_helpers import spec
-from fidelity_helpers import N_CTX, REFERENCE, engine, model_for, reference, result_row, same, stock_env, stock_lib  # noqa: F401,E501
+from fidelity_helpers import N_CTX, engine, model_for, reference, result_row, run_reference, same, stock_env, stock_lib  # noqa: F401,E501
 from saem_gguf import native_api as na
 from saem_gguf.chat import ChatSession
 from saem_gguf.engine import Engine, EngineConfig, SamplingConfig
@@ -233,9 +233,7 @@ def test_quantized_matrices_load_as_stock_loads_them_or_without_the_faulting_amx
     cases = [{"kind": "completion", "prompt": PROMPT, "max_tokens": 32, "temperature": 0.9, "seed": 0}]
     fault = na.saem_cpu_amx_tiles_fault()
     if fault:  # the premise: stock really dies on this model here
-        r = subprocess.run([sys.executable, str(REFERENCE)], input=json.dumps(
-            {"model": str(model), "n_ctx": N_CTX, "cases": cases}), capture_output=True, text=True,
-            env=stock_env(stock_lib), timeout=600, cwd=REPO)
+        r = run_reference(stock_lib, model, cases)
         assert r.returncode < 0, f"stock did not crash (rc {r.returncode}): the probe is wrong"
     want = reference(stock_lib, model, cases, no_repack=fault)[0][0]
     notes: list[str] = []
