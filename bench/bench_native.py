@@ -3,6 +3,7 @@
 
     python bench/bench_native.py                 # default model, 5 interleaved repetitions
     python bench/bench_native.py --reps 9 --tokens 128 --threads 1
+    python bench/bench_native.py --no-repack     # every mode without extra buffer types (-nr)
 
 One run, one generated model (saem_gguf.testmodels; bigger than the test models), five modes:
 
@@ -16,7 +17,9 @@ Two libllama builds cannot live in one process (llama-cpp-python binds one libra
 every measurement is a fresh worker subprocess (this script with --worker) bound to one build.
 Repetitions are interleaved: each repetition runs every mode once, in a rotated order, so slow
 drift and other load on the machine hit all modes alike. Each worker loads the model (read into
-memory - no mmap, so no page faults while timing -, no repacking, CPU), decodes a prompt and a few warm-up tokens, then times N single-token llama_decode
+memory - no mmap, so no page faults while timing -, CPU; with llama.cpp's extra buffer types, as
+stock loads it by default: Q4_0 / Q4_K experts repacked on AVX2 CPUs, which the cache then keeps
+repacked in its CPU slots; `--no-repack` turns them off in every mode), decodes a prompt and a few warm-up tokens, then times N single-token llama_decode
 calls on a fixed token sequence (identical for every mode, so routing - and work - is identical).
 Reported, for four speed measures - wall-clock tokens/s; tokens per CPU-second of the worker (robust
 to other load sharing the cores; with one decode thread there is no spin-waiting to inflate it);
@@ -60,8 +63,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     mp = lc.llama_model_default_params()
     mp.n_gpu_layers = 0
-    # the same for every mode: stock would otherwise repack its experts, which the cache keeps plain
-    mp.use_extra_bufts = False
+    # the same for every mode: stock's default (extra buffer types) unless --no-repack
+    mp.use_extra_bufts = not args.no_repack
     mp.load_mode = 0  # LLAMA_LOAD_MODE_NONE: read into memory, no mmap page faults while timing
     model = lc.llama_model_load_from_file(args.model.encode(), mp)
     assert model, "model load failed"
@@ -82,6 +85,7 @@ def _worker(args: argparse.Namespace) -> int:
 
         infos = [na.saem_moe_get_layer_info(ctx, il) for il in range(na.saem_moe_n_layers(ctx))]
         out["native"] = na.saem_native_version()
+        out["repacked"] = any(any(i.repacked) for i in infos)  # the experts are in CPU_REPACK
         if args.worker in ("allhost", "mixed"):
             na.saem_moe_cache_init(ctx, [i.n_expert // 2 for i in infos])
         if args.worker == "mixed":
@@ -198,7 +202,8 @@ def _model(args: argparse.Namespace) -> str:
 def _run(mode: str, lib: str, model: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--lib", lib, "--model", model,
            "--tokens", str(args.tokens), "--warmup", str(args.warmup), "--prompt", str(args.prompt),
-           "--threads", str(args.threads), "--copy-rounds", str(args.copy_rounds)]
+           "--threads", str(args.threads), "--copy-rounds", str(args.copy_rounds)] + \
+        (["--no-repack"] if args.no_repack else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         raise SystemExit(f"worker {mode} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
@@ -215,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode threads (default 1: with other load on the machine, spinning "
                          "worker threads make wall times erratic)")
     ap.add_argument("--copy-rounds", type=int, default=3)
+    ap.add_argument("--no-repack", action="store_true",
+                    help="llama.cpp's -nr in every mode: no extra buffer types (no repacked experts)")
     ap.add_argument("--model", help="a GGUF (default: a generated MoE model, see --arch etc.)")
     ap.add_argument("--arch", default="qwen3moe")
     ap.add_argument("--quant", default="q4_0")
@@ -237,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     model = _model(args)
     print(f"model: {model} ({os.path.getsize(model) / 1e6:.0f} MB)")
     print(f"stock: {stock_lib}\nsaem:  {saem_lib}")
-    print(f"{args.reps} reps x {len(MODES)} modes, {args.tokens} timed tokens each, {args.threads} threads")
+    print(f"{args.reps} reps x {len(MODES)} modes, {args.tokens} timed tokens each, {args.threads} threads, "
+          f"{'no extra buffer types (-nr)' if args.no_repack else 'extra buffer types on (stock default)'}")
     res: dict[str, list[dict]] = {m: [] for m in MODES}
     for rep in range(args.reps):
         order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]
@@ -249,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
     same = {(r["argmax"], round(r["logit_sum"], 3)) for m in MODES for r in res[m]}
     summary = {"model": model, "reps": args.reps, "tokens": args.tokens, "threads": args.threads,
+               "no_repack": args.no_repack,
                "same_output_all_modes": len(same) == 1, "modes": {}, "copy": copy}
     for key, title in (("tok_s", "wall-clock tokens/s (timed tokens / wall time)"),
                        ("cpu_tok_s", "tokens per CPU-second (process time)"),
@@ -265,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "ratio_paired": paired}
             print(f"{m:8s} {med:9.2f} {min(v):8.2f} {max(v):8.2f} {med / stock_med:14.3f} {paired:17.3f}")
     print(f"\nsame last-token logits in every mode and repetition: {summary['same_output_all_modes']}")
+    summary["experts_repacked"] = res["nocache"][0]["repacked"]
+    print(f"experts in llama.cpp's repacked layout (CPU_REPACK): {summary['experts_repacked']}")
     if "resident" in res["mixed"][0]:
         print(f"mixed: {res['mixed'][0]['resident']} experts resident in total (half of each layer)")
     print(f"expert copy host -> slot ({copy['device']}, {copy['expert_nbytes'] / 1e6:.2f} MB per expert): "

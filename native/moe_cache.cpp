@@ -209,6 +209,8 @@ void saem_moe_cache::free_slots() {
         if (d.copy_backend) { ggml_backend_free(d.copy_backend); }
         if (d.buf) { ggml_backend_buffer_free(d.buf); }
         if (d.ctx) { ggml_free(d.ctx); }
+        if (d.buf_repacked) { ggml_backend_buffer_free(d.buf_repacked); }
+        if (d.ctx_repacked) { ggml_free(d.ctx_repacked); }
     }
     devs.clear();
     for (auto & L : layers) {
@@ -225,7 +227,17 @@ void saem_moe_cache::free_slots() {
     initialised = false;
 }
 
-static bool host_copyable(const ggml_tensor * t, std::string & why) {
+// The buffer type ggml-cpu repacks weights in (repack.cpp; its name is its identity: the type is not
+// exported from ggml-cpu). Its tensors hold rows interleaved in groups, whole groups within one
+// expert, so an expert's bytes are at the same offsets as in the file, but only ggml-cpu's repacked
+// kernels read them.
+static bool is_cpu_repack(ggml_backend_buffer_type_t buft) {
+    return buft && strcmp(ggml_backend_buft_name(buft), "CPU_REPACK") == 0;
+}
+
+// Can the cache copy tensor t's experts into slots on a device (to_cpu: the CPU)? Plain host
+// memory always; a repacked tensor into CPU slots only (they are repacked alike).
+static bool host_copyable(const ggml_tensor * t, bool to_cpu, std::string & why) {
     if (!t) {
         return true;
     }
@@ -233,10 +245,14 @@ static bool host_copyable(const ggml_tensor * t, std::string & why) {
         why = std::string("tensor ") + t->name + " is not allocated";
         return false;
     }
-    if (!ggml_backend_buffer_is_host(t->buffer)) {
-        why = std::string("tensor ") + t->name + " is in buffer '" + ggml_backend_buffer_name(t->buffer) +
-              "', not plain host memory (a repacked or AMX buffer, or a device buffer: keep the expert tensors "
-              "in host memory with a saem_expert_host_buft() override, or load the model with use_extra_bufts=false)";
+    const bool repacked = is_cpu_repack(ggml_backend_buffer_get_type(t->buffer));
+    if (!ggml_backend_buffer_is_host(t->buffer) && !(repacked && to_cpu)) {
+        why = std::string("tensor ") + t->name + " is in buffer '" + ggml_backend_buffer_name(t->buffer) + "', not " +
+              (repacked ? "plain host memory a device can copy from (a repacked layout: keep the expert tensors "
+                          "in plain host memory with a saem_expert_host_buft() override)"
+                        : "host memory (an AMX or other extra buffer, or a device buffer: keep the expert tensors in "
+                          "host memory with a saem_expert_host_buft() override, or load the model with "
+                          "use_extra_bufts=false)");
         return false;
     }
     if (!ggml_is_contiguous(t)) {
@@ -246,11 +262,21 @@ static bool host_copyable(const ggml_tensor * t, std::string & why) {
     return true;
 }
 
-static bool layer_host_copyable(const saem_layer & L, std::string & why) {
+// the device a layer's slots live on (model.dev_layer; the CPU when it has none)
+static ggml_backend_dev_t slot_device(const llama_model & model, int il) {
+    ggml_backend_dev_t dev = model.dev_layer(il);
+    return dev ? dev : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+}
+
+static bool device_is_cpu(ggml_backend_dev_t dev) {
+    return ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev));
+}
+
+static bool layer_host_copyable(const saem_layer & L, bool to_cpu, std::string & why) {
     const ggml_tensor * ts[] = { L.h_up, L.h_gate, L.h_gate_up, L.h_down, L.h_up_b, L.h_gate_b,
                                  L.h_gate_up_b, L.h_down_b, L.h_up_s, L.h_gate_s, L.h_down_s };
     for (const ggml_tensor * t : ts) {
-        if (!host_copyable(t, why)) {
+        if (!host_copyable(t, to_cpu, why)) {
             return false;
         }
     }
@@ -302,10 +328,16 @@ void saem_describe_layer(const llama_context * ctx, int il, saem_moe_layer_info 
         out.aux_nbytes += t ? ggml_nbytes(t) : 0;
     }
     std::string why;
-    out.host_copyable = L->n_expert > 0 && layer_host_copyable(*L, why) ? 1 : 0;
-    out.host_pinned   = out.host_copyable && buft_is_pinned(ggml_backend_buffer_get_type(L->h_down->buffer)) ? 1 : 0;
     ggml_backend_dev_t dev = model.dev_layer(il);
     out.device_is_host = dev ? (ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev)) ? 1 : 0) : 1;
+    out.host_copyable = L->n_expert > 0 && layer_host_copyable(*L, out.device_is_host != 0, why) ? 1 : 0;
+    out.host_pinned   = out.host_copyable && buft_is_pinned(ggml_backend_buffer_get_type(L->h_down->buffer)) ? 1 : 0;
+    for (int k = 0; k < L->n_mats; ++k) {
+        const ggml_tensor * h = L->h_mat[k];
+        if (h->buffer && is_cpu_repack(ggml_backend_buffer_get_type(h->buffer))) {
+            out.host_repacked |= 1 << k;
+        }
+    }
     snprintf(out.device, sizeof(out.device), "%s", dev ? ggml_backend_dev_name(dev) : "CPU");
 }
 
@@ -342,7 +374,7 @@ void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {
             throw saem_error(SAEM_E_UNSUPPORTED, why);
         }
         for (int il = 0; il < n_layers; ++il) {
-            if (n_slots[il] > 0 && !layer_host_copyable(layers[il], why)) {
+            if (n_slots[il] > 0 && !layer_host_copyable(layers[il], device_is_cpu(slot_device(model, il)), why)) {
                 throw saem_error(SAEM_E_NOT_HOST, "layer " + std::to_string(il) + ": " + why);
             }
         }
@@ -370,10 +402,7 @@ void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {
         if (n_slots[il] == 0) {
             continue;
         }
-        ggml_backend_dev_t dev = model.dev_layer(il);
-        if (!dev) {
-            dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
-        }
+        ggml_backend_dev_t dev = slot_device(model, il);
         int idx = -1;
         for (size_t i = 0; i < devs.size(); ++i) {
             if (devs[i].dev == dev) {
@@ -418,7 +447,24 @@ void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {
         const int64_t n_alloc = L.n_slots + (d.zero_slot ? 1 : 0); // + the zero slot
         for (int k = 0; k < L.n_mats; ++k) {
             const ggml_tensor * h = L.h_mat[k];
-            L.d_mat[k] = ggml_new_tensor_3d(d.ctx, h->type, h->ne[0], h->ne[1], n_alloc);
+            ggml_context * ctx = d.ctx;
+            ggml_backend_buffer_type_t hbuft = ggml_backend_buffer_get_type(h->buffer);
+            if (is_cpu_repack(hbuft)) { // d is the CPU (checked above)
+                if (!d.ctx_repacked) {
+                    ggml_init_params ip = { ggml_tensor_overhead() * SAEM_MAT_MAX * layers.size(), nullptr, true };
+                    d.ctx_repacked  = ggml_init(ip);
+                    d.buft_repacked = hbuft;
+                    if (!d.ctx_repacked) {
+                        free_slots();
+                        throw saem_error(SAEM_E_ALLOC, "ggml_init failed");
+                    }
+                }
+                ctx = d.ctx_repacked;
+            }
+            // ggml's repacked MUL_MAT_ID takes 3-D weights only, and a 1-slot tensor is 2-D
+            // (ggml_n_dims): such a layer gets a second slot that is never mapped
+            const int64_t n_mat = ctx == d.ctx_repacked ? std::max<int64_t>(n_alloc, 2) : n_alloc;
+            L.d_mat[k] = ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_mat);
             ggml_format_name(L.d_mat[k], "saem.blk.%d.slots.%d", L.il, k);
         }
         auto dup = [&](ggml_tensor * h) -> ggml_tensor * {
@@ -440,15 +486,24 @@ void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {
         fill_input_maps(L, d.zero_slot);
     }
 
-    for (auto & d : devs) {
-        d.buf = ggml_backend_alloc_ctx_tensors_from_buft(d.ctx, d.buft);
-        if (!d.buf) {
-            const std::string name = ggml_backend_buft_name(d.buft);
+    // a context without tensors gets no buffer (ggml_backend_alloc_ctx_tensors_from_buft returns NULL)
+    auto alloc = [this](ggml_context * ctx, ggml_backend_buffer_type_t buft) -> ggml_backend_buffer_t {
+        if (!ctx || !ggml_get_first_tensor(ctx)) {
+            return nullptr;
+        }
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+        if (!buf) {
+            const std::string name = ggml_backend_buft_name(buft);
             free_slots();
             throw saem_error(SAEM_E_ALLOC, "failed to allocate the expert slots in " + name);
         }
-        ggml_backend_buffer_set_usage(d.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        ggml_backend_buffer_clear(d.buf, 0); // the zero slot (and any padding) must be all zeros
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(buf, 0); // the zero slot (and any padding) must be all zeros
+        return buf;
+    };
+    for (auto & d : devs) {
+        d.buf          = alloc(d.ctx, d.buft);
+        d.buf_repacked = alloc(d.ctx_repacked, d.buft_repacked);
         ggml_backend_dev_props props;
         ggml_backend_dev_get_props(d.dev, &props);
         if (!d.is_host && props.caps.async && props.caps.events) {
@@ -511,10 +566,12 @@ static void check_slot_args(const saem_moe_cache & c, const saem_layer & L, int 
 // which may still read the slot.
 static bool move_expert(saem_moe_cache & c, saem_layer & L, saem_device & d, int e, int s, bool async, bool wait_compute) {
     if (d.is_host) {
-        // CPU slots: decode is synchronous on the CPU, nothing can be reading the slot now
+        // CPU slots: decode is synchronous on the CPU, nothing can be reading the slot now. A memcpy,
+        // as the CPU buffer's set_tensor does, which a repacked slot's set_tensor would not do (it
+        // repacks a whole tensor): expert e's bytes, repacked or not, are at the same offsets.
         for (int k = 0; k < L.n_mats; ++k) {
             const ggml_tensor * h = L.h_mat[k];
-            ggml_backend_tensor_set(L.d_mat[k], (const char *) h->data + (size_t) e * h->nb[2], (size_t) s * h->nb[2], h->nb[2]);
+            memcpy((char *) L.d_mat[k]->data + (size_t) s * h->nb[2], (const char *) h->data + (size_t) e * h->nb[2], h->nb[2]);
         }
         return false;
     }

@@ -53,6 +53,12 @@ struct saem_device {
                                                    // (GPU; SAEM_MOE_ZERO_SLOT=2 forces it on the CPU too)
     ggml_context *             ctx     = nullptr;  // metadata of this device's tensors
     ggml_backend_buffer_t      buf     = nullptr;  // slots + aux copies of all layers on this device
+    // CPU device only: the slots of expert matrices the model holds repacked (CPU_REPACK, as stock
+    // loads Q4_0 / Q4_K / ... experts on AVX2), in that buffer type too, so that a slot holds the
+    // host tensor's bytes as they are and its MUL_MAT_ID runs the same repacked kernel
+    ggml_backend_buffer_type_t buft_repacked = nullptr;
+    ggml_context *             ctx_repacked  = nullptr;
+    ggml_backend_buffer_t      buf_repacked  = nullptr;
     ggml_backend_t             copy_backend = nullptr; // own stream for async copies (GPU only)
     ggml_backend_event_t       ev_copy    = nullptr;   // recorded on copy_backend after async copies
     ggml_backend_event_t       ev_compute = nullptr;   // recorded on the compute backend after each graph

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define SAEM_NATIVE_ABI_VERSION 7
+#define SAEM_NATIVE_ABI_VERSION 8
 
 #if defined(_WIN32)
 #    define SAEM_API __declspec(dllexport)
@@ -89,9 +89,12 @@ struct saem_moe_layer_info {
     int32_t  n_resident;      // experts currently mapped to a slot
     int32_t  n_mats;          // expert matrices: 3 (up, gate, down) or 2 (gate_up, down) or 2 (up, down)
     int32_t  fused_gate_up;   // 1 if the layer uses a fused ffn_gate_up_exps tensor
-    int32_t  host_copyable;   // 1 if all expert tensors are in plain (non-repacked) host memory
+    int32_t  host_copyable;   // 1 if the cache can copy the expert tensors into the layer's slots: plain
+                              // host memory, or (slots on the CPU) ggml-cpu's repacked layout
     int32_t  host_pinned;     // 1 if they are in a GPU's pinned host buffer (async copies overlap)
     int32_t  device_is_host;  // 1 if the layer's device (where slots live) is the CPU
+    int32_t  host_repacked;   // bit k set: matrix k is in ggml-cpu's repacked layout (CPU_REPACK), as
+                              // llama.cpp loads Q4_0 / Q4_K / IQ4_NL / MXFP4 experts on AVX2 CPUs
     int32_t  type[3];         // ggml_type of matrix 0..n_mats-1 (-1 unused)
     uint64_t mat_nbytes[3];   // bytes of one expert in matrix 0..n_mats-1 (0 unused)
     uint64_t expert_nbytes;   // bytes of one expert, all matrices (what one copy moves)

@@ -567,8 +567,7 @@ class Engine:
                     # llama.cpp computes only for tokens whose logits are requested
                     logits_all=cfg.record,
                     numa=self.numa_plan.llama_strategy, saem_hook=None,
-                    saem_progress=bar_out,
-                    saem_experts_on_host=slots is not None, saem_n_seq_max=cfg.n_parallel, **llama_kw)
+                    saem_progress=bar_out, saem_n_seq_max=cfg.n_parallel, **llama_kw)
         except ValueError as e:
             # llama-cpp-python says only "Failed to load model"; llama.cpp's error log says why
             reason = next((line.split("error loading model:", 1)[1] for line in load_errors
@@ -662,6 +661,12 @@ class Engine:
             self.note(f"this CPU's AMX tiles fault on use (seen in virtual machines): llama.cpp would crash "
                       f"on the first prompt with this model's {', '.join(amx_types)} matrices in its AMX "
                       "buffer, so the model loads without extra buffer types, as with -nr")
+        # Where the expert cache's slots can only be on the CPU (a build without GPU offload), the
+        # experts load as stock loads them: repacked where llama.cpp repacks them (Q4_0, Q4_K, IQ4_NL,
+        # MXFP4 on AVX2), which CPU slots copy as they are, so they round and run as stock's. With a
+        # GPU they go to plain (pinned) host memory a device can copy from; the RAM tier reads them
+        # where the file is mapped (CPU_Mapped), which a repacked copy is not.
+        experts_on_host = managed and (bool(llama_cpp.llama_supports_gpu_offload()) or cfg.ram_budget is not None)
         if cfg.use_mlock and not llama_cpp.llama_supports_mlock():
             self.note("--mlock is not supported on this system: ignored by llama.cpp")
         kv_type = {name: int(gguf.GGMLQuantizationType[name.upper()]) for name in KV_CACHE_TYPES}
@@ -676,6 +681,7 @@ class Engine:
             flash_attn=cfg.flash_attn == "on", saem_flash_attn_auto=cfg.flash_attn == "auto",
             type_k=kv_type[cfg.cache_type_k], type_v=kv_type[cfg.cache_type_v],
             use_mmap=use_mmap, use_mlock=cfg.use_mlock, saem_no_repack=no_repack,
+            saem_experts_on_host=experts_on_host,
             saem_tensor_overrides=resolve(llama_cpp, overrides))
 
     def _slots_per_layer(self) -> int | None:

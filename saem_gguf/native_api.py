@@ -23,7 +23,7 @@ import numpy as np
 from saem_gguf.errors import BuildError, SaemError
 from saem_gguf.llama_lib import load_llama_cpp
 
-ABI_VERSION = 7  # SAEM_NATIVE_ABI_VERSION
+ABI_VERSION = 8  # SAEM_NATIVE_ABI_VERSION
 
 # status codes (saem_native.h)
 SAEM_OK = 0
@@ -133,6 +133,7 @@ class saem_moe_layer_info(ctypes.Structure):
         ("host_copyable", ctypes.c_int32),
         ("host_pinned", ctypes.c_int32),
         ("device_is_host", ctypes.c_int32),
+        ("host_repacked", ctypes.c_int32),
         ("type", ctypes.c_int32 * 3),
         ("mat_nbytes", ctypes.c_uint64 * 3),
         ("expert_nbytes", ctypes.c_uint64),
@@ -155,6 +156,7 @@ class LayerInfo:
     host_copyable: bool
     host_pinned: bool
     device_is_host: bool
+    repacked: tuple[bool, ...]  # per expert matrix: in ggml-cpu's repacked layout (CPU_REPACK)
     types: tuple[int, ...]  # ggml_type per expert matrix
     mat_nbytes: tuple[int, ...]  # bytes of one expert per matrix
     expert_nbytes: int  # bytes one copy moves
@@ -398,7 +400,8 @@ def saem_moe_get_layer_info(ctx: Any, il: int) -> LayerInfo:
         il=out.il, n_expert=out.n_expert, n_expert_used=out.n_expert_used, n_slots=out.n_slots,
         n_resident=out.n_resident, n_mats=n, fused_gate_up=bool(out.fused_gate_up),
         host_copyable=bool(out.host_copyable), host_pinned=bool(out.host_pinned),
-        device_is_host=bool(out.device_is_host), types=tuple(out.type[:n]),
+        device_is_host=bool(out.device_is_host),
+        repacked=tuple(bool(out.host_repacked >> k & 1) for k in range(n)), types=tuple(out.type[:n]),
         mat_nbytes=tuple(int(x) for x in out.mat_nbytes[:n]), expert_nbytes=int(out.expert_nbytes),
         aux_nbytes=int(out.aux_nbytes), device=out.device.decode(errors="replace"))
 

@@ -6,10 +6,13 @@ saem_gguf (one libllama per process). Reads a JSON job on stdin, prints JSON res
     {"model": PATH, "n_ctx": N, "no_repack": BOOL (optional: llama.cpp's -nr), "cases": [
         {"kind": "completion", "prompt": TEXT, "max_tokens": N, "temperature": T, "seed": S,
          "stop": [TEXT, ...], "grammar": GBNF, "json_schema": TEXT, "logit_bias": [[ID, BIAS], ...]},
-        {"kind": "chat", "system": TEXT|null, "turns": [TEXT, ...], "max_tokens": N}]}
+        {"kind": "chat", "system": TEXT|null, "turns": [TEXT, ...], "max_tokens": N},
+        {"kind": "logits", "prompt_tokens": [ID, ...], "then": [ID, ...]}]}
 
 Each result holds, per call, the prompt tokens create_completion / create_chat_completion handed
-to ``Llama.generate`` and the text and finish_reason they returned. A chat's turns run on one
+to ``Llama.generate`` and the text and finish_reason they returned; a "logits" case evaluates its
+prompt in one call and each token of "then" in one call each, and returns the logits after each
+call (float32 values, exact in JSON). A chat's turns run on one
 ``Llama`` (its history grows with each answer, as a chat client does); every case gets a fresh one.
 """
 
@@ -37,7 +40,14 @@ def run_case(model: str, n_ctx: int, case: dict) -> dict:
     llm = RecordingLlama(model_path=model, n_ctx=n_ctx, n_threads=2, verbose=False)
     calls = []
     try:
-        if case["kind"] == "completion":
+        if case["kind"] == "logits":
+            logits = []
+            for chunk in [case["prompt_tokens"]] + [[t] for t in case["then"]]:
+                llm.eval(chunk)  # Llama.scores is only written with logits_all: llama.cpp's own
+                row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+                logits.append([float(row[i]) for i in range(llm.n_vocab())])
+            calls.append({"logits": logits})
+        elif case["kind"] == "completion":
             grammar = None  # llama-cpp-python's own: its chain, its JSON schema converter
             if case.get("grammar"):
                 grammar = llama_cpp.LlamaGrammar.from_string(case["grammar"], verbose=False)

@@ -114,6 +114,13 @@ def quiet_llama_logs() -> None:
     lc.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
+def stock_load_repacks(path) -> bool:
+    """Does llama.cpp, loading the model as stock does (extra buffer types on, no override), put
+    its experts in the repacked layout (CPU_REPACK: Q4_0 / Q4_K / IQ4_NL / MXFP4 on AVX2 CPUs)?"""
+    with Runner(path, repack=True, keep_on_host=False) as r:
+        return any(any(i.repacked) for i in layer_infos(r.ctx))
+
+
 class Runner:
     """One model + context on the CPU (no repacking, so expert tensors are copyable), decoding with
     logits for every token."""

@@ -18,10 +18,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO
-from native_helpers import spec
+from native_helpers import spec, stock_load_repacks
 from fidelity_helpers import N_CTX, engine, model_for, reference, result_row, run_reference, same, stock_env, stock_lib  # noqa: F401,E501
 from saem_gguf import native_api as na
 from saem_gguf.chat import ChatSession
@@ -244,6 +245,50 @@ def test_quantized_matrices_load_as_stock_loads_them_or_without_the_faulting_amx
     finally:
         eng.close()
     assert any("AMX tiles fault" in n and "Q4_0" in n for n in notes) == fault, notes
+
+
+def _logits_after_each_call(eng: Engine, case: dict) -> np.ndarray:
+    """The engine's logits after its prompt (one call) and after each later token (one call each),
+    as fidelity_reference.py's "logits" case reads stock's."""
+    lc, llm = eng._llama_cpp, eng.llm
+    llm.reset()
+    out = []
+    for chunk in [case["prompt_tokens"]] + [[t] for t in case["then"]]:
+        llm.eval(chunk)
+        row = lc.llama_get_logits_ith(llm.ctx, -1)
+        out.append(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).copy())
+    return np.array(out)
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k"])
+def test_experts_llama_cpp_repacks_round_as_stock(llama_cpp, stock_lib, quant):
+    """On an AVX2 CPU llama.cpp repacks Q4_0 and Q4_K experts (CPU_REPACK), and its repacked kernels
+    round otherwise than the plain ones. A CPU-only build keeps them repacked, in repacked slots, so
+    the logits equal stock's bit for bit while the cache holds experts (lru: the host and the slot
+    branch both run). The premise, that plain experts would not: with the RAM tier, which needs the
+    file's mapped, plain experts, the logits differ from stock's."""
+    model = ensure_model(spec("qwen3moe", quant, n_embd=512, n_ff_exp=512))
+    if not stock_load_repacks(model):
+        pytest.skip(f"llama.cpp does not repack {quant} experts on this CPU (no AVX2)")
+    eng = engine(model, "lru")
+    try:
+        infos = [na.saem_moe_get_layer_info(eng.llm.ctx, il) for il in range(na.saem_moe_n_layers(eng.llm.ctx))]
+        assert all(all(i.repacked) for i in infos)
+        toks = eng.llm.tokenize(PROMPT.encode())
+        case = {"kind": "logits", "prompt_tokens": toks[:6], "then": toks[6:]}
+        want = np.array(reference(stock_lib, model, [case])[0][0]["logits"], dtype=np.float32)
+        got = _logits_after_each_call(eng, case)
+        assert any(na.saem_moe_get_layer_info(eng.llm.ctx, i.il).n_resident > 0 for i in infos)
+    finally:
+        eng.close()
+    assert got.shape == want.shape and np.array_equal(got, want), f"max |diff| {np.abs(got - want).max()}"
+    plain = engine(model, "lru", ram_budget=1 << 30)
+    try:
+        infos = [na.saem_moe_get_layer_info(plain.llm.ctx, il) for il in range(na.saem_moe_n_layers(plain.llm.ctx))]
+        assert not any(any(i.repacked) for i in infos)
+        assert not np.array_equal(_logits_after_each_call(plain, case), want)
+    finally:
+        plain.close()
 
 
 def test_model_without_template_falls_back_like_llama_cpp_python(llama_cpp, stock_lib):

@@ -8,7 +8,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from native_helpers import Runner, layer_infos, spec
+from native_helpers import Runner, layer_infos, spec, stock_load_repacks
 from saem_gguf import native_api as na
 from saem_gguf.errors import SaemError
 from saem_gguf.testmodels import ModelSpec, ensure_model
@@ -235,31 +235,33 @@ def test_dense_lead_layer_takes_no_slots():
 
 def test_the_expert_override_keeps_experts_plain_where_the_rest_is_repacked():
     """With extra buffer types on (llama.cpp's default), an override to saem_expert_host_buft()
-    keeps the Q4_0 experts as the file has them, mapped from it (so the cache can copy them, and
-    the RAM tier find them), where an override to the CPU buffer type itself lets llama.cpp repack
-    them (test_repacked_experts_are_refused shows that without an override)."""
+    keeps the Q4_0 experts as the file has them, mapped from it (so a GPU's cache can copy them,
+    and the RAM tier find them), where an override to the CPU buffer type itself lets llama.cpp
+    repack them (test_repacked_experts_go_to_repacked_cpu_slots shows that without an override)."""
     path = ensure_model(spec("qwen3moe", "q4_0", n_embd=128, n_ff_exp=128))
-    with Runner(path, repack=True, keep_on_host=False) as r:
-        if all(i.host_copyable for i in layer_infos(r.ctx)):
-            pytest.skip("this CPU has no repacked Q4_0 layout (no extra buffer type used)")
+    if not stock_load_repacks(path):
+        pytest.skip("this CPU has no repacked Q4_0 layout (no extra buffer type used)")
     with Runner(path, repack=True, keep_on_host=True) as r:
         infos = layer_infos(r.ctx)
-        assert all(i.host_copyable for i in infos)
+        assert all(i.host_copyable and not any(i.repacked) for i in infos)
         na.saem_moe_cache_init(r.ctx, [2] * len(infos))
         assert na.saem_ram_experts_mapped(r.ctx)[0]
 
 
-def test_repacked_experts_are_refused():
-    """Q4_0 experts repacked by the CPU backend (use_extra_bufts) cannot be copied into slots."""
+def test_repacked_experts_go_to_repacked_cpu_slots():
+    """Q4_0 experts repacked by the CPU backend (use_extra_bufts, no override: as stock loads them)
+    are copyable into slots on the CPU, which are repacked alike (test_native_exact checks the
+    logits bit for bit); they are not the file's mapped pages (the RAM tier needs the override)."""
     path = ensure_model(spec("qwen3moe", "q4_0", n_embd=128, n_ff_exp=128))
+    if not stock_load_repacks(path):
+        pytest.skip("this CPU has no repacked Q4_0 layout (no extra buffer type used)")
     with Runner(path, repack=True, keep_on_host=False) as r:
         infos = layer_infos(r.ctx)
-        if all(i.host_copyable for i in infos):
-            pytest.skip("this CPU has no repacked Q4_0 layout (no extra buffer type used)")
-        with pytest.raises(na.NotHostMemoryError, match="use_extra_bufts=false"):
-            na.saem_moe_cache_init(r.ctx, [2] * len(infos))
-        assert not na.saem_moe_cache_is_init(r.ctx)
-        # counting does not need copyable experts
+        assert all(i.host_copyable and i.device_is_host and all(i.repacked) for i in infos)
+        na.saem_moe_cache_init(r.ctx, [2] * len(infos))
+        na.saem_moe_copy_expert(r.ctx, 0, 3, 1)
+        assert na.saem_moe_get_slot_map(r.ctx, 0)[3] == 1
+        assert not na.saem_ram_experts_mapped(r.ctx)[0]
         na.saem_moe_set_counting(r.ctx, na.SAEM_COUNT_ON)
         r.decode(r.tokenize("hello"))
         assert sum(na.saem_moe_get_counts(r.ctx, 0)) > 0

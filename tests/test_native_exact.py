@@ -2,7 +2,8 @@
 quant type, logits with no cache equal, bit for bit, logits with (a) an all-host map, (b) random maps
 with experts copied into random slots, (c) every expert resident, (d) maps (and layer modes) changed
 between decode steps - the greedy continuation equals the no-cache one. Also with the GPU scheme
-(zero slot, device copies of biases) forced on the CPU.
+(zero slot, device copies of biases) forced on the CPU. And with the experts as llama.cpp loads them
+by default on an AVX2 CPU: Q4_0 / Q4_K repacked (CPU_REPACK), in repacked CPU slots.
 
 Ubatches of >= stock_min_batch tokens use the stock graph; the tests raise it so that the prompt
 (one multi-token ubatch) also goes through the cache, then check the default keeps prompts stock."""
@@ -28,6 +29,16 @@ def _cases():
     return out
 
 
+# llama.cpp repacks these expert types on AVX2 CPUs (use_extra_bufts, its default)
+REPACKED = [("qwen3moe", "q4_0"), ("qwen3moe", "q4_k"), ("llama", "q4_0"), ("qwen2moe", "q4_0")]
+
+
+def _runner(arch: str, quant: str, repack: bool) -> Runner:
+    """The model on the CPU, its experts plain (an override to saem_expert_host_buft) or, with
+    ``repack``, as stock llama.cpp loads it (extra buffer types on, no override)."""
+    return Runner(_model(arch, quant), repack=repack, keep_on_host=not repack)
+
+
 def _model(arch: str, quant: str):
     if arch.partition("+")[0] not in ARCHS:
         pytest.skip(f"no test-model generator for {arch}")
@@ -47,12 +58,12 @@ def reference():
     """(arch, quant) -> (prompt tokens, greedy tokens, logits per step) with no cache at all."""
     memo = {}
 
-    def get(arch, quant):
-        if (arch, quant) not in memo:
-            with Runner(_model(arch, quant)) as r:
+    def get(arch, quant, repack=False):
+        if (arch, quant, repack) not in memo:
+            with _runner(arch, quant, repack) as r:
                 toks = r.tokenize(PROMPT)
-                memo[(arch, quant)] = (toks, *r.greedy(toks, N_STEPS))
-        return memo[(arch, quant)]
+                memo[(arch, quant, repack)] = (toks, *r.greedy(toks, N_STEPS))
+        return memo[(arch, quant, repack)]
 
     return get
 
@@ -71,17 +82,34 @@ def test_zero_slot_scheme_is_bit_exact(reference, monkeypatch, arch, quant):
     _check_maps(reference, arch, quant)
 
 
-def _check_maps(reference, arch, quant):
-    prompt, ref_toks, ref_logits = reference(arch, quant)
-    with Runner(_model(arch, quant)) as r:
+@pytest.mark.parametrize("arch,quant", REPACKED)
+def test_repacked_cache_maps_are_bit_exact(reference, arch, quant):
+    _check_maps(reference, arch, quant, repack=True)
+
+
+def _check_repacked(infos, repack: bool) -> None:
+    """The experts are in the layout the test means (skips where this CPU has no repacked one)."""
+    moe = [i for i in infos if i.n_expert > 0]
+    if not repack:
+        assert not any(any(i.repacked) for i in moe)
+    elif not any(any(i.repacked) for i in moe):
+        pytest.skip("this CPU has no repacked layout for these experts (llama.cpp repacks them on AVX2)")
+
+
+def _check_maps(reference, arch, quant, repack=False):
+    prompt, ref_toks, ref_logits = reference(arch, quant, repack)
+    with _runner(arch, quant, repack) as r:
         ctx = r.ctx
         infos = layer_infos(ctx)
         moe = [i for i in infos if i.n_expert > 0]
         assert moe and all(i.host_copyable for i in moe)
+        _check_repacked(infos, repack)
         na.saem_moe_set_stock_min_batch(ctx, 10_000)  # the prompt ubatch goes through the cache too
 
-        # (a) cache with slots, all-host map
+        # (a) cache with slots, all-host map (one slot in the first MoE layer: a 1-slot weight
+        # tensor is 2-D, which ggml's repacked kernels refuse unless the cache pads it)
         slots = [i.n_expert // 2 for i in infos]
+        slots[moe[0].il] = 1
         na.saem_moe_cache_init(ctx, slots)
         toks, logits = r.greedy(prompt, N_STEPS)
         assert toks == ref_toks and _same(logits, ref_logits), "all-host map"
@@ -102,13 +130,15 @@ def _check_maps(reference, arch, quant):
         assert toks == ref_toks and _same(logits, ref_logits), f"all resident: {_maxdiff(logits, ref_logits)}"
 
 
-@pytest.mark.parametrize("arch,quant", _cases())
-def test_maps_changed_between_steps(reference, arch, quant):
+@pytest.mark.parametrize("arch,quant,repack", [(a, q, False) for a, q in _cases()] +
+                         [(a, q, True) for a, q in REPACKED])
+def test_maps_changed_between_steps(reference, arch, quant, repack):
     """(d) every decode step sees a different map (random, all-host, all-resident, async copies)."""
-    prompt, ref_toks, ref_logits = reference(arch, quant)
-    with Runner(_model(arch, quant)) as r:
+    prompt, ref_toks, ref_logits = reference(arch, quant, repack)
+    with _runner(arch, quant, repack) as r:
         ctx = r.ctx
         infos = layer_infos(ctx)
+        _check_repacked(infos, repack)
         n_slots = [max(i.n_expert - 2, 0) for i in infos]
         na.saem_moe_cache_init(ctx, n_slots)
         rng = random.Random(1234)

@@ -17,6 +17,7 @@ import pytest
 from gguf import GGUFReader
 
 from conftest import REPO, spec_for
+from native_helpers import stock_load_repacks
 from saem_gguf import native_api as na
 from saem_gguf.budget import AUTO
 from saem_gguf.costmodel import CostModel, get_hw
@@ -35,7 +36,7 @@ N_EXPERT = 16
 def private_model(tmp_path_factory, llama_cpp):
     """A private, written-back copy of a stage-routed model: no other process maps its pages, and
     none is dirty, so MADV_PAGEOUT can really drop them (a shared or dirty page stays)."""
-    src = ensure_model(spec_for("qwen3moe", "q4_0", n_expert=N_EXPERT, n_expert_used=4, n_layer=3, seed=5,
+    src = ensure_model(spec_for("qwen3moe", "q8_0", n_expert=N_EXPERT, n_expert_used=4, n_layer=3, seed=5,
                                 planted=STAGE_PLANT))
     dst = tmp_path_factory.mktemp("ramtier") / "model.gguf"
     shutil.copyfile(src, dst)
@@ -188,6 +189,24 @@ def test_mlock_refusal_is_one_note_naming_the_limit(private_model):
     notes = [line for line in r.stdout.splitlines() if "not locked" in line]
     assert len(notes) == 1 and "RLIMIT_MEMLOCK is 0 bytes" in notes[0], r.stdout
     assert "tokens [" in r.stdout
+
+
+def test_the_tier_keeps_experts_mapped_where_llama_cpp_would_repack_them():
+    """The tier pages experts from the file's mapping, which a repacked copy is not: with it the
+    experts stay as the file has them (as with -nr), where without it a CPU-only build keeps
+    llama.cpp's repacked layout (Q4_0 on AVX2)."""
+    path = ensure_model(spec_for("qwen3moe", "q4_0", n_expert=N_EXPERT, n_expert_used=4, n_layer=3, seed=5))
+    if not stock_load_repacks(path):
+        pytest.skip("llama.cpp does not repack Q4_0 experts on this CPU (no AVX2)")
+    for ram_budget, repacked in ((None, True), (AUTO, False)):
+        eng = _engine(path, ram_budget=ram_budget)
+        try:
+            infos = [na.saem_moe_get_layer_info(eng.llm, il) for il in _moe_layers(eng)]
+            assert all(all(i.repacked) == repacked and any(i.repacked) == repacked for i in infos)
+            assert na.saem_ram_experts_mapped(eng.llm)[0] == (not repacked)
+            assert len(eng.generate(PROMPT, 4).tokens) == 4
+        finally:
+            eng.close()
 
 
 # --- the tier: placement never changes results ---------------------------------------------------

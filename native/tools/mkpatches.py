@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONCERNS = [
     ("0001-ggml-mul-mat-id-skip-flag", {"ggml/include/ggml.h": None, "ggml/src/ggml.c": None}),
     ("0002-ggml-cpu-mul-mat-id-skip-negative-ids", {"ggml/src/ggml-cpu/ggml-cpu.c": None,
-                                                   "ggml/src/ggml-cpu/ggml-cpu.cpp": None}),
+                                                   "ggml/src/ggml-cpu/ggml-cpu.cpp": None,
+                                                   "ggml/src/ggml-cpu/repack.cpp": None}),
     ("0003-ggml-cuda-mul-mat-id-flags-unsupported", {"ggml/src/ggml-cuda/ggml-cuda.cu": lambda h: "event_query" not in h}),
     ("0004-ggml-backend-event-query", {"ggml/include/ggml-backend.h": None, "ggml/src/ggml-backend-impl.h": None,
                                       "ggml/src/ggml-backend.cpp": None,
