@@ -52,18 +52,41 @@ static void fill_f32(ggml_tensor * t, std::mt19937 & rng) {
 
 // one case: n_as experts [K, M], n_used ids per token, n_tokens tokens; p_skip = probability that an
 // expert is skipped (per_row = false: all rows of a skipped expert get -1, as the expert cache does -
-// an expert is either computed for all its tokens or for none) or that a row is skipped (per_row)
-static void run_case(ggml_type type, int64_t K, int64_t M, int n_as, int n_used, int n_tokens, bool bcast,
-                     double p_skip, bool per_row, int n_threads, uint32_t seed) {
+// an expert is either computed for all its tokens or for none) or that a row is skipped (per_row).
+// weights_buft: the weights in a buffer of that type (CPU_REPACK: its kernels, one gemv per row);
+// returns false where it has no layout for the type (nothing was tested), else true.
+static bool run_case(ggml_type type, int64_t K, int64_t M, int n_as, int n_used, int n_tokens, bool bcast,
+                     double p_skip, bool per_row, int n_threads, uint32_t seed,
+                     ggml_backend_buffer_type_t weights_buft = nullptr) {
     std::mt19937 rng(seed);
     ggml_init_params ip = { /*.mem_size =*/ 256u*1024*1024, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ false };
     ggml_context * ctx = ggml_init(ip);
+    ggml_init_params ipw = { ggml_tensor_overhead() * 4, nullptr, true };
+    ggml_context * ctx_w = weights_buft ? ggml_init(ipw) : nullptr;
+    ggml_backend_buffer_t buf_w = nullptr;
 
-    ggml_tensor * as  = ggml_new_tensor_3d(ctx, type, K, M, n_as);
+    ggml_tensor * as  = ggml_new_tensor_3d(ctx_w ? ctx_w : ctx, type, K, M, n_as);
+    if (ctx_w) {
+        buf_w = ggml_backend_alloc_ctx_tensors_from_buft(ctx_w, weights_buft);
+        if (!buf_w || !as->extra) { // no layout of this buffer type for this type here
+            if (buf_w) { ggml_backend_buffer_free(buf_w); }
+            ggml_free(ctx_w);
+            ggml_free(ctx);
+            return false;
+        }
+    }
     ggml_tensor * b   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, K, bcast ? 1 : n_used, n_tokens);
     ggml_tensor * ids_skip = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n_tokens);
     ggml_tensor * ids_full = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n_tokens);
-    fill_weights(as, rng);
+    if (ctx_w) { // quantized here, then written through the buffer (which repacks it)
+        std::vector<uint8_t> data(ggml_nbytes(as));
+        ggml_tensor plain = *as;
+        plain.data = data.data();
+        fill_weights(&plain, rng);
+        ggml_backend_tensor_set(as, data.data(), 0, data.size());
+    } else {
+        fill_weights(as, rng);
+    }
     fill_f32(b, rng);
 
     std::uniform_real_distribution<double> u(0.0, 1.0);
@@ -118,10 +141,13 @@ static void run_case(ggml_type type, int64_t K, int64_t M, int n_as, int n_used,
         }
     }
     CHECK(bad_zero == 0 && bad_row == 0,
-          "%s K=%lld M=%lld n_as=%d n_used=%d n_tokens=%d bcast=%d p_skip=%.2f per_row=%d nth=%d: %d skipped rows not zero, %d rows differ (of %d skipped)",
-          ggml_type_name(type), (long long) K, (long long) M, n_as, n_used, n_tokens, (int) bcast, p_skip, (int) per_row, n_threads,
-          bad_zero, bad_row, n_skipped);
+          "%s%s K=%lld M=%lld n_as=%d n_used=%d n_tokens=%d bcast=%d p_skip=%.2f per_row=%d nth=%d: %d skipped rows not zero, %d rows differ (of %d skipped)",
+          weights_buft ? "repacked " : "", ggml_type_name(type), (long long) K, (long long) M, n_as, n_used, n_tokens, (int) bcast,
+          p_skip, (int) per_row, n_threads, bad_zero, bad_row, n_skipped);
     ggml_free(ctx);
+    if (buf_w) { ggml_backend_buffer_free(buf_w); }
+    if (ctx_w) { ggml_free(ctx_w); }
+    return true;
 }
 
 static ggml_backend_buffer_type_t repack_buft() {
@@ -134,87 +160,6 @@ static ggml_backend_buffer_type_t repack_buft() {
         }
     }
     return nullptr;
-}
-
-// run_case with the weights in a CPU_REPACK buffer (its kernels: one gemv per row); per expert only.
-// Returns false where this CPU has no repacked layout for the type.
-static bool run_repacked_case(ggml_backend_buffer_type_t buft, ggml_type type, int64_t K, int64_t M, int n_as,
-                              int n_used, int n_tokens, bool bcast, double p_skip, int n_threads, uint32_t seed) {
-    std::mt19937 rng(seed);
-    ggml_init_params ipw = { ggml_tensor_overhead() * 4, nullptr, true };
-    ggml_context * ctx_w = ggml_init(ipw);
-    ggml_tensor * as = ggml_new_tensor_3d(ctx_w, type, K, M, n_as);
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx_w, buft);
-    if (!buf || !as->extra) { // no repacked layout for this type here: nothing to test
-        if (buf) { ggml_backend_buffer_free(buf); }
-        ggml_free(ctx_w);
-        return false;
-    }
-    {
-        const int64_t nrows = M * n_as;
-        std::vector<float> f(K * nrows);
-        std::normal_distribution<float> nd(0.0f, 1.0f);
-        for (auto & x : f) { x = nd(rng); }
-        std::vector<uint8_t> q(ggml_nbytes(as));
-        ggml_quantize_chunk(type, f.data(), q.data(), 0, nrows, K, nullptr);
-        ggml_backend_tensor_set(as, q.data(), 0, q.size()); // repacks
-    }
-    ggml_init_params ip = { /*.mem_size =*/ 64u*1024*1024, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ false };
-    ggml_context * ctx = ggml_init(ip);
-    ggml_tensor * b        = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, K, bcast ? 1 : n_used, n_tokens);
-    ggml_tensor * ids_skip = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n_tokens);
-    ggml_tensor * ids_full = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n_tokens);
-    fill_f32(b, rng);
-    std::uniform_real_distribution<double> u(0.0, 1.0);
-    std::vector<bool> skip_expert(n_as);
-    for (int e = 0; e < n_as; ++e) {
-        skip_expert[e] = u(rng) < p_skip;
-    }
-    std::vector<int> perm(n_as);
-    for (int t = 0; t < n_tokens; ++t) {
-        for (int i = 0; i < n_as; ++i) { perm[i] = i; }
-        std::shuffle(perm.begin(), perm.end(), rng);
-        for (int k = 0; k < n_used; ++k) {
-            const int e = perm[k];
-            ((int32_t *) ids_full->data)[t * n_used + k] = e;
-            ((int32_t *) ids_skip->data)[t * n_used + k] = skip_expert[e] ? -1 : e;
-        }
-    }
-    ggml_tensor * r_skip = ggml_mul_mat_id(ctx, as, b, ids_skip);
-    ggml_mul_mat_id_set_flags(r_skip, GGML_MUL_MAT_ID_FLAG_SKIP_NEG);
-    ggml_tensor * r_full = ggml_mul_mat_id(ctx, as, b, ids_full);
-    for (int64_t i = 0; i < ggml_nelements(r_skip); ++i) {
-        ((float *) r_skip->data)[i] = NAN;
-    }
-    ggml_cgraph * gf = ggml_new_graph(ctx);
-    ggml_build_forward_expand(gf, r_skip);
-    ggml_build_forward_expand(gf, r_full);
-    const ggml_status st = ggml_graph_compute_with_ctx(ctx, gf, n_threads);
-    CHECK(st == GGML_STATUS_SUCCESS, "repacked compute status %d", (int) st);
-    int bad_zero = 0, bad_row = 0, n_skipped = 0;
-    for (int t = 0; t < n_tokens; ++t) {
-        for (int k = 0; k < n_used; ++k) {
-            const int32_t id = ((int32_t *) ids_skip->data)[t * n_used + k];
-            const float * rs = (const float *) ((const char *) r_skip->data + k * r_skip->nb[1] + t * r_skip->nb[2]);
-            const float * rf = (const float *) ((const char *) r_full->data + k * r_full->nb[1] + t * r_full->nb[2]);
-            if (id < 0) {
-                n_skipped++;
-                for (int64_t i = 0; i < M; ++i) {
-                    if (!(rs[i] == 0.0f && !std::signbit(rs[i]))) { bad_zero++; break; }
-                }
-            } else if (memcmp(rs, rf, M * sizeof(float)) != 0) {
-                bad_row++;
-            }
-        }
-    }
-    CHECK(bad_zero == 0 && bad_row == 0,
-          "repacked %s K=%lld M=%lld n_as=%d n_used=%d n_tokens=%d bcast=%d p_skip=%.2f nth=%d: %d skipped rows not zero, %d rows differ (of %d skipped)",
-          ggml_type_name(type), (long long) K, (long long) M, n_as, n_used, n_tokens, (int) bcast, p_skip, n_threads,
-          bad_zero, bad_row, n_skipped);
-    ggml_free(ctx);
-    ggml_backend_buffer_free(buf);
-    ggml_free(ctx_w);
-    return true;
 }
 
 static void check_extra_buft_refused() {
@@ -285,9 +230,9 @@ int main() {
             for (int nth : { 1, 2, 3 }) {
                 for (double p : { 0.0, 0.3, 0.7, 1.0 }) {
                     for (bool bcast : { true, false }) {
-                        repacked = run_repacked_case(rb, type, K, 48, 8, 2, 1,  bcast, p, nth, seed++) || repacked;
-                        repacked = run_repacked_case(rb, type, K, 48, 8, 4, 7,  bcast, p, nth, seed++) || repacked;
-                        repacked = run_repacked_case(rb, type, K, 96, 4, 2, 40, bcast, p, nth, seed++) || repacked;
+                        repacked = run_case(type, K, 48, 8, 2, 1,  bcast, p, false, nth, seed++, rb) || repacked;
+                        repacked = run_case(type, K, 48, 8, 4, 7,  bcast, p, false, nth, seed++, rb) || repacked;
+                        repacked = run_case(type, K, 96, 4, 2, 40, bcast, p, false, nth, seed++, rb) || repacked;
                     }
                 }
             }
