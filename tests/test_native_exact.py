@@ -29,8 +29,10 @@ def _cases():
     return out
 
 
-# llama.cpp repacks these expert types on AVX2 CPUs (use_extra_bufts, its default)
-REPACKED = [("qwen3moe", "q4_0"), ("qwen3moe", "q4_k"), ("llama", "q4_0"), ("qwen2moe", "q4_0")]
+# llama.cpp repacks these expert types on AVX2 CPUs (use_extra_bufts, its default); "A/B": the down
+# experts in B (Q8_0, not repacked on x86), as Q4_K_M files hold some in Q6_K: repacked in part
+REPACKED = [("qwen3moe", "q4_0"), ("qwen3moe", "q4_k"), ("llama", "q4_0"), ("qwen2moe", "q4_0"),
+            ("qwen3moe", "q4_k/q8_0")]
 
 
 def _runner(arch: str, quant: str, repack: bool) -> Runner:
@@ -42,7 +44,8 @@ def _runner(arch: str, quant: str, repack: bool) -> Runner:
 def _model(arch: str, quant: str):
     if arch.partition("+")[0] not in ARCHS:
         pytest.skip(f"no test-model generator for {arch}")
-    return ensure_model(spec(arch, quant))
+    quant, _, down = quant.partition("/")
+    return ensure_model(spec(arch, quant, down_expert_type=down))
 
 
 def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
@@ -94,6 +97,8 @@ def _check_repacked(infos, repack: bool) -> None:
         assert not any(any(i.repacked) for i in moe)
     elif not any(any(i.repacked) for i in moe):
         pytest.skip("this CPU has no repacked layout for these experts (llama.cpp repacks them on AVX2)")
+    elif len({t for i in moe for t in i.types}) > 1:  # "A/B": A repacked, B (the down experts) not
+        assert all(i.repacked[:-1] == (True,) * (i.n_mats - 1) and not i.repacked[-1] for i in moe)
 
 
 def _check_maps(reference, arch, quant, repack=False):

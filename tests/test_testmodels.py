@@ -97,6 +97,20 @@ def test_expert_pool_copies_experts_and_stage_plant_groups_words(tmp_path):
     assert {int(W.token_group[i]) for i in total} == {3}
 
 
+def test_down_experts_take_their_own_type(tmp_path):
+    """down_expert_type: the down experts in another type (as Q4_K_M files hold some in Q6_K)."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import GGUFReader
+
+    path = write_model(ModelSpec(expert_type="q4_0", down_expert_type="q8_0"), tmp_path / "mixed.gguf")
+    types = {t.name: t.tensor_type for t in GGUFReader(path).tensors if "_exps" in t.name}
+    assert types and all(t == (QT.Q8_0 if "down" in n else QT.Q4_0) for n, t in types.items()), types
+    with pytest.raises(ValueError, match="down_expert_type"):
+        ModelSpec(down_expert_type="q5_0")
+    with pytest.raises(ValueError, match="q4_k block size"):
+        ModelSpec(n_embd=64, down_expert_type="q4_k")
+
+
 def test_a_fim_model_has_qwen_coders_fim_tokens_as_llama_cpp_finds_them(llama_cpp):
     """``ModelSpec(fim=True)`` (gen-model --fim): the six tokens after the special ones, each found
     by llama.cpp by its text as in a Qwen-Coder GGUF; the pad, repository and file tokens end a

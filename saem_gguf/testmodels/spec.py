@@ -37,6 +37,9 @@ class ModelSpec:
     n_expert_used: int = 2
     n_dense_lead: int = 0  # leading dense FFN layers before the MoE ones (DeepSeek style)
     expert_type: str = "q8_0"
+    # ffn_down_exps in another type ("" = expert_type), as Q4_K_M files store some layers' down
+    # experts in Q6_K: a layer whose matrices llama.cpp repacks in part
+    down_expert_type: str = ""
     # the matrices that are not experts: attention, shared experts, dense FFNs, embeddings, output
     matrix_type: str = "f16"
     n_ctx_train: int = 4096
@@ -65,6 +68,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.expert_type not in EXPERT_TYPES:
             raise ValueError(f"expert_type must be one of {EXPERT_TYPES}, got {self.expert_type!r}")
+        if self.down_expert_type not in ("", *EXPERT_TYPES):
+            raise ValueError(f"down_expert_type must be one of {EXPERT_TYPES}, got {self.down_expert_type!r}")
         if self.matrix_type not in MATRIX_TYPES:
             raise ValueError(f"matrix_type must be one of {MATRIX_TYPES}, got {self.matrix_type!r}")
         from saem_gguf.testmodels.vocab import CHAT_TEMPLATES
@@ -73,10 +78,11 @@ class ModelSpec:
             raise ValueError(f"chat_template must be one of {sorted(CHAT_TEMPLATES)}, got {self.chat_template!r}")
         if not self.dense and not (0 < self.n_expert_used <= self.n_expert):
             raise ValueError("need 0 < n_expert_used <= n_expert")
-        if self.n_embd % (256 if self.expert_type == "q4_k" else 32):
-            raise ValueError(f"n_embd must be a multiple of the {self.expert_type} block size")
-        if self.n_ff_exp % (256 if self.expert_type == "q4_k" else 32):
-            raise ValueError(f"n_ff_exp must be a multiple of the {self.expert_type} block size")
+        for kind in {self.expert_type, self.down_expert_type} - {""}:
+            if self.n_embd % (256 if kind == "q4_k" else 32):
+                raise ValueError(f"n_embd must be a multiple of the {kind} block size")
+            if self.n_ff_exp % (256 if kind == "q4_k" else 32):
+                raise ValueError(f"n_ff_exp must be a multiple of the {kind} block size")
 
     @property
     def n_groups(self) -> int:

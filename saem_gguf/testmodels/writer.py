@@ -59,6 +59,8 @@ def write_gguf(path: Path, spec: ModelSpec, vocab: Vocab,
                             description, chat_template)
             for tname, arr, kind in tensors:
                 qkind = {"expert": spec.expert_type, "f16": spec.matrix_type}.get(kind, kind)
+                if kind == "expert" and spec.down_expert_type and "ffn_down_exps" in tname:
+                    qkind = spec.down_expert_type
                 if isinstance(arr, PooledExperts):
                     data, qt = quantize(arr.pool, qkind)
                     data = np.ascontiguousarray(data[arr.index])
