@@ -38,6 +38,19 @@ def test_unchanged_rebuild_is_a_cache_hit(monkeypatch):
     assert build(BuildConfig(), quiet=True) == lib
 
 
+def test_a_portable_build_names_its_instruction_sets():
+    """GGML_NATIVE=OFF alone leaves ggml's per-instruction-set options to whatever the CMake tree's
+    cache holds (OFF after a native configure: a scalar library); the builder sets them."""
+    from saem_gguf.build.builder import portable_isa_args
+
+    args = BuildConfig(native_cpu=False).cmake_args()
+    assert "-DGGML_NATIVE=OFF" in args
+    if portable_isa_args():  # an x86-64 host
+        assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"} <= set(args)
+    assert not any(a.startswith("-DGGML_AVX") for a in BuildConfig().cmake_args())
+    assert portable_isa_args("aarch64") == [] and "-DGGML_AVX2=ON" in portable_isa_args("x86_64")
+
+
 def test_build_key_tracks_inputs():
     a = build_key(BuildConfig())
     assert a == build_key(BuildConfig())

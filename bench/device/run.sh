@@ -67,7 +67,9 @@ elif [[ -f "$BUNDLE/llama.cpp.tar.gz" && $DRY == 0 ]]; then
     mkdir -p "$WORK/src" && tar -xzf "$BUNDLE/llama.cpp.tar.gz" -C "$WORK/src"
     cmake -S . -B "$WORK/bld" -G Ninja -DSAEM_LLAMA_SRC="$WORK/src/llama.cpp" -DCMAKE_BUILD_TYPE=Release \
         -DSAEM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF \
-        -DGGML_CUDA_NO_VMM=ON -DGGML_NATIVE=OFF -DSAEM_BUILD_TESTS=OFF > "$WORK/cmake.log" 2>&1 \
+        -DGGML_CUDA_NO_VMM=ON -DGGML_NATIVE=OFF -DSAEM_BUILD_TESTS=OFF \
+        $("$PY" -c "from saem_gguf.build.builder import portable_isa_args; print(' '.join(portable_isa_args()))") \
+        > "$WORK/cmake.log" 2>&1 \
         || { tail -30 "$WORK/cmake.log"; exit 1; }
     cmake --build "$WORK/bld" -j "$JOBS" > "$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
     cmake --install "$WORK/bld" --prefix "$WORK/prefix" > /dev/null
@@ -87,6 +89,9 @@ stamp "environment -> env.txt"
     for l in "$LIB"/libllama.so "$LIB"/libggml-cuda.so; do
         [[ -e $l ]] && { echo "-- ldd $l"; ldd "$l"; }
     done
+    echo "== cpu"; grep -m1 "model name" /proc/cpuinfo; nproc
+    echo "== ggml cpu backend (the instruction sets it was compiled with)"
+    "$PY" -c "from saem_gguf.llama_lib import load_llama_cpp; print(load_llama_cpp().llama_print_system_info().decode())"
     echo "== python"; "$PY" --version
     "$PY" - <<'PY'
 from importlib import metadata
