@@ -737,6 +737,8 @@ class Engine:
         return sum(1 for layer in self.info.moe_layers if layer.index < self.cfg.n_cpu_moe)
 
     def _attach_placement(self, slots: int) -> None:
+        from gguf import GGMLQuantizationType
+
         from saem_gguf import native_api as na
 
         try:
@@ -744,6 +746,13 @@ class Engine:
         except na.UnsupportedModelError as e:
             self.note(f"expert management is off: {e}")
             self.placement = None
+            return
+        # what llama.cpp's log calls a CPU_REPACK buffer: said once, since it decides the rounding
+        infos = [na.saem_moe_get_layer_info(self.llm.ctx, il) for il in self.placement.moe_layers]
+        repacked = sorted({GGMLQuantizationType(t).name for i in infos for t, r in zip(i.types, i.repacked) if r})
+        if repacked:
+            self.note(f"experts ({', '.join(repacked)}) stay in the layout llama.cpp repacks them into on this "
+                      "CPU (CPU_REPACK), in the expert cache's slots too")
 
     def set_placement(self, policy: str, slots: int, policy_args: dict | None = None) -> None:
         """(Re)attach placement: ``policy`` over ``slots`` cache slots per MoE layer (``policy_args``:

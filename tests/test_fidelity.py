@@ -274,6 +274,7 @@ def test_experts_llama_cpp_repacks_round_as_stock(llama_cpp, stock_lib, quant):
     try:
         infos = [na.saem_moe_get_layer_info(eng.llm.ctx, il) for il in range(na.saem_moe_n_layers(eng.llm.ctx))]
         assert all(all(i.repacked) for i in infos)
+        assert any(f"experts ({quant.upper()}) stay in the layout llama.cpp repacks" in n for n in eng.notes), eng.notes
         toks = eng.llm.tokenize(PROMPT.encode())
         case = {"kind": "logits", "prompt_tokens": toks[:6], "then": toks[6:]}
         want = np.array(reference(stock_lib, model, [case])[0][0]["logits"], dtype=np.float32)
@@ -285,7 +286,7 @@ def test_experts_llama_cpp_repacks_round_as_stock(llama_cpp, stock_lib, quant):
     plain = engine(model, "lru", ram_budget=1 << 30)
     try:
         infos = [na.saem_moe_get_layer_info(plain.llm.ctx, il) for il in range(na.saem_moe_n_layers(plain.llm.ctx))]
-        assert not any(any(i.repacked) for i in infos)
+        assert not any(any(i.repacked) for i in infos) and not any("CPU_REPACK" in n for n in plain.notes)
         assert not np.array_equal(_logits_after_each_call(plain, case), want)
     finally:
         plain.close()
