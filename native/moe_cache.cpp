@@ -328,8 +328,8 @@ void saem_describe_layer(const llama_context * ctx, int il, saem_moe_layer_info 
         out.aux_nbytes += t ? ggml_nbytes(t) : 0;
     }
     std::string why;
-    ggml_backend_dev_t dev = model.dev_layer(il);
-    out.device_is_host = dev ? (ggml_backend_buft_is_host(ggml_backend_dev_buffer_type(dev)) ? 1 : 0) : 1;
+    ggml_backend_dev_t dev = slot_device(model, il);
+    out.device_is_host = device_is_cpu(dev) ? 1 : 0;
     out.host_copyable = L->n_expert > 0 && layer_host_copyable(*L, out.device_is_host != 0, why) ? 1 : 0;
     out.host_pinned   = out.host_copyable && buft_is_pinned(ggml_backend_buffer_get_type(L->h_down->buffer)) ? 1 : 0;
     for (int k = 0; k < L->n_mats; ++k) {
@@ -338,7 +338,7 @@ void saem_describe_layer(const llama_context * ctx, int il, saem_moe_layer_info 
             out.host_repacked |= 1 << k;
         }
     }
-    snprintf(out.device, sizeof(out.device), "%s", dev ? ggml_backend_dev_name(dev) : "CPU");
+    snprintf(out.device, sizeof(out.device), "%s", ggml_backend_dev_name(dev));
 }
 
 void saem_moe_cache::init(const int32_t * n_slots, int32_t n_layers) {

@@ -77,7 +77,7 @@ class EngineConfig:
     cache_type_v: str = "f16"  # -ctv
     use_mmap: bool = True  # --no-mmap clears it
     # -nr/--no-repack clears it: llama.cpp's extra buffer types (repacked layouts, AMX) for the
-    # weights other than the experts, which always stay as the file has them (the cache copies them)
+    # weights; with a GPU (or the RAM tier) not for the experts, which stay as the file has them
     use_extra_bufts: bool = True
     use_mlock: bool = False  # --mlock
     tensor_overrides: tuple = ()  # -ot: tensor_overrides.TensorOverride, in order
@@ -641,7 +641,8 @@ class Engine:
         for msg in check_against_experts(overrides, expert_names, managed):
             self.note(msg)
         ngl = -1 if cfg.n_gpu_layers is None or cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
-        if cfg.n_gpu_layers is not None and not llama_cpp.llama_supports_gpu_offload():
+        gpu_offload = bool(llama_cpp.llama_supports_gpu_offload())
+        if cfg.n_gpu_layers is not None and not gpu_offload:
             self.note("no usable GPU (a CPU build of llama.cpp): -ngl is ignored")
         # mmap maps the file's pages wherever the kernel likes: off when the threads are pinned to
         # a node (first touch then places the weights there) and when experts go to pinned host
@@ -654,7 +655,7 @@ class Engine:
         amx_types = sorted(set(self.info.matrix_types) & AMX_TILE_TYPES)
         # every layer and the output on a GPU (-ngl auto/all, no -ot): no matrix is multiplied on
         # the CPU, so no AMX buffer
-        all_on_gpu = (llama_cpp.llama_supports_gpu_offload() and (ngl < 0 or ngl > self.info.n_layer)
+        all_on_gpu = (gpu_offload and (ngl < 0 or ngl > self.info.n_layer)
                       and not overrides)
         if not no_repack and amx_types and not all_on_gpu and na.saem_cpu_amx_tiles_fault():
             no_repack = True
@@ -666,7 +667,7 @@ class Engine:
         # MXFP4 on AVX2), which CPU slots copy as they are, so they round and run as stock's. With a
         # GPU they go to plain (pinned) host memory a device can copy from; the RAM tier reads them
         # where the file is mapped (CPU_Mapped), which a repacked copy is not.
-        experts_on_host = managed and (bool(llama_cpp.llama_supports_gpu_offload()) or cfg.ram_budget is not None)
+        experts_on_host = managed and (gpu_offload or cfg.ram_budget is not None)
         if cfg.use_mlock and not llama_cpp.llama_supports_mlock():
             self.note("--mlock is not supported on this system: ignored by llama.cpp")
         kv_type = {name: int(gguf.GGMLQuantizationType[name.upper()]) for name in KV_CACHE_TYPES}

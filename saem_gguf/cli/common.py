@@ -142,8 +142,8 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
     g.add_argument("--no-mmap", dest="use_mmap", action="store_false",
                    help="read the model into memory instead of memory-mapping it")
     g.add_argument("-nr", "--no-repack", dest="use_extra_bufts", action="store_false",
-                   help="llama.cpp's: no repacked or AMX layouts for the weights (expert tensors never "
-                        "get them: the expert cache copies them as the file has them)")
+                   help="llama.cpp's: no repacked or AMX layouts for the weights (with a GPU the expert "
+                        "tensors never get them: the GPU copies them as the file has them)")
     g.add_argument("--numa", choices=tuple(LLAMA_NUMA_STRATEGIES), default=None,
                    help="llama.cpp's NUMA strategy: distribute (spread threads over all nodes), isolate "
                         "(threads on the node execution started on), numactl (the CPU map numactl gives)")
