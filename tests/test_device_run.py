@@ -78,3 +78,6 @@ def test_dry_run_end_to_end(bundle, tmp_path):
     assert all(row["tokens"] > 0 and row["median_us"] > 0 and row["replay_median_us"] > 0 for row in cost.values())
     env = (out / "env.txt").read_text()
     assert json.loads((bundle / "bundle.json").read_text())["key"] in env
+    # stock llama.cpp's own buffers for -ot exps=CPU (docs/NATIVE.md): three loads, each named
+    layouts = [line for line in env.splitlines() if line.startswith("-ot _exps=CPU")]
+    assert len(layouts) == 3 and all("model buffer size" in line for line in layouts), env

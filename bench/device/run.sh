@@ -92,6 +92,8 @@ stamp "environment -> env.txt"
     echo "== cpu"; grep -m1 "model name" /proc/cpuinfo; nproc
     echo "== ggml cpu backend (the instruction sets it was compiled with)"
     "$PY" -c "from saem_gguf.llama_lib import load_llama_cpp; print(load_llama_cpp().llama_print_system_info().decode())"
+    echo "== where stock llama.cpp puts CPU-run experts (docs/NATIVE.md, \"Not done / limits\")"
+    "$PY" bench/device/stock_layout.py --dir "$WORK" || echo "(stock_layout.py failed: exit $?)"
     echo "== python"; "$PY" --version
     "$PY" - <<'PY'
 from importlib import metadata
