@@ -35,15 +35,28 @@ from saem_gguf.gpu_memory import gpu_memory
 from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar, grammar_sampler
 from saem_gguf.interrupts import deferred_signals
 from saem_gguf.llama_lib import load_llama_cpp
-from saem_gguf.resources import checked_engine_inputs
+from saem_gguf.resources import available_memory, checked_engine_inputs
 from saem_gguf.thinking import THINK_CLOSE, THINK_OPEN, ReasoningBudget, open_block_tokens, template_reasons
 from saem_gguf.trace import ModelSignature, SequenceTrace
 
 DEFAULT_ECR = 0.25
+# What host memory the expert slots leave free after loading, where they are host memory: what
+# the first decodes still allocate (compute buffers touched on first use, the sampler, Python)
+HOST_SLOT_MARGIN_BYTES = 64 << 20
+HOST_SLOT_MARGIN_FRACTION = 0.02
 # architectures whose cue set is more specific than the general one
 FAMILY_CUES = {"qwen3moe": "qwen3", "deepseek2": "deepseek-r1", "gpt-oss": "gpt-oss"}
 # Policies that rank a stage a cue opens by the profile's per-cue stage routing (saem-cue's blend).
 CUE_RANKING_POLICIES = ("saem", "saem-cue")
+
+
+class HostSlotsShort(SaemError):
+    """Expert slots in host memory that do not fit in the memory available (``what``: why);
+    ``fits``: how many slots per layer would."""
+
+    def __init__(self, message: str, what: str, fits: int) -> None:
+        super().__init__(message)
+        self.what, self.fits = what, fits
 
 
 # llama.cpp's -ctk/-ctv values (common/arg.cpp kv_cache_types)
@@ -642,6 +655,10 @@ class Engine:
             self.note(msg)
         ngl = -1 if cfg.n_gpu_layers is None or cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
         gpu_offload = bool(llama_cpp.llama_supports_gpu_offload())
+        # MoE layers whose expert slots are host memory: every one without GPU offload, else those
+        # -ngl N leaves on the CPU (llama.cpp offloads the last N of the n_layer + 1 blocks)
+        first_gpu = max(self.info.n_layer + 1 - ngl, 0) if gpu_offload and ngl >= 0 else 0
+        self._host_slot_layers = [m for m in self.info.moe_layers if not gpu_offload or m.index < first_gpu]
         if cfg.n_gpu_layers is not None and not gpu_offload:
             self.note("no usable GPU (a CPU build of llama.cpp): -ngl is ignored")
         # mmap maps the file's pages wherever the kernel likes: off when the threads are pinned to
@@ -733,6 +750,42 @@ class Engine:
                   f"(ECR {slots / self.info.n_expert:.1%})")
         return slots
 
+    def _check_host_slots(self, n_slots: np.ndarray) -> None:
+        """HostSlotsShort when the slots a policy asks for (per model layer) in host memory (a build
+        without GPU offload, or layers -ngl leaves on the CPU) do not fit in the memory available
+        once llama.cpp has loaded the model and made its context, less a margin. Why: they are
+        allocated and zeroed at once, and where they do not fit the kernel's or a cgroup's
+        out-of-memory kill ends the process without a word, on a machine where llama.cpp runs the
+        same model (a mapped file's pages can be dropped, the slots' cannot)."""
+        layers = self._host_slot_layers
+        need = sum(int(n_slots[m.index]) * m.bytes_per_expert for m in layers)
+        avail = available_memory() if need > 0 else None
+        if avail is None:
+            return
+        margin = HOST_SLOT_MARGIN_BYTES + int(HOST_SLOT_MARGIN_FRACTION * avail)
+        if need <= avail - margin:
+            return
+        per_slot = sum(m.bytes_per_expert for m in layers)
+        fits = int(max(0, (avail - margin) // per_slot))
+        given = self._cache_size_given()
+        what = (f"{format_size(need)} of slots in host memory ({len(layers)} MoE layers on the CPU), more than "
+                f"the {format_size(avail)} available after loading less a {format_size(margin)} margin")
+        raise HostSlotsShort(f"{given}: the expert cache needs {what}: lower {given.split()[0]}" if given else
+                             f"--policy {self.cfg.policy}: the expert cache needs {what}: give a smaller --ecr, "
+                             "or another policy", what, fits)
+
+    def _cache_size_given(self) -> str | None:
+        """The flag by which the user sized the expert cache (-ncmoe N, --ecr X, --vram-budget SIZE),
+        or None where the engine sized it (the default ECR, --vram-budget auto)."""
+        cfg = self.cfg
+        if cfg.n_cpu_moe is not None:
+            return f"-ncmoe {cfg.n_cpu_moe}"
+        if cfg.ecr is not None:
+            return f"--ecr {cfg.ecr * 100:g}%"
+        if cfg.vram_budget not in (None, AUTO):
+            return f"--vram-budget {format_size(cfg.vram_budget)}"
+        return None
+
     def _n_cpu_moe_layers(self) -> int:
         """MoE layers among llama.cpp's "first N layers" of -ncmoe N (it counts blocks, blk.0 .. blk.N-1)."""
         return sum(1 for layer in self.info.moe_layers if layer.index < self.cfg.n_cpu_moe)
@@ -743,7 +796,16 @@ class Engine:
         from saem_gguf import native_api as na
 
         try:
-            self.set_placement(self.cfg.policy, slots)
+            try:
+                self.set_placement(self.cfg.policy, slots)
+            except HostSlotsShort as e:
+                # a number of slots the engine chose (the default ECR, --vram-budget auto) shrinks to
+                # what fits; one the user gave does not
+                if self._cache_size_given() is not None or e.fits >= slots:
+                    raise
+                self.note(f"expert cache: {slots} slots per layer need {e.what}: using {e.fits}/"
+                          f"{self.info.n_expert} (ECR {e.fits / self.info.n_expert:.1%})")
+                self.set_placement(self.cfg.policy, e.fits)
         except na.UnsupportedModelError as e:
             self.note(f"expert management is off: {e}")
             self.placement = None
@@ -778,7 +840,8 @@ class Engine:
         self.placement = None
         self.placement = Placement(self.llm.ctx, policy, slots, cost, detector,
                                    calib_counts=calib, cue_counts=cue_counts, calib_routing=routing,
-                                   record=self.cfg.record, policy_args=policy_args)
+                                   record=self.cfg.record, policy_args=policy_args,
+                                   check_slots=self._check_host_slots)
         self.policy_name = policy
         if self.ram_tier is not None:  # the RAM tier outlives a policy switch (bench); its counts restart
             self.ram_tier.reset_stats()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -78,7 +79,10 @@ class Placement:
     def __init__(self, ctx, policy_name: str, slots_per_layer: int, cost, detector: StageDetector,
                  calib_counts: np.ndarray | None = None, cue_counts: dict[str, np.ndarray] | None = None,
                  calib_routing: TraceSet | None = None, record: bool = False,
-                 policy_args: dict | None = None) -> None:
+                 policy_args: dict | None = None,
+                 check_slots: Callable[[np.ndarray], None] | None = None) -> None:
+        """``check_slots``: called with the slots per model layer the policy asks for, before the
+        native cache allocates them (the engine's host-memory bound: it raises SaemError)."""
         self.ctx = ctx
         n_layers = na.saem_moe_n_layers(ctx)
         infos = [na.saem_moe_get_layer_info(ctx, il) for il in range(n_layers)]
@@ -112,6 +116,8 @@ class Placement:
         self.link = LinkMeter(cost, self.n_expert) if self.policy.uses_link_budget else None
         # the policy may use fewer/more slots than the budget (n-cpu-moe, gpu-all)
         n_slots[self.moe_layers] = self.state.n_slots
+        if check_slots is not None:
+            check_slots(n_slots)
         na.saem_moe_cache_init(ctx, n_slots.tolist())
         na.saem_moe_set_counting(ctx, na.SAEM_COUNT_IDS)
         self.detector = detector

@@ -25,7 +25,6 @@ the host experts wherever the RAM tier left them). docs/RAM_TIER.md has the desi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -40,6 +39,7 @@ from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import (
     CacheState, RoutingBlock, StepEvents, step_uses, used_experts,
 )
+from saem_gguf.resources import available_memory
 
 PREFETCH_METHODS = {"madvise": na.SAEM_RAM_PREFETCH_MADVISE, "thread": na.SAEM_RAM_PREFETCH_THREAD}
 RELEASE_NAMES = {na.SAEM_RAM_RELEASE_PAGEOUT: "MADV_PAGEOUT", na.SAEM_RAM_RELEASE_COLD: "MADV_COLD",
@@ -75,35 +75,6 @@ def ram_policy_for(vram_policy: str, ram_policy: str | None) -> str:
     return DEFAULT_RAM_POLICY if vram_policy in FIXED_POLICIES else vram_policy
 
 
-def cgroup_memory_room() -> int | None:
-    """Bytes this process's memory cgroup may still charge beyond its anonymous memory (limit minus
-    anon), or None without a limit. Page cache counts against a cgroup but is reclaimable, so the
-    file pages the tier manages are not subtracted. cgroup v2 first, then v1's memory controller."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hid, controllers, path = line.split(":", 2)
-        if hid == "0" and controllers == "":
-            base = Path("/sys/fs/cgroup") / path.lstrip("/")
-            limit_file, anon_key = base / "memory.max", "anon"
-        elif "memory" in controllers.split(","):
-            base = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            limit_file, anon_key = base / "memory.limit_in_bytes", "total_rss"
-        else:
-            continue
-        try:
-            raw = limit_file.read_text().strip()
-            stat = dict(x.split() for x in (base / "memory.stat").read_text().splitlines() if " " in x)
-        except (OSError, ValueError):
-            continue
-        if raw == "max" or int(raw) >= 1 << 60:
-            continue
-        return max(0, int(raw) - int(stat.get(anon_key, 0)))
-    return None
-
-
 @dataclass(frozen=True)
 class RamBudget:
     """How ``--ram-budget`` turned into slots: ``slots`` experts per MoE layer of ``n_expert``."""
@@ -133,14 +104,10 @@ def plan_ram_budget(info: ModelInfo, budget: int | str, n_ctx: int,
     per = info.bytes_per_expert_all_layers
     note = ""
     if budget == AUTO:
-        if available is None:
-            import psutil
-
-            avail = psutil.virtual_memory().available
-            room = cgroup_memory_room()
-            avail = avail if room is None else min(avail, room)
-        else:
-            avail = available()
+        avail = (available or available_memory)()
+        if avail is None:
+            raise SaemError("--ram-budget auto: this system does not say how much memory is available: "
+                            "give --ram-budget a size")
         fixed = info.non_expert_bytes + kv_cache_bytes(info, n_ctx) + compute_buffer_bytes(info)
         margin = AUTO_RAM_MARGIN_BYTES + int(AUTO_RAM_MARGIN_FRACTION * avail)
         budget_bytes = avail - fixed - margin

@@ -48,26 +48,54 @@ def context_memory(info: ModelInfo, n_ctx: int, logits_all: bool) -> ContextMemo
 
 
 def available_memory() -> int | None:
-    """Bytes this process can still allocate: the least of the kernel's MemAvailable, the cgroup
-    limit's headroom and the address-space limit's (ulimit -v) headroom; None if none is known."""
+    """Bytes this process can still allocate: the least of what the kernel says is available
+    (psutil: MemAvailable, reclaimable page cache included), the memory cgroup's room
+    (``cgroup_memory_room``) and the address-space limit's (ulimit -v) headroom; None if none is
+    known."""
     limits = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                limits.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
+        import psutil
+
+        limits.append(int(psutil.virtual_memory().available))
+    except (ImportError, OSError, RuntimeError):
         pass
-    try:
-        cg_max = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if cg_max != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
-            limits.append(int(cg_max) - used)
-    except (OSError, ValueError):
-        pass
+    room = cgroup_memory_room()
+    if room is not None:
+        limits.append(room)
     soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         limits.append(soft - _vm_size())
     return max(0, min(limits)) if limits else None
+
+
+def cgroup_memory_room(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes this process's memory cgroup may still charge beyond its anonymous memory (limit minus
+    anon), or None without a limit. Page cache counts against a cgroup but is reclaimable (a
+    mapped model's pages among it), so it is not subtracted. cgroup v2 first, then v1's memory
+    controller (``root``/memory), as Docker and systemd set either."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, controllers, path = line.split(":", 2)
+        if hid == "0" and controllers == "":
+            base = root / path.lstrip("/")
+            limit_file, anon_key = base / "memory.max", "anon"
+        elif "memory" in controllers.split(","):
+            base = root / "memory" / path.lstrip("/")
+            limit_file, anon_key = base / "memory.limit_in_bytes", "total_rss"
+        else:
+            continue
+        try:
+            raw = limit_file.read_text().strip()
+            stat = dict(x.split() for x in (base / "memory.stat").read_text().splitlines() if " " in x)
+        except (OSError, ValueError):
+            continue
+        if raw == "max" or int(raw) >= 1 << 60:
+            continue
+        return max(0, int(raw) - int(stat.get(anon_key, 0)))
+    return None
 
 
 def _vm_size() -> int:
