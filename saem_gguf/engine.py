@@ -44,10 +44,26 @@ DEFAULT_ECR = 0.25
 # the first decodes still allocate (compute buffers touched on first use, the sampler, Python)
 HOST_SLOT_MARGIN_BYTES = 64 << 20
 HOST_SLOT_MARGIN_FRACTION = 0.02
+# What pinned experts must leave of the available memory: pinned pages cannot be reclaimed or
+# swapped, and the KV cache, compute buffers and the rest of the machine need their share
+PINNED_MARGIN_BYTES = 1 << 30
+PINNED_MARGIN_FRACTION = 0.10
 # architectures whose cue set is more specific than the general one
 FAMILY_CUES = {"qwen3moe": "qwen3", "deepseek2": "deepseek-r1", "gpt-oss": "gpt-oss"}
 # Policies that rank a stage a cue opens by the profile's per-cue stage routing (saem-cue's blend).
 CUE_RANKING_POLICIES = ("saem", "saem-cue")
+
+
+def pin_experts(expert_bytes: int, available: int | None) -> bool:
+    """With a GPU, do the experts go to pinned host memory (fast copies to the GPU, read into
+    memory at load) or stay mapped from the file? Pinned where they fit in the memory available
+    less ``PINNED_MARGIN_*`` (or nothing says what is available). Why: the whole experts are read
+    into memory that cannot be reclaimed, and where they do not fit (a 17 GiB Qwen3-30B-A3B on a
+    16 GiB machine) the load ends in an out-of-memory kill, where llama.cpp's --n-cpu-moe runs
+    from the mapped file."""
+    if available is None:
+        return True
+    return expert_bytes <= available - PINNED_MARGIN_BYTES - int(PINNED_MARGIN_FRACTION * available)
 
 
 class HostSlotsShort(SaemError):
@@ -315,8 +331,9 @@ def _make_llama_class(llama_cpp):
         ``Llama.__init__`` assigns ``self.model_params`` / ``self.context_params`` before it loads
         the model and creates the context; these properties amend them on the way:
 
-        - ``saem_experts_on_host``: the expert tensors load into plain (pinned, with a GPU) host
-          memory the native cache can copy from;
+        - ``saem_experts_on_host``: the expert tensors load into plain (pinned, with a GPU, unless
+          ``saem_experts_pinned`` is false: then mapped from the file) host memory the native cache
+          can copy from;
         - ``saem_n_seq_max``: the context holds that many sequences (``-np``), one KV stream each
           (``kv_unified`` stays llama.cpp's default, off, as in llama-server with ``-np N``);
         - ``saem_tensor_overrides`` (the user's ``-ot``, resolved): appended after that expert
@@ -330,7 +347,8 @@ def _make_llama_class(llama_cpp):
           loading at once, not minutes later)."""
 
         def __init__(self, *args, saem_hook: Callable[[list[int]], None] | None = None,
-                     saem_experts_on_host: bool = False, saem_progress: TextIO | None = None,
+                     saem_experts_on_host: bool = False, saem_experts_pinned: bool = True,
+                     saem_progress: TextIO | None = None,
                      saem_tensor_overrides: list[tuple[bytes, int]] | None = None,
                      saem_flash_attn_auto: bool = False, saem_n_seq_max: int = 1,
                      saem_no_repack: bool = False, **kw):
@@ -338,6 +356,7 @@ def _make_llama_class(llama_cpp):
             self._saem_no_repack = saem_no_repack
             self._saem_n_seq_max = saem_n_seq_max
             self._saem_on_host = saem_experts_on_host
+            self._saem_pinned = saem_experts_pinned
             self._saem_user_overrides = saem_tensor_overrides or []
             self._saem_fa_auto = saem_flash_attn_auto
             self._saem_bar = None
@@ -385,7 +404,7 @@ def _make_llama_class(llama_cpp):
             if self._saem_on_host:
                 from saem_gguf import native_api as na
 
-                ours = na.keep_experts_on_host(params, pinned=True)
+                ours = na.keep_experts_on_host(params, pinned=self._saem_pinned)
                 rows.insert(0, (ours[0].pattern, ours[0].buft))
             if rows:
                 # kept on self: llama.cpp reads the array (and its patterns) while loading
@@ -665,9 +684,17 @@ class Engine:
         # a node (first touch then places the weights there) and when experts go to pinned host
         # memory (an mmap-backed tensor would bypass that buffer)
         use_mmap = cfg.use_mmap and self.numa_plan.node is None
+        pinned = True
         if use_mmap and managed and na.saem_expert_host_buft(True)[1]:
-            use_mmap = False
-            self.note("experts load into pinned host memory, so the model is read without mmap")
+            avail = available_memory()
+            pinned = pin_experts(self.info.expert_bytes, avail)
+            if pinned:
+                use_mmap = False
+                self.note("experts load into pinned host memory, so the model is read without mmap")
+            else:
+                self.note(f"the experts ({format_size(self.info.expert_bytes)}) do not fit in pinned memory beside "
+                          f"the {format_size(avail)} available: they stay mapped from the file, as llama.cpp's "
+                          "--n-cpu-moe keeps them (copies to the GPU then read pageable memory)")
         no_repack = not cfg.use_extra_bufts
         amx_types = sorted(set(self.info.matrix_types) & AMX_TILE_TYPES)
         # every layer and the output on a GPU (-ngl auto/all, no -ot): no matrix is multiplied on
@@ -699,7 +726,7 @@ class Engine:
             flash_attn=cfg.flash_attn == "on", saem_flash_attn_auto=cfg.flash_attn == "auto",
             type_k=kv_type[cfg.cache_type_k], type_v=kv_type[cfg.cache_type_v],
             use_mmap=use_mmap, use_mlock=cfg.use_mlock, saem_no_repack=no_repack,
-            saem_experts_on_host=experts_on_host,
+            saem_experts_on_host=experts_on_host, saem_experts_pinned=pinned,
             saem_tensor_overrides=resolve(llama_cpp, overrides))
 
     def _slots_per_layer(self) -> int | None:

@@ -68,7 +68,8 @@ def available_memory() -> int | None:
     return max(0, min(limits)) if limits else None
 
 
-def cgroup_memory_room(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+def cgroup_memory_room(root: Path = Path("/sys/fs/cgroup"),
+                       proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
     """Bytes this process's memory cgroup may still charge beyond its anonymous memory (limit minus
     anon), or None without a limit. Page cache counts against a cgroup but is reclaimable (a
     mapped model's pages among it), so it is not subtracted. cgroup v2 first, then v1's memory

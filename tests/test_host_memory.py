@@ -127,3 +127,42 @@ def test_under_a_cgroup_limit_the_default_runs_where_it_was_killed(tmp_path):
         assert len(errors) == 1 and errors[0].startswith("error: --ecr 25%: the expert cache needs"), given.stderr
     finally:
         group.rmdir()
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_with_a_gpu_experts_stay_mapped_where_pinned_memory_would_not_hold_them(small, monkeypatch, llama_cpp, fits):
+    """The engine as it decides on a GPU build (offload supported, a pinned host buffer type
+    offered; faked here, on the CPU build, where both buffers are the CPU's): the experts go to
+    pinned memory, read without mmap, where they fit; else they stay mapped from the file."""
+    from saem_gguf import native_api as na
+    from saem_gguf.engine import PINNED_MARGIN_BYTES, PINNED_MARGIN_FRACTION, pin_experts
+
+    real = na.saem_expert_host_buft
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(na, "saem_expert_host_buft", lambda want_pinned: (real(want_pinned)[0], bool(want_pinned)))
+    asked: list[bool] = []  # what the loader's expert override was asked for
+    keep = na.keep_experts_on_host
+    monkeypatch.setattr(na, "keep_experts_on_host",
+                        lambda params, pinned=True: asked.append(pinned) or keep(params, pinned=pinned))
+    expert_bytes = read_model_info(small).expert_bytes
+    avail = int((PINNED_MARGIN_BYTES + expert_bytes * (1.5 if fits else 0.5)) / (1 - PINNED_MARGIN_FRACTION))
+    assert pin_experts(expert_bytes, avail) is fits
+    monkeypatch.setattr(engine_mod, "available_memory", lambda: avail)
+    notes: list[str] = []
+    eng = Engine(EngineConfig(model=small, n_ctx=256, n_threads=2, progress=False), log=notes.append)
+    try:
+        mapped, _ = na.saem_ram_experts_mapped(eng.llm.ctx)
+    finally:
+        eng.close()
+    assert mapped is not fits and asked == [fits]
+    assert any("pinned host memory, so the model is read without mmap" in n for n in notes) is fits, notes
+    assert any("they stay mapped from the file" in n for n in notes) is not fits, notes
+
+
+def test_pinned_experts_need_the_margin_beside_them():
+    from saem_gguf.engine import PINNED_MARGIN_BYTES, pin_experts
+
+    assert pin_experts(10 << 30, None)  # nothing known: as before
+    assert pin_experts(1 << 30, 32 << 30)
+    assert not pin_experts(17 << 30, 16 << 30)  # a Qwen3-30B-A3B Q4 on a 16 GiB machine
+    assert not pin_experts(1 << 30, (1 << 30) + PINNED_MARGIN_BYTES)  # the margin's 10 % is missing
