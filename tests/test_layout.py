@@ -8,6 +8,7 @@ import pytest
 
 from saem_gguf.costmodel import C_SYNC, HW_PRESETS, MODEL_PRESETS, CostModel, t_gpu
 from saem_gguf.policies import make_policy
+from saem_gguf.policies.adaptive import CTL_SCORED
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
 from saem_gguf.simulator import (
@@ -222,9 +223,10 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
 def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     """Under the copy barrier (the engine's), saem's real cache starts following the candidate
     that led the most steps when the policy replayed its calibration routing under the layout it
-    chose (the steps each led are a plain replay's, held to that layout); a leader named in the
-    options wins; without a replay (uniform layout) or without the barrier it is lrfu-16,
-    temporal-cpu's rule."""
+    chose (the steps each led are a plain replay's, held to that layout), and each candidate's
+    score starts at its mean in that replay; a leader named in the options wins; without a
+    replay (uniform layout) or without the barrier it is lrfu-16, temporal-cpu's rule, and the
+    scores start at 0."""
     from saem_gguf.accounting import Accounting
     from saem_gguf.simulator import replay
 
@@ -244,6 +246,13 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
                              calib_counts=ctx.calib_counts))
     replay(held, CalibrationReplay(sample).blocks(1), Accounting())
     assert pol.replay_led == held.led_steps() and sum(pol.replay_led.values()) > 0
+    # the scores start where that replay left them on average, worth prior_steps (16) steps
+    np.testing.assert_array_equal(pol.replay_score, held.mean_scores())
+    np.testing.assert_array_equal(pol._score, held.mean_scores())
+    assert pol._ctl[CTL_SCORED] == pol.adaptive.prior_steps == 16
+    unprimed = make_policy("saem", prior_steps=0)
+    unprimed.start(ctx)
+    assert not unprimed._score.any() and unprimed._ctl[CTL_SCORED] == 0
     names = [c for c, _, _ in pol.candidates]
     assert pol.leader == max(names, key=lambda c: (held.led_steps()[c], -names.index(c))) == "lrfu-64"
     named = make_policy("saem", start_leader="lfu")
@@ -258,6 +267,7 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     no_barrier = make_policy("saem")
     no_barrier.start(plain)
     assert sum(no_barrier.replay_led.values()) > 0 and no_barrier.leader == "lrfu-16"
+    assert not no_barrier._score.any()  # no prior without the barrier
 
 
 def test_simulate_gives_saem_its_calibration_sample_to_replay():

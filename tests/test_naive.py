@@ -138,6 +138,7 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
     step_s = estimated_step_s(ctx, n_slots)
     C = len(pol.candidates)
     expect = np.zeros(C)
+    total = np.zeros(C)  # the net gains summed: mean_scores(), a replay's prior
     rate = np.zeros(C)
     routing = _routing(rng, steps, batch, L, E, K)
     scored = 0
@@ -176,7 +177,9 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
                 gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, price)
                 gain -= price * copies if c == 0 else 0.0
             expect[c] += w * (gain - expect[c])
+            total[c] += gain
         np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(pol.mean_scores(), total / scored, rtol=1e-9, atol=1e-9)
     assert priced_above_idle == (load_slope > 0 and not barrier)  # the load term was exercised
     assert stalled == barrier  # and the barrier's
     assert sum(r == "cue" for _, r in pol.boundaries) >= 2  # and the stage candidate's re-ranks

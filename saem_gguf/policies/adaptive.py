@@ -32,9 +32,10 @@ steps); a cache leader's new residents only once a step uses them (its own loads
 they are what the step used), a fixed set's (stage, static) at once. The leader at start is
 ``lrfu-16`` (``DEFAULT_START_LEADER``); under the copy barrier, where a wrong cache start's
 loads hold up the decode, the candidate that led the most steps when the policy replayed its
-calibration routing at load (the replay that chooses the layout), when there was one; it changes
-when another candidate's score beats it by more than the copies a switch costs, spread over the
-horizon, and not in the first ``first_switch`` steps.
+calibration routing at load (the replay that chooses the layout), when there was one, and there
+each candidate's score starts at its mean in that replay, worth ``prior_steps`` (16) steps; it
+changes when another candidate's score beats it by more than the copies a switch costs, spread
+over the horizon, and not in the first ``first_switch`` steps.
 ``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
 experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
 1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``). That is a copy's
@@ -101,7 +102,8 @@ CAND_LAM = 1  # LRFU decay per step (KIND_DECAY), else 0
 CAND_REF = 2  # KIND_DECAY: the step the keys are scaled to
 CAND_RATE = 3  # copies per step, averaged like the score: how busy the candidate keeps the link
 CAND_PLACED = 4  # copies a fixed set's re-rank made since the last step (the stage rule's placements)
-N_CAND = 5
+CAND_NET_SUM = 5  # its step gains net of copies, summed over every step scored (a replay's mean: the prior)
+N_CAND = 6
 
 # Control block of the kernel (float64 array ``ctl``)
 CTL_LEADER = 0  # index of the candidate the real cache follows
@@ -195,6 +197,13 @@ class AdaptiveConfig:
     # under the copy barrier, a step's copies beyond what its own time carries are charged their
     # whole transfer (the next step waits for them), the rest the idle price
     barrier_stalls: bool = True
+    # under the copy barrier, where the calibration replay chose the layout: each candidate's
+    # score starts at its mean net gain per step in that replay, worth this many steps (0: none),
+    # instead of 0 and plain means of the first noisy steps, whose swings switched the real cache
+    # (each switch a burst of copies the next decode waits for) away from what the calibration
+    # routing showed; worth a quarter horizon it led more cells than worth one (docs/POLICIES.md,
+    # "A prior from the calibration replay")
+    prior_steps: float = 16.0
 
 
 @njit(cache=True)
@@ -220,10 +229,11 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     slot_of/owner/n_slots: the real CacheState, updated in place; cand float64 [C, N_CAND]:
     each candidate's CAND_* parameters (CAND_RATE: its copies per step, averaged with weight
     1 / horizon from 0, updated here; CAND_PLACED: copies its re-ranks made since the last step,
-    charged and cleared here); c_slot int32 [L, E, C] / c_owner int32 [C, L, Smax]:
-    each candidate's expert->slot and slot->expert maps; c_key float64 [L, E, C]: their
-    priority keys (caching.py; an expert's entries of all candidates share a cache line, as a
-    step reads them together: after a decode each line is a cache miss); c_floor float64 [C, L]:
+    charged and cleared here; CAND_NET_SUM: its net gains summed, updated here); c_slot int32
+    [L, E, C] / c_owner int32 [C, L, Smax]: each candidate's expert->slot and slot->expert maps;
+    c_key float64 [L, E, C]: their priority keys (caching.py; an expert's entries of all
+    candidates share a cache line, as a step reads them together: after a decode each line is a
+    cache miss); c_floor float64 [C, L]:
     for a cache candidate, a lower bound of its layer's resident keys (-inf: none known; see
     below); stamp int64 [L, E]: last step each expert was used; score float64 [C]: averaged net
     gain per step, in one-token hits; led float64 [C]: steps each candidate led; ctl: CTL_*;
@@ -387,6 +397,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
                                             ctl[CTL_LOAD_SLOPE])
         score[c] += w * (net[c] - score[c])
+        cand[c, CAND_NET_SUM] += net[c]
     return n_ops
 
 
@@ -513,7 +524,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
                  copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
                  start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
-                 charge_placements: bool = True, barrier_stalls: bool = True,
+                 charge_placements: bool = True, barrier_stalls: bool = True, prior_steps: float = 16.0,
                  **overrides) -> None:
         super().__init__(config, **overrides)
         # what a copy of this policy under another layout is built from (_replayed_layout)
@@ -522,12 +533,14 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                           copy_cost=copy_cost, copy_price=copy_price, start_leader=start_leader,
                           first_switch=first_switch, load_slope=load_slope,
                           charge_placements=charge_placements, barrier_stalls=barrier_stalls,
-                          **overrides)
+                          prior_steps=prior_steps, **overrides)
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
         # the steps each candidate led in the replay of the chosen layout (start's leader)
         self.replay_led: dict[str, int] = {}
+        # each candidate's mean net gain per step in that replay (the scores' prior), when there was one
+        self.replay_score: np.ndarray | None = None
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
                                        candidates=tuple(candidates), prior_tokens=float(prior_tokens),
@@ -535,7 +548,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                        start_leader=start_leader, first_switch=int(first_switch),
                                        load_slope=float(load_slope),
                                        charge_placements=bool(charge_placements),
-                                       barrier_stalls=bool(barrier_stalls))
+                                       barrier_stalls=bool(barrier_stalls),
+                                       prior_steps=float(prior_steps))
         self._resident = resident_layers(layout)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
@@ -568,14 +582,16 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self.layout_prices = {}
         if whole_max == 0:  # no whole layer fits: the uniform layout is the only one
             return 0
-        led = {}
+        led, means = {}, {}
         for n in whole_layer_grid(whole_max):
             replayed = type(self)(**self._args, layout=f"resident-{n}")
             self.layout_prices[n] = ctx.replay_calibration(replayed)
             led[n] = replayed.led_steps()
+            means[n] = replayed.mean_scores()
         best = max(self.layout_prices.values())
         n = min(n for n, tok in self.layout_prices.items() if tok == best)
         self.replay_led = led[n]
+        self.replay_score = means[n]
         return n
 
     def _start_leader(self, barrier: bool) -> str:
@@ -639,6 +655,11 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if barrier and self.adaptive.barrier_stalls:
             self._ctl[CTL_HIDDEN_COPIES] = 1.0 / self._ctl[CTL_LINK_SHARE]
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
+        if barrier and self.adaptive.prior_steps > 0 and self.replay_score is not None:
+            # the scores start as the calibration replay left them on average, as if that many
+            # steps had been scored (the warm start averages the next ones in from there)
+            self._score[:] = self.replay_score
+            self._ctl[CTL_SCORED] = self.adaptive.prior_steps
         self._gain_of, self._ctl[CTL_SYNC_GAIN] = hit_gains(ctx.cost.array, max(int(ctx.batch), 1))
         self._gain_rows = len(self._gain_of)  # a plain int: no NumPy attribute read per step
         self._behind = np.ones(ctx.n_layer, np.uint8)
@@ -681,6 +702,12 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
     @property
     def switches(self) -> int:
         return int(self._ctl[CTL_SWITCHES])
+
+    def mean_scores(self) -> np.ndarray | None:
+        """Each candidate's net gain per step (in hits) averaged over every step scored, or None
+        before the first."""
+        n = self._ctl[CTL_SCORED]
+        return self._cand[:, CAND_NET_SUM] / n if n > 0 else None
 
     def led_steps(self) -> dict[str, int]:
         """Decode steps each candidate led so far."""
