@@ -838,8 +838,8 @@ class Engine:
             self.placement = None
             return
         # what llama.cpp's log calls a CPU_REPACK buffer: said once, since it decides the rounding
-        infos = [na.saem_moe_get_layer_info(self.llm.ctx, il) for il in self.placement.moe_layers]
-        repacked = sorted({GGMLQuantizationType(t).name for i in infos for t, r in zip(i.types, i.repacked) if r})
+        repacked = sorted({GGMLQuantizationType(t).name for i in self.placement.moe_layer_infos
+                           for t, r in zip(i.types, i.repacked) if r})
         if repacked:
             self.note(f"experts ({', '.join(repacked)}) stay in the layout llama.cpp repacks them into on this "
                       "CPU (CPU_REPACK), in the expert cache's slots too")

@@ -86,7 +86,9 @@ class Placement:
         self.ctx = ctx
         n_layers = na.saem_moe_n_layers(ctx)
         infos = [na.saem_moe_get_layer_info(ctx, il) for il in range(n_layers)]
-        self.moe_layers = [i.il for i in infos if i.n_expert > 0]
+        # what the host experts are (types, repacked layout), read once: the engine's notes use them
+        self.moe_layer_infos = [i for i in infos if i.n_expert > 0]
+        self.moe_layers = [i.il for i in self.moe_layer_infos]
         if not self.moe_layers:
             raise SaemError("the model has no MoE layers")
         first = infos[self.moe_layers[0]]

@@ -660,6 +660,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             # steps had been scored (the warm start averages the next ones in from there)
             self._score[:] = self.replay_score
             self._ctl[CTL_SCORED] = self.adaptive.prior_steps
+            self._cand[:, CAND_NET_SUM] = self.replay_score * self.adaptive.prior_steps
         self._gain_of, self._ctl[CTL_SYNC_GAIN] = hit_gains(ctx.cost.array, max(int(ctx.batch), 1))
         self._gain_rows = len(self._gain_of)  # a plain int: no NumPy attribute read per step
         self._behind = np.ones(ctx.n_layer, np.uint8)
@@ -704,8 +705,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         return int(self._ctl[CTL_SWITCHES])
 
     def mean_scores(self) -> np.ndarray | None:
-        """Each candidate's net gain per step (in hits) averaged over every step scored, or None
-        before the first."""
+        """Each candidate's net gain per step (in hits) averaged over every step scored (a prior
+        from the replay counting as its ``prior_steps`` steps), or None before the first."""
         n = self._ctl[CTL_SCORED]
         return self._cand[:, CAND_NET_SUM] / n if n > 0 else None
 
