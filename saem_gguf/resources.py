@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from saem_gguf.budget import format_size
 from saem_gguf.errors import SaemError
 from saem_gguf.gguf_info import ModelInfo, kv_cache_bytes, read_model_info
@@ -54,10 +56,8 @@ def available_memory() -> int | None:
     known."""
     limits = []
     try:
-        import psutil
-
         limits.append(int(psutil.virtual_memory().available))
-    except (ImportError, OSError, RuntimeError):
+    except (OSError, RuntimeError):
         pass
     room = cgroup_memory_room()
     if room is not None:
@@ -79,7 +79,11 @@ def cgroup_memory_room(root: Path = Path("/sys/fs/cgroup"),
     except OSError:
         return None
     for line in lines:
-        hid, controllers, path = line.split(":", 2)
+        # A line this reader does not understand is skipped: the bound is advice, never a crash.
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hid, controllers, path = parts
         if hid == "0" and controllers == "":
             base = root / path.lstrip("/")
             limit_file, anon_key = base / "memory.max", "anon"
@@ -90,12 +94,13 @@ def cgroup_memory_room(root: Path = Path("/sys/fs/cgroup"),
             continue
         try:
             raw = limit_file.read_text().strip()
-            stat = dict(x.split() for x in (base / "memory.stat").read_text().splitlines() if " " in x)
+            stat = dict(x.split(None, 1) for x in (base / "memory.stat").read_text().splitlines()
+                        if " " in x)
+            if raw == "max" or int(raw) >= 1 << 60:
+                continue
+            return max(0, int(raw) - int(stat.get(anon_key, "0")))
         except (OSError, ValueError):
             continue
-        if raw == "max" or int(raw) >= 1 << 60:
-            continue
-        return max(0, int(raw) - int(stat.get(anon_key, 0)))
     return None
 
 

@@ -93,6 +93,24 @@ def test_cgroup_room_is_the_limit_less_anonymous_memory(tmp_path, version):
     assert cgroup_memory_room(tmp_path, proc) is None  # no limit
 
 
+def test_cgroup_files_it_cannot_read_give_no_bound_not_a_crash(tmp_path):
+    """/proc/self/cgroup or the memory files in a shape this reader does not know (a container
+    runtime's own, a truncated read) leave the bound unknown; before, a line without two colons
+    raised ValueError out of every engine load."""
+    proc = tmp_path / "cgroup"
+    base = tmp_path / "memory" / "job"
+    base.mkdir(parents=True)
+    proc.write_text("garbage line\n9:memory:/job\n")
+    (base / "memory.limit_in_bytes").write_text("lots\n")
+    (base / "memory.stat").write_text("total_rss 12\n")
+    assert cgroup_memory_room(tmp_path, proc) is None
+    (base / "memory.limit_in_bytes").write_text("1073741824\n")
+    (base / "memory.stat").write_text("total_rss twelve\n")
+    assert cgroup_memory_room(tmp_path, proc) is None
+    (base / "memory.stat").write_text("total_rss 12\n")
+    assert cgroup_memory_room(tmp_path, proc) == (1 << 30) - 12  # the garbage line is skipped
+
+
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 
