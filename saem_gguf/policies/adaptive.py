@@ -35,7 +35,9 @@ loads hold up the decode, the candidate that led the most steps when the policy 
 calibration routing at load (the replay that chooses the layout), when there was one, and there
 each candidate's score starts at its mean in that replay, worth ``prior_steps`` (16) steps; it
 changes when another candidate's score beats it by more than the copies a switch costs, spread
-over the horizon, and not in the first ``first_switch`` steps.
+over the horizon, and not in the first ``first_switch`` steps (under the barrier a switch to a
+fixed set copies it in a burst, each copy at its whole transfer; a switch to a cache leader
+copies its entrants as they are used, each at an idle link's price).
 ``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
 experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
 1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``). That is a copy's
@@ -120,7 +122,8 @@ CTL_COPY_COST_FULL = 10  # a copy's cost in hits when its whole transfer slows C
 CTL_LINK_SHARE = 11  # share of an estimated step the link needs for one copy (t_xfer / step time)
 CTL_LOAD_SLOPE = 12  # how much of the busy-link price a copy pays per unit of load (copy_charge)
 CTL_HIDDEN_COPIES = 13  # under the copy barrier, copies an estimated step's time carries (0: no barrier)
-N_CTL = 14
+CTL_CACHE_SWITCH_COST = 14  # under the barrier, CTL_SWITCH_COST of a switch to a cache leader (0: the same)
+N_CTL = 15
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -204,6 +207,15 @@ class AdaptiveConfig:
     # routing showed; worth a quarter horizon it led more cells than worth one (docs/POLICIES.md,
     # "A prior from the calibration replay")
     prior_steps: float = 16.0
+    # under the copy barrier, a switch to a cache leader (lfu, lrfu-*) prices each expert the real
+    # cache lacks at this many copies on an idle link (copy_cost_in_hits), not at its whole
+    # transfer as a fixed set's burst is: the cache's entrants come in as steps use them, as its
+    # own loads do, and each step's time carries them. At the whole transfer a switch from the
+    # calibrated set to a cache ahead of it by 16 hits a step never paid at ECR 50 % (some 2,800
+    # experts apart: drawn-1-9, batch 8, held the calibrated set for all 1,083 steps, 0.959x
+    # lfu-cpu); 0: the whole transfer, as before (docs/POLICIES.md, "A switch to a cache under
+    # the barrier")
+    cache_switch_price: float = 1.0
 
 
 @njit(cache=True)
@@ -261,6 +273,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             best = c
     gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
     sw = ctl[CTL_SWITCH_COST]
+    if ctl[CTL_CACHE_SWITCH_COST] > 0 and int(cand[best, CAND_KIND]) != KIND_FIXED:
+        sw = ctl[CTL_CACHE_SWITCH_COST]  # its entrants come as its loads do, when used: no burst
     if best != lead and ctl[CTL_SCORED] >= ctl[CTL_FIRST_SWITCH] and gain > sw \
             and gain > sw * _set_diff(c_slot, slot_of, best):
         lead = best
@@ -525,7 +539,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
                  start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
                  charge_placements: bool = True, barrier_stalls: bool = True, prior_steps: float = 16.0,
-                 **overrides) -> None:
+                 cache_switch_price: float = 1.0, **overrides) -> None:
         super().__init__(config, **overrides)
         # what a copy of this policy under another layout is built from (_replayed_layout)
         self._args = dict(config=config, horizon_steps=horizon_steps, switch_margin=switch_margin,
@@ -533,7 +547,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                           copy_cost=copy_cost, copy_price=copy_price, start_leader=start_leader,
                           first_switch=first_switch, load_slope=load_slope,
                           charge_placements=charge_placements, barrier_stalls=barrier_stalls,
-                          prior_steps=prior_steps, **overrides)
+                          prior_steps=prior_steps, cache_switch_price=cache_switch_price, **overrides)
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
@@ -549,7 +563,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                        load_slope=float(load_slope),
                                        charge_placements=bool(charge_placements),
                                        barrier_stalls=bool(barrier_stalls),
-                                       prior_steps=float(prior_steps))
+                                       prior_steps=float(prior_steps),
+                                       cache_switch_price=float(cache_switch_price))
         self._resident = resident_layers(layout)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
@@ -647,6 +662,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         # the cache switch 100-133 times in 4,285 steps and move 4.1-5.4x lfu-cpu's bytes for its hits)
         self._ctl[CTL_SWITCH_COST] = self.adaptive.switch_margin * (
             copy_cost_in_hits(ctx.cost.array, busy_link=True) if barrier else self._ctl[CTL_COPY_COST])
+        # ... but a cache leader's entrants come one by one, when used, as its own loads do
+        if barrier:
+            self._ctl[CTL_CACHE_SWITCH_COST] = self.adaptive.switch_margin * self.adaptive.cache_switch_price * \
+                copy_cost_in_hits(ctx.cost.array)
         # a fixed copy_cost is one price whatever the load
         self._ctl[CTL_COPY_COST_FULL] = copy_cost_in_hits(ctx.cost.array, busy_link=True) \
             if self.adaptive.copy_cost is None else self.adaptive.copy_cost
