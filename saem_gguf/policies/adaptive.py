@@ -211,10 +211,10 @@ class AdaptiveConfig:
     # cache lacks at this many copies on an idle link (copy_cost_in_hits), not at its whole
     # transfer as a fixed set's burst is: the cache's entrants come in as steps use them, as its
     # own loads do, and each step's time carries them. At the whole transfer a switch from the
-    # calibrated set to a cache ahead of it by 16 hits a step never paid at ECR 50 % (some 2,800
-    # experts apart: drawn-1-9, batch 8, held the calibrated set for all 1,083 steps, 0.959x
-    # lfu-cpu); 0: the whole transfer, as before (docs/POLICIES.md, "A switch to a cache under
-    # the barrier")
+    # calibrated set to a cache ahead of it by 16 hits a step never paid at ECR 50 % (1,340
+    # experts apart at the end: drawn-1-9, batch 8, held the calibrated set for all 1,083 steps,
+    # 0.959x lfu-cpu); 0: the whole transfer, as before (docs/POLICIES.md, "A switch to a cache
+    # under the barrier")
     cache_switch_price: float = 1.0
 
 
