@@ -211,14 +211,32 @@ def adaptive_copy_price(idle: float, cost: np.ndarray, copies_per_step: float, s
     return idle + slope * load * (full - idle)
 
 
-def adaptive_barrier_charge(idle: float, cost: np.ndarray, copies: int, step_s: float) -> float:
-    """What ``copies`` copies a candidate made in one step cost it, in one-token hits, under the
-    copy barrier (the next step waits for every copy queued before it): ``idle`` each, and the
-    copies beyond those the step's ``step_s`` seconds carry their whole transfer (t_xfer over
-    what one token's hit saves)."""
+def adaptive_barrier_charge(idle: float, copy_price: float, cost: np.ndarray, layer_copies: list[int],
+                            placed: int, step_s: float) -> tuple[float, float]:
+    """(charge, stall): what an adaptive-saem candidate's copies of one step cost it, in one-token
+    hits, under the copy barrier (the next step waits for every copy queued before it), and how
+    many copy times the link ran past the step. One copy at a time on a link clock counted in
+    copy times from the step's start: first the ``placed`` copies of a re-rank made between steps,
+    then ``layer_copies[l]`` copies issued after layer ``l`` of ``L``, at ``(l + 1) / L`` of the
+    step's ``step_s`` seconds. A copy that finds the link free costs ``idle``; one that waits for
+    another costs ``copy_price`` times its whole transfer's DMA slow-down of CPU experts
+    (t_xfer x (1 - 1 / slow-down), over what one token's hit saves); each copy time the clock runs
+    past the step costs the whole transfer (t_xfer over what a hit saves), less that slow-down
+    (no CPU expert runs while the next step waits)."""
     one = t_cpu(1, cost) - t_gpu(1, cost)
-    carried = step_s / t_xfer(cost)
-    return copies * idle + max(copies - carried, 0.0) * t_xfer(cost) / one
+    queued = copy_price * t_xfer(cost) * (1.0 - 1.0 / max(cost[C_DMA_SLOW], 1.0)) / one
+    step = step_s / t_xfer(cost)
+    clock, charge = 0.0, 0.0
+    issues = [0.0] * placed + [(l + 1) * step / len(layer_copies) for l, n in enumerate(layer_copies) for _ in range(n)]
+    for i, issued in enumerate(issues):
+        if clock <= issued and i >= placed:
+            charge += idle
+            clock = issued + 1.0
+        else:
+            charge += queued
+            clock += 1.0
+    stall = max(clock - step, 0.0)
+    return charge + stall * (t_xfer(cost) / one - queued), stall
 
 
 def expected_step_s(calib: np.ndarray, top_k: int, n_slots: np.ndarray, cost: np.ndarray) -> float:

@@ -121,8 +121,8 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
     routing with rows that finish early and layers of every cache size; each candidate's copies
     priced by its own link load (naive.adaptive_copy_price, its copy rate averaged with weight
     1 / horizon from 0); under the copy barrier each step's copies charged by
-    naive.adaptive_barrier_charge instead (those beyond what the step's time carries cost their
-    whole transfer)."""
+    naive.adaptive_barrier_charge instead (a link clock: idle or queued copies, and the time it
+    runs past the step at the whole transfer)."""
     rng = np.random.default_rng(100 + seed)
     L, E, K, steps = 4, 16, 3, 90
     calib = rng.random((L, E)) * 40
@@ -144,6 +144,7 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
     scored = 0
     priced_above_idle = False
     stalled = False  # under the barrier, a step's copies outran its time
+    queued = False  # under the barrier, a copy waited for another within the step's time
     # cue events re-rank the stage candidate (candidate 0, a fixed set) after the kernel scored the
     # step; its entrants are charged as its copies at the next scored step
     cue_steps = {20, 45, 70}
@@ -161,15 +162,20 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
         w = max(alpha, 1.0 / scored)
         for c in range(C):
             entrants = after[:, :, c] & ~before[:, :, c] & (n_slots > 0)[:, None]
+            layer_copies = [0] * L
             if c == 0:  # the re-rank after this step is charged at the next one
                 copies, placed = placed, int(np.count_nonzero(entrants))
                 after_scoring = before[:, :, 0]
+                ranked = copies
             else:
                 copies, after_scoring = int(np.count_nonzero(entrants)), after[:, :, c]
+                layer_copies, ranked = entrants.sum(axis=1).tolist(), 0
             rate[c] += alpha * (copies - rate[c])
             if barrier:
-                charge = naive.adaptive_barrier_charge(pol._ctl[CTL_COPY_COST], cost, copies, step_s)
-                stalled |= charge > copies * pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
+                charge, stall = naive.adaptive_barrier_charge(pol._ctl[CTL_COPY_COST], pol.adaptive.copy_price,
+                                                              cost, layer_copies, ranked, step_s)
+                stalled |= stall > 0
+                queued |= stall == 0 and charge > copies * pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
                 gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, 0.0) - charge
             else:
                 price = naive.adaptive_copy_price(pol._ctl[CTL_COPY_COST], cost, rate[c], step_s, load_slope)
@@ -181,7 +187,7 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
         np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(pol.mean_scores(), total / scored, rtol=1e-9, atol=1e-9)
     assert priced_above_idle == (load_slope > 0 and not barrier)  # the load term was exercised
-    assert stalled == barrier  # and the barrier's
+    assert stalled == barrier and queued == barrier  # and the barrier's stall and queue
     assert sum(r == "cue" for _, r in pol.boundaries) >= 2  # and the stage candidate's re-ranks
 
 

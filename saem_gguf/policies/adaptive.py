@@ -46,9 +46,14 @@ their whole transfer slows CPU experts: each candidate's copies are priced by it
 (its copy rate times ``t_xfer`` over an estimated step, ``copy_charge``), from ``copy_cost`` on
 an idle link towards the busy-link price. Under the copy barrier (the engine's native layer:
 each decode waits for every copy queued before it) a step's copies are priced as that step
-pays them instead: ``copy_cost`` each, plus the whole transfer of those beyond what the step's
-estimated time carries (``CTL_HIDDEN_COPIES``), which hold up the next step; a rate averaged
-over the horizon hid the bursts (a token whose experts all miss loads one per layer at once).
+pays them instead, on a link clock of the candidate's own: a copy issued after layer ``l`` of
+``L`` starts at ``(l + 1) / L`` of the estimated step (``CTL_HIDDEN_COPIES`` copy times) or
+when the link frees; one that finds the link idle costs ``copy_cost``, one queued behind another
+the busy-link price (``CTL_QUEUED_COST``: its whole transfer slows CPU experts), and the time
+the clock runs past the step is a stall the next decode waits for (the whole transfer). A rate
+averaged over the horizon hid the bursts (a token whose experts all miss loads one per layer at
+once), and a count of copies hid when they came (a copy after the last layer has none of the
+step to hide behind).
 
 Because the baselines' own rules are candidates, the real cache trails the best of them only by
 the switching copies and the lag of the average: robust by construction, not by tuning.
@@ -123,7 +128,8 @@ CTL_LINK_SHARE = 11  # share of an estimated step the link needs for one copy (t
 CTL_LOAD_SLOPE = 12  # how much of the busy-link price a copy pays per unit of load (copy_charge)
 CTL_HIDDEN_COPIES = 13  # under the copy barrier, copies an estimated step's time carries (0: no barrier)
 CTL_CACHE_SWITCH_COST = 14  # under the barrier, CTL_SWITCH_COST of a switch to a cache leader (0: the same)
-N_CTL = 15
+CTL_QUEUED_COST = 15  # under the barrier, a copy queued behind another's price in hits (no dense part hides it)
+N_CTL = 16
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -197,8 +203,10 @@ class AdaptiveConfig:
     # prompt's routing, and the cache followed it with a burst of copies (fitted device costs,
     # ECR 50 %: a second request at 174.5 tok/s against static-hot's 233.5; charged, 233.5)
     charge_placements: bool = True
-    # under the copy barrier, a step's copies beyond what its own time carries are charged their
-    # whole transfer (the next step waits for them), the rest the idle price
+    # under the copy barrier, a step's copies are priced on the candidate's own link clock: the
+    # idle price for one that finds the link free, the busy-link price for one queued behind
+    # another, the whole transfer for the time the clock runs past the step (the next decode
+    # waits for it); off: priced by the averaged link load, as without the barrier
     barrier_stalls: bool = True
     # under the copy barrier, where the calibration replay chose the layout: each candidate's
     # score starts at its mean net gain per step in that replay, worth this many steps (0: none),
@@ -295,6 +303,17 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 scale[c] = 1.0
     net = np.zeros(C, np.float64)  # this step's gains minus priced copies, per candidate
     made = np.zeros(C, np.float64)  # copies each candidate made this step
+    # under the barrier, each candidate's link clock (in copy times from the step's start) and the
+    # DMA price of its copies so far: a stage re-rank's placement (CAND_PLACED, made between
+    # steps) is queued at the start
+    hidden = ctl[CTL_HIDDEN_COPIES]
+    queued = ctl[CTL_QUEUED_COST]
+    link = np.zeros(C, np.float64)
+    dma = np.zeros(C, np.float64)
+    if hidden > 0:
+        for c in range(C):
+            link[c] = cand[c, CAND_PLACED]
+            dma[c] = cand[c, CAND_PLACED] * queued
     n_ops = 0
     for l in range(L):
         if n_slots[l] == 0:  # no cache here, in any candidate: nothing to score, keep or follow
@@ -336,6 +355,16 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 n_in = admit_after_use(key, l, g, c_owner[c], c_slot[:, :, c], n_slots, stamp, miss, n_miss, admitted)
                 c_floor[c, l] = resident_floor(key, l, c_owner[c], n_slots)
             made[c] += n_in
+            if hidden > 0 and n_in > 0:
+                # issued after this layer: the first finds the link idle unless earlier copies
+                # still run; each after it queues behind another
+                start = (l + 1) * hidden / L
+                if link[c] <= start:
+                    dma[c] += kappa + (n_in - 1) * queued
+                    link[c] = start + n_in
+                else:
+                    dma[c] += n_in * queued
+                    link[c] += n_in
             if n_in > 0 and c == lead:
                 behind[l] = 1
         for i in range(n):
@@ -400,13 +429,13 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     ctl[CTL_SCORED] += 1
     alpha = ctl[CTL_ALPHA]
     w = max(alpha, 1.0 / ctl[CTL_SCORED]) if ctl[CTL_WARM] > 0 else alpha
-    hidden = ctl[CTL_HIDDEN_COPIES]
     for c in range(C):
         made[c] += cand[c, CAND_PLACED]
         cand[c, CAND_PLACED] = 0.0
         cand[c, CAND_RATE] += alpha * (made[c] - cand[c, CAND_RATE])
-        if hidden > 0:  # the barrier: what the step's time does not carry holds up the next step
-            net[c] -= made[c] * kappa + max(made[c] - hidden, 0.0) * ctl[CTL_COPY_COST_FULL]
+        if hidden > 0:  # the barrier: the clock's run past the step holds up the next one, whole
+            # (what a copy in it was charged for slowing CPU experts is taken back: none run then)
+            net[c] -= dma[c] + max(link[c] - hidden, 0.0) * (ctl[CTL_COPY_COST_FULL] - queued)
         else:
             net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
                                             ctl[CTL_LOAD_SLOPE])
@@ -498,12 +527,24 @@ def copy_cost_in_hits(cost: np.ndarray, busy_link: bool = False) -> float:
     saved = t_cpu(1, cost) - t_gpu(1, cost)
     if saved <= 0:
         return 0.0
-    if busy_link and cost[C_BARRIER] > 0:
-        return float(t_xfer(cost) / saved)
+    if busy_link:
+        return float(t_xfer(cost) / saved) if cost[C_BARRIER] > 0 else queued_copy_cost_in_hits(cost)
     f = max(float(cost[C_DMA_SLOW]), 1.0)
-    hidden = 0.0 if busy_link or cost[C_OVERLAP] > 0 else float(cost[C_DENSE_LAYER_S])
+    hidden = 0.0 if cost[C_OVERLAP] > 0 else float(cost[C_DENSE_LAYER_S])
     busy = max(0.0, t_xfer(cost) - hidden)
     return float(busy * (1.0 - 1.0 / f) / saved)
+
+
+def queued_copy_cost_in_hits(cost: np.ndarray) -> float:
+    """What one copy queued behind another costs, in hits, by slowing CPU experts: the DMA
+    slow-down over its whole ``t_xfer`` (no dense part hides it, as copy_cost_in_hits's first
+    copy is hidden), over what one hit saves. Without the barrier it is copy_cost_in_hits's
+    busy-link price; with it that price is the whole transfer (a stall), which this is not."""
+    saved = t_cpu(1, cost) - t_gpu(1, cost)
+    if saved <= 0:
+        return 0.0
+    f = max(float(cost[C_DMA_SLOW]), 1.0)
+    return float(t_xfer(cost) * (1.0 - 1.0 / f) / saved)
 
 
 def resident_layers(layout: str) -> int | None:
@@ -673,6 +714,9 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._ctl[CTL_LOAD_SLOPE] = self.adaptive.load_slope
         if barrier and self.adaptive.barrier_stalls:
             self._ctl[CTL_HIDDEN_COPIES] = 1.0 / self._ctl[CTL_LINK_SHARE]
+            # a queued copy hides behind no dense part: its whole transfer slows CPU experts, at
+            # copy_price as the idle price is (without the barrier, copy_charge's busy-link price)
+            self._ctl[CTL_QUEUED_COST] = self.adaptive.copy_price * queued_copy_cost_in_hits(ctx.cost.array)
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
         if barrier and self.adaptive.prior_steps > 0 and self.replay_score is not None:
             # the scores start as the calibration replay left them on average, as if that many
