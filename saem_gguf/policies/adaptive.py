@@ -126,7 +126,7 @@ CTL_FIRST_SWITCH = 9  # steps scored before the leader may change
 CTL_COPY_COST_FULL = 10  # a copy's cost in hits when its whole transfer slows CPU experts (a busy link)
 CTL_LINK_SHARE = 11  # share of an estimated step the link needs for one copy (t_xfer / step time)
 CTL_LOAD_SLOPE = 12  # how much of the busy-link price a copy pays per unit of load (copy_charge)
-CTL_HIDDEN_COPIES = 13  # under the copy barrier, copies an estimated step's time carries (0: no barrier)
+CTL_HIDDEN_COPIES = 13  # under the copy barrier, an estimated step in copy times: where the link clock ends (0: no barrier)
 CTL_CACHE_SWITCH_COST = 14  # under the barrier, CTL_SWITCH_COST of a switch to a cache leader (0: the same)
 CTL_QUEUED_COST = 15  # under the barrier, a copy queued behind another's price in hits (no dense part hides it)
 N_CTL = 16
@@ -524,27 +524,24 @@ def copy_cost_in_hits(cost: np.ndarray, busy_link: bool = False) -> float:
     step wait for every copy queued before it) a queued copy holds up the next step for its whole
     transfer, so its busy-link price is ``t_xfer`` itself (the first device run's tokens/s are fitted
     better with that barrier than without: bench/device/fit_device_run.py)."""
-    saved = t_cpu(1, cost) - t_gpu(1, cost)
-    if saved <= 0:
-        return 0.0
-    if busy_link:
-        return float(t_xfer(cost) / saved) if cost[C_BARRIER] > 0 else queued_copy_cost_in_hits(cost)
-    f = max(float(cost[C_DMA_SLOW]), 1.0)
-    hidden = 0.0 if cost[C_OVERLAP] > 0 else float(cost[C_DENSE_LAYER_S])
-    busy = max(0.0, t_xfer(cost) - hidden)
-    return float(busy * (1.0 - 1.0 / f) / saved)
+    if busy_link and cost[C_BARRIER] > 0:
+        saved = t_cpu(1, cost) - t_gpu(1, cost)
+        return float(t_xfer(cost) / saved) if saved > 0 else 0.0
+    hidden = 0.0 if busy_link or cost[C_OVERLAP] > 0 else float(cost[C_DENSE_LAYER_S])
+    return dma_loss_in_hits(cost, max(0.0, t_xfer(cost) - hidden))
 
 
-def queued_copy_cost_in_hits(cost: np.ndarray) -> float:
-    """What one copy queued behind another costs, in hits, by slowing CPU experts: the DMA
-    slow-down over its whole ``t_xfer`` (no dense part hides it, as copy_cost_in_hits's first
-    copy is hidden), over what one hit saves. Without the barrier it is copy_cost_in_hits's
-    busy-link price; with it that price is the whole transfer (a stall), which this is not."""
+def dma_loss_in_hits(cost: np.ndarray, busy_s: float) -> float:
+    """What ``busy_s`` seconds of host-to-device DMA cost CPU experts, in hits: they run ``f``
+    times slower while it lasts (C_DMA_SLOW), ``busy_s * (1 - 1/f)``, over what one hit saves
+    (``t_cpu(1) - t_gpu(1)``). The price of a copy's part that no dense part hides: after its
+    first ``t_dense`` for one on an idle link (copy_cost_in_hits), all of ``t_xfer`` for one
+    queued behind another (the barrier's link clock, CTL_QUEUED_COST)."""
     saved = t_cpu(1, cost) - t_gpu(1, cost)
     if saved <= 0:
         return 0.0
     f = max(float(cost[C_DMA_SLOW]), 1.0)
-    return float(t_xfer(cost) * (1.0 - 1.0 / f) / saved)
+    return float(busy_s * (1.0 - 1.0 / f) / saved)
 
 
 def resident_layers(layout: str) -> int | None:
@@ -716,7 +713,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             self._ctl[CTL_HIDDEN_COPIES] = 1.0 / self._ctl[CTL_LINK_SHARE]
             # a queued copy hides behind no dense part: its whole transfer slows CPU experts, at
             # copy_price as the idle price is (without the barrier, copy_charge's busy-link price)
-            self._ctl[CTL_QUEUED_COST] = self.adaptive.copy_price * queued_copy_cost_in_hits(ctx.cost.array)
+            self._ctl[CTL_QUEUED_COST] = self.adaptive.copy_price * dma_loss_in_hits(ctx.cost.array,
+                                                                                     t_xfer(ctx.cost.array))
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
         if barrier and self.adaptive.prior_steps > 0 and self.replay_score is not None:
             # the scores start as the calibration replay left them on average, as if that many
