@@ -588,6 +588,7 @@ class Engine:
         n_threads_batch = cfg.n_threads_batch or n_threads
         Cls = construct or _make_llama_class(llama_cpp)
         llama_kw = self._llama_load_params(llama_cpp, managed=slots is not None)
+        self._host_slot_layers = self._host_slot_layers_for(bool(llama_cpp.llama_supports_gpu_offload()))
         # the bar writes to a duplicate of fd 2, taken before llama.cpp's log silences fd 2
         bar_out = os.fdopen(os.dup(2), "w") if cfg.progress and sys.stderr.isatty() else None
         try:
@@ -659,6 +660,19 @@ class Engine:
         self.notes.append(msg)
         self._log(msg)
 
+    def _n_gpu_layers(self) -> int:
+        """-ngl as llama.cpp takes it: -1 (every layer) when not given or negative."""
+        ngl = self.cfg.n_gpu_layers
+        return -1 if ngl is None or ngl < 0 else ngl
+
+    def _host_slot_layers_for(self, gpu_offload: bool) -> list:
+        """MoE layers whose expert slots are host memory (_check_host_slots): every one without GPU
+        offload, else those -ngl N leaves on the CPU (llama.cpp offloads the last N of the
+        n_layer + 1 blocks)."""
+        ngl = self._n_gpu_layers()
+        first_gpu = max(self.info.n_layer + 1 - ngl, 0) if gpu_offload and ngl >= 0 else 0
+        return [m for m in self.info.moe_layers if not gpu_offload or m.index < first_gpu]
+
     def _llama_load_params(self, llama_cpp, managed: bool) -> dict:
         """llama.cpp's load-time flags as ``Llama`` keyword arguments (plus the -ot and -fa auto
         amendments ``SaemLlama`` applies), after checking them against expert management."""
@@ -672,12 +686,8 @@ class Engine:
         expert_names = [t.name for layer in self.info.moe_layers for t in layer.tensors]
         for msg in check_against_experts(overrides, expert_names, managed):
             self.note(msg)
-        ngl = -1 if cfg.n_gpu_layers is None or cfg.n_gpu_layers < 0 else cfg.n_gpu_layers
+        ngl = self._n_gpu_layers()
         gpu_offload = bool(llama_cpp.llama_supports_gpu_offload())
-        # MoE layers whose expert slots are host memory: every one without GPU offload, else those
-        # -ngl N leaves on the CPU (llama.cpp offloads the last N of the n_layer + 1 blocks)
-        first_gpu = max(self.info.n_layer + 1 - ngl, 0) if gpu_offload and ngl >= 0 else 0
-        self._host_slot_layers = [m for m in self.info.moe_layers if not gpu_offload or m.index < first_gpu]
         if cfg.n_gpu_layers is not None and not gpu_offload:
             self.note("no usable GPU (a CPU build of llama.cpp): -ngl is ignored")
         # mmap maps the file's pages wherever the kernel likes: off when the threads are pinned to
