@@ -587,8 +587,9 @@ class Engine:
         n_threads = cfg.n_threads or max(1, len(self.numa_plan.cpus))
         n_threads_batch = cfg.n_threads_batch or n_threads
         Cls = construct or _make_llama_class(llama_cpp)
-        llama_kw = self._llama_load_params(llama_cpp, managed=slots is not None)
-        self._host_slot_layers = self._host_slot_layers_for(bool(llama_cpp.llama_supports_gpu_offload()))
+        gpu_offload = bool(llama_cpp.llama_supports_gpu_offload())
+        llama_kw = self._llama_load_params(llama_cpp, managed=slots is not None, gpu_offload=gpu_offload)
+        self._host_slot_layers = self._host_slot_layers_for(gpu_offload)
         # the bar writes to a duplicate of fd 2, taken before llama.cpp's log silences fd 2
         bar_out = os.fdopen(os.dup(2), "w") if cfg.progress and sys.stderr.isatty() else None
         try:
@@ -673,7 +674,7 @@ class Engine:
         first_gpu = max(self.info.n_layer + 1 - ngl, 0) if gpu_offload and ngl >= 0 else 0
         return [m for m in self.info.moe_layers if not gpu_offload or m.index < first_gpu]
 
-    def _llama_load_params(self, llama_cpp, managed: bool) -> dict:
+    def _llama_load_params(self, llama_cpp, managed: bool, gpu_offload: bool) -> dict:
         """llama.cpp's load-time flags as ``Llama`` keyword arguments (plus the -ot and -fa auto
         amendments ``SaemLlama`` applies), after checking them against expert management."""
         import gguf
@@ -687,7 +688,6 @@ class Engine:
         for msg in check_against_experts(overrides, expert_names, managed):
             self.note(msg)
         ngl = self._n_gpu_layers()
-        gpu_offload = bool(llama_cpp.llama_supports_gpu_offload())
         if cfg.n_gpu_layers is not None and not gpu_offload:
             self.note("no usable GPU (a CPU build of llama.cpp): -ngl is ignored")
         # mmap maps the file's pages wherever the kernel likes: off when the threads are pinned to
