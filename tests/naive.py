@@ -274,3 +274,34 @@ def step_uses(rows: np.ndarray, slot_of: np.ndarray) -> tuple[int, int]:
                 uses += 1
                 hits += slot_of[layer][e] >= 0
     return hits, uses
+
+
+def lead_forecast(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon: int, memory: float, prior: float,
+                  i: int, j: int, x: float) -> float:
+    """The next ``horizon`` steps' mean net-gain lead of adaptive-saem candidate ``i`` over ``j``
+    forecast from a score lead ``x`` (``policies/adaptive.py``, ``lead_forecast``), given each
+    scored step's score vector and summed net gains as they stood before it (``scores[t]``,
+    ``net_sums[t]``, the last entry the step being decided). Every past step ``t`` whose next
+    ``horizon`` steps are all known is one observation: its score lead ``scores[t][i] -
+    scores[t][j]`` and the mean lead of its next ``horizon`` steps' net gains, weighted ``(1 -
+    1 / memory) ** age`` (age 0 the newest). A weighted least-squares line through them, its
+    slope shrunk towards 1 and its intercept towards 0 as if ``prior`` steps had said so, the
+    slope then kept within [0, 1]; with no observation, ``x`` itself."""
+    keep = 1.0 - 1.0 / memory
+    obs = []
+    for t in range(len(scores) - 1 - horizon, -1, -1):
+        later = len(scores) - 1 - horizon - t
+        gain = (net_sums[t + horizon] - net_sums[t]) / horizon
+        obs.append((keep ** later, scores[t][i] - scores[t][j], gain[i] - gain[j]))
+    if not obs:
+        return x
+    w = sum(o[0] for o in obs)
+    mx = sum(o[0] * o[1] for o in obs) / w
+    my = sum(o[0] * o[2] for o in obs) / w
+    vxx = sum(o[0] * (o[1] - mx) ** 2 for o in obs) / w
+    cxy = sum(o[0] * (o[1] - mx) * (o[2] - my) for o in obs) / w
+    slope = cxy / vxx if vxx > 1e-12 else 1.0
+    intercept = my - slope * mx
+    slope = (w * slope + prior) / (w + prior)
+    intercept = w * intercept / (w + prior)
+    return min(max(slope, 0.0), 1.0) * x + intercept

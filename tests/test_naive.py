@@ -11,7 +11,9 @@ from saem_gguf.policies import make_policy
 from saem_gguf.accounting import A_ACCESS, A_ASYNC, A_HIT, A_STALL, A_TEMP, Accounting
 from saem_gguf.policies.base import MISS_CPU, MISS_RULE, PolicyContext
 from saem_gguf.policies.ranking import plan_from_scores
-from saem_gguf.policies.adaptive import CTL_ALPHA, CTL_COPY_COST, AdaptiveSaemPolicy, estimated_step_s
+from saem_gguf.policies.adaptive import (
+    CAND_NET_SUM, CTL_ALPHA, CTL_COPY_COST, CTL_LEAD_KEEP, AdaptiveSaemPolicy, estimated_step_s, lead_forecast,
+)
 from saem_gguf.policies.state import CacheState, RoutingBlock, StepEvents, step_uses
 from saem_gguf.pricing import price_steps
 from saem_gguf.simulator import replay
@@ -189,6 +191,42 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
     assert priced_above_idle == (load_slope > 0 and not barrier)  # the load term was exercised
     assert stalled == barrier and queued == barrier  # and the barrier's stall and queue
     assert sum(r == "cue" for _, r in pol.boundaries) >= 2  # and the stage candidate's re-ranks
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lead_forecast_equals_naive(seed):
+    """The leader switch's lead forecast (the books decide_adaptive keeps, read by lead_forecast)
+    equals naive.lead_forecast's weighted least squares, for every ordered pair of candidates and
+    random score leads, after every step of random routing under the copy barrier: before the
+    first observation, while the prior weighs most, and after."""
+    rng = np.random.default_rng(200 + seed)
+    L, E, K, steps, horizon, memory, prior = 4, 16, 3, 70, 8, 20.0, 3.0
+    calib = rng.random((L, E)) * 40
+    n_slots = np.array([0, 3, 6, E], np.int32)
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots,
+                        cost=CostModel.from_expert_bytes(2_654_208, HW.replace(copy_barrier=True)), calib_counts=calib)
+    pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=float(horizon), lead_memory_steps=memory,
+                             lead_prior_steps=prior)
+    pol.start(ctx)
+    assert pol._ctl[CTL_LEAD_KEEP] == pytest.approx(1.0 - 1.0 / memory)
+    C = len(pol.candidates)
+    routing = _routing(rng, steps, 1, L, E, K)
+    scores, net_sums = [], []  # as each step found them: what the kernel records before deciding
+    moved = 0.0
+    for s in range(steps):
+        scores.append(pol._score.copy())
+        net_sums.append(pol._cand[:, CAND_NET_SUM].copy())
+        pol.observe(routing[s], StepEvents(n_rows=1))
+        for i in range(C):
+            for j in range(C):
+                if i == j:
+                    continue
+                x = float(rng.normal(0.0, 5.0))
+                got = lead_forecast(pol._lead_books, C, horizon, i, j, x, prior)
+                want = naive.lead_forecast(scores, net_sums, horizon, memory, prior, i, j, x)
+                assert got == pytest.approx(want, rel=1e-7, abs=1e-7), (s, i, j)
+                moved = max(moved, abs(got - x))
+    assert moved > 1.0  # the forecast is not the lead itself: the books were exercised
 
 
 def test_estimated_step_equals_naive():

@@ -37,7 +37,12 @@ each candidate's score starts at its mean in that replay, worth ``prior_steps`` 
 changes when another candidate's score beats it by more than the copies a switch costs, spread
 over the horizon, and not in the first ``first_switch`` steps (under the barrier a switch to a
 fixed set copies it in a burst, each copy at its whole transfer; a switch to a cache leader
-copies its entrants as they are used, each at an idle link's price).
+copies its entrants as they are used, each at an idle link's price). Under the barrier the lead
+a switch counts on is forecast, not taken as it stands: per pair of candidates, a line fitted
+to how the mean net-gain lead over the horizon after each past step followed the score lead at
+it (``record_leads``, ``lead_forecast``) says how much of a lead lasts. Scores of a few hits a
+step apart swing by tens between steps; a lead that such swings make and undo switched the
+cache back and forth, each switch back a burst of copies the next decode waits for.
 ``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
 experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
 1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``). That is a copy's
@@ -129,7 +134,9 @@ CTL_LOAD_SLOPE = 12  # how much of the busy-link price a copy pays per unit of l
 CTL_HIDDEN_COPIES = 13  # under the copy barrier, an estimated step in copy times: where the link clock ends (0: no barrier)
 CTL_CACHE_SWITCH_COST = 14  # under the barrier, CTL_SWITCH_COST of a switch to a cache leader (0: the same)
 CTL_QUEUED_COST = 15  # under the barrier, a copy queued behind another's price in hits (no dense part hides it)
-N_CTL = 16
+CTL_LEAD_KEEP = 16  # under the barrier, the weight a past lead's observation keeps per step (0: no lead forecast)
+CTL_LEAD_PRIOR = 17  # steps the lead forecast's prior (slope 1, intercept 0) is worth
+N_CTL = 18
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -224,6 +231,16 @@ class AdaptiveConfig:
     # 0.959x lfu-cpu); 0: the whole transfer, as before (docs/POLICIES.md, "A switch to a cache
     # under the barrier")
     cache_switch_price: float = 1.0
+    # under the copy barrier, a switch counts on the part of a challenger's score lead that past
+    # leads of the pair kept: per pair of candidates, a line fitted to how the mean net-gain lead
+    # over the horizon after each past step followed the score lead at it (observations weighted
+    # exp(-age / lead_memory_steps)) forecasts the lead a switch buys (lead_forecast); 0: the
+    # score lead as it stands. Why: on the device family (ECR 50 %, batch 1) lfu's score led
+    # static's for stretches it did not keep, and the cache switched between them 25 times in
+    # 2,999 steps (0.977x static-hot; docs/POLICIES.md, "A lead forecast for a switch")
+    lead_memory_steps: float = 1024.0
+    # the fitted line starts as the score lead itself (slope 1, intercept 0), worth this many steps
+    lead_prior_steps: float = 512.0
 
 
 @njit(cache=True)
@@ -240,7 +257,7 @@ def _set_diff(c_slot, slot_of, c):
 
 @njit(cache=True)
 def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
-                    behind, budget, gain_of, scratch, ops):
+                    behind, budget, gain_of, scratch, ops, lead_books):
     """One decode step: pick the leader, update every candidate's shadow cache with the step's
     routing layer by layer, and bring each real layer to the leader's set after the layer ran.
     Returns how many ``ops`` rows it wrote.
@@ -266,20 +283,33 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     ``state.scratch_buffer``; ops int32 [>= 2 L E, 4]:
     (layer, expert, slot, OP_*) rows in issue order, per layer each entrant (best first) after
     the eviction that frees its slot (OP_AFTER_USE for one the step used,
-    OP_PREFETCH otherwise)."""
+    OP_PREFETCH otherwise); lead_books float64: the lead forecast's books (``record_leads``,
+    kept here when CTL_LEAD_KEEP is set)."""
     cnt, uniq, miss, entrants, admitted = scratch_views(scratch)
     L = slot_of.shape[0]
     C = cand.shape[0]
     if active_rows(rows) == 0:
         return 0
     kappa = ctl[CTL_COPY_COST]
-    # follow a better candidate when its lead pays for the copies of the switch
+    # follow a better candidate when its lead pays for the copies of the switch: the lead as it
+    # stands, or under the barrier the part of it that past leads of the pair kept
     lead = int(ctl[CTL_LEADER])
     best = lead
-    for c in range(C):
-        if score[c] > score[best]:
-            best = c
-    gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
+    if ctl[CTL_LEAD_KEEP] > 0:
+        H = lead_window(ctl[CTL_HORIZON])
+        record_leads(lead_books, score, cand, H, ctl[CTL_LEAD_KEEP])
+        gain = -np.inf
+        for c in range(C):
+            if c != lead:
+                f = lead_forecast(lead_books, C, H, c, lead, score[c] - score[lead], ctl[CTL_LEAD_PRIOR])
+                if f * ctl[CTL_HORIZON] > gain:
+                    best = c
+                    gain = f * ctl[CTL_HORIZON]
+    else:
+        for c in range(C):
+            if score[c] > score[best]:
+                best = c
+        gain = (score[best] - score[lead]) * ctl[CTL_HORIZON]
     sw = ctl[CTL_SWITCH_COST]
     if ctl[CTL_CACHE_SWITCH_COST] > 0 and int(cand[best, CAND_KIND]) != KIND_FIXED:
         sw = ctl[CTL_CACHE_SWITCH_COST]  # its entrants come as its loads do, when used: no burst
@@ -445,6 +475,82 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
 
 
 @njit(cache=True)
+def lead_window(horizon):
+    """Steps a lead is followed over to see how much of it lasted: the horizon, whole."""
+    return max(int(horizon + 0.5), 1)
+
+
+@njit(cache=True)
+def record_leads(books, score, cand, H, keep):
+    """Keep the lead forecast's books at the start of a scored step, before the leader is chosen.
+
+    books float64 [1 + 2 H C + 5 C C] (``lead_books_size``): [0] steps recorded; then a ring of
+    the last H steps' score vectors [H, C]; a ring of their net-gain sums (CAND_NET_SUM) [H, C];
+    then five [C, C] matrices of sums over past steps, each observation weighted ``keep`` per step
+    since: weights, x, y, x * x and x * y, where for the ordered pair (i, j) x is the score lead
+    of i over j at a step and y the mean lead of their net gains over the H steps after it.
+    score float64 [C]: the scores as this step finds them; cand: CAND_NET_SUM, the net gains
+    summed to the step before; H: lead_window(horizon); keep: 1 - 1 / lead_memory_steps.
+    The observation of the step H steps back is complete now: it is added, the older ones decay."""
+    C = score.shape[0]
+    n = int(books[0])
+    at = n % H
+    rs = 1 + at * C  # the ring's entry of the step H back (its slot is reused for this step)
+    rn = 1 + H * C + at * C
+    st = 1 + 2 * H * C
+    CC = C * C
+    if n >= H:
+        for k in range(5 * CC):
+            books[st + k] *= keep
+        for i in range(C):
+            for j in range(C):
+                if i == j:
+                    continue
+                x = books[rs + i] - books[rs + j]
+                y = ((cand[i, CAND_NET_SUM] - books[rn + i]) - (cand[j, CAND_NET_SUM] - books[rn + j])) / H
+                q = st + i * C + j
+                books[q] += 1.0
+                books[q + CC] += x
+                books[q + 2 * CC] += y
+                books[q + 3 * CC] += x * x
+                books[q + 4 * CC] += x * y
+    for i in range(C):
+        books[rs + i] = score[i]
+        books[rn + i] = cand[i, CAND_NET_SUM]
+    books[0] = n + 1
+
+
+def lead_books_size(n_candidates: int, horizon: float) -> int:
+    """Length of ``record_leads``' books."""
+    return 1 + 2 * lead_window(horizon) * n_candidates + 5 * n_candidates * n_candidates
+
+
+@njit(cache=True)
+def lead_forecast(books, C, H, i, j, x, prior):
+    """The mean net-gain lead of candidate i over j in the next H steps, forecast from their
+    score lead ``x`` now: a weighted least-squares line through the pair's past observations
+    (``record_leads``' books), its slope shrunk towards 1 and its intercept towards 0 as if
+    ``prior`` steps had said so, the slope kept within [0, 1]; ``x`` itself before the first
+    observation. A lead that past leads of the pair kept (slope 1) counts whole; one that past
+    leads did not keep (noise in the scores: slope 0) counts for the pair's mean lead only."""
+    st = 1 + 2 * H * C
+    CC = C * C
+    q = st + i * C + j
+    w = books[q]
+    if w <= 0:
+        return x
+    mx = books[q + CC] / w
+    my = books[q + 2 * CC] / w
+    vxx = books[q + 3 * CC] / w - mx * mx
+    cxy = books[q + 4 * CC] / w - mx * my
+    slope = cxy / vxx if vxx > 1e-12 else 1.0
+    intercept = my - slope * mx
+    slope = (w * slope + prior) / (w + prior)
+    intercept = w * intercept / (w + prior)
+    return min(max(slope, 0.0), 1.0) * x + intercept
+
+
+@njit(cache=True)
 def copy_charge(idle, full, load, slope):
     """What one copy costs, in hits, for a candidate whose copies keep the link busy ``load`` of
     a step (its copy rate times ``t_xfer`` over the step's time; capped at 1). On an idle link a
@@ -462,14 +568,14 @@ def copy_charge(idle, full, load, slope):
 
 @njit(cache=True)
 def adaptive_step(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
-                  behind, budget, gain_of, scratch, ops, counts, on, det, ring, pos):
+                  behind, budget, gain_of, scratch, ops, counts, on, det, ring, pos, lead_books):
     """One decode step of the adaptive policy in one kernel call: ``decide_adaptive`` (its
-    arguments, same order), then the stage candidate's books, ``saem.stage_books(rows, slot_of,
-    counts, on, det, ring, pos)`` (its arguments after ``ops``). Returns (ops rows written,
+    arguments, same order, but ``lead_books`` last), then the stage candidate's books,
+    ``saem.stage_books(rows, slot_of, counts, on, det, ring, pos)`` (its arguments after ``ops``). Returns (ops rows written,
     decoded, fired). One call, not two: after a decode each kernel call costs a few us before its
     arguments, about 0.8 us for each array (docs/POLICIES_HISTORY.md, per-token cost)."""
     n = decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led,
-                        ctl, behind, budget, gain_of, scratch, ops)
+                        ctl, behind, budget, gain_of, scratch, ops, lead_books)
     decoded, fired = stage_books(rows, slot_of, counts, on, det, ring, pos)
     return n, decoded, fired
 
@@ -483,7 +589,7 @@ ADAPTIVE_BOOKS = (
     Book("score", np.float64, 1), Book("led", np.float64, 1), Book("ctl", np.float64, 1),
     Book("behind", np.uint8, 1), Book("gain_of", np.float64, 1), Book("scratch", np.int32, 1),
     Book("ops", np.int32, 2), Book("counts", np.float64, 2), Book("det", np.float64, 1),
-    Book("ring", np.float64, 3),
+    Book("ring", np.float64, 3), Book("lead_books", np.float64, 1),
 )
 
 
@@ -495,7 +601,8 @@ def adaptive_entry(rows, g, budget, on, pos, tab):
     return adaptive_step(rows, g, i32_2d(tab, 0), i32_2d(tab, 1), i32_1d(tab, 2), f64_2d(tab, 3), i32_3d(tab, 4),
                          i32_3d(tab, 5), f64_3d(tab, 6), f64_2d(tab, 7), i64_2d(tab, 8), f64_1d(tab, 9),
                          f64_1d(tab, 10), f64_1d(tab, 11), u8_1d(tab, 12), budget, f64_1d(tab, 13), i32_1d(tab, 14),
-                         i32_2d(tab, 15), f64_2d(tab, 16), on, f64_1d(tab, 17), f64_3d(tab, 18), pos)
+                         i32_2d(tab, 15), f64_2d(tab, 16), on, f64_1d(tab, 17), f64_3d(tab, 18), pos,
+                         f64_1d(tab, 19))
 
 
 def hit_gains(cost: np.ndarray, batch: int) -> tuple[np.ndarray, float]:
@@ -577,7 +684,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
                  start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
                  charge_placements: bool = True, barrier_stalls: bool = True, prior_steps: float = 16.0,
-                 cache_switch_price: float = 1.0, **overrides) -> None:
+                 cache_switch_price: float = 1.0, lead_memory_steps: float = 1024.0,
+                 lead_prior_steps: float = 512.0, **overrides) -> None:
         super().__init__(config, **overrides)
         # what a copy of this policy under another layout is built from (_replayed_layout)
         self._args = dict(config=config, horizon_steps=horizon_steps, switch_margin=switch_margin,
@@ -585,7 +693,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                           copy_cost=copy_cost, copy_price=copy_price, start_leader=start_leader,
                           first_switch=first_switch, load_slope=load_slope,
                           charge_placements=charge_placements, barrier_stalls=barrier_stalls,
-                          prior_steps=prior_steps, cache_switch_price=cache_switch_price, **overrides)
+                          prior_steps=prior_steps, cache_switch_price=cache_switch_price,
+                          lead_memory_steps=lead_memory_steps, lead_prior_steps=lead_prior_steps, **overrides)
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
@@ -602,7 +711,9 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                        charge_placements=bool(charge_placements),
                                        barrier_stalls=bool(barrier_stalls),
                                        prior_steps=float(prior_steps),
-                                       cache_switch_price=float(cache_switch_price))
+                                       cache_switch_price=float(cache_switch_price),
+                                       lead_memory_steps=float(lead_memory_steps),
+                                       lead_prior_steps=float(lead_prior_steps))
         self._resident = resident_layers(layout)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
@@ -716,6 +827,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             self._ctl[CTL_QUEUED_COST] = self.adaptive.copy_price * dma_loss_in_hits(ctx.cost.array,
                                                                                      t_xfer(ctx.cost.array))
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
+        if barrier and self.adaptive.lead_memory_steps > 0:
+            self._ctl[CTL_LEAD_KEEP] = 1.0 - 1.0 / max(self.adaptive.lead_memory_steps, 1.0)
+            self._ctl[CTL_LEAD_PRIOR] = self.adaptive.lead_prior_steps
+        self._lead_books = np.zeros(lead_books_size(C, self.adaptive.horizon_steps))
         if barrier and self.adaptive.prior_steps > 0 and self.replay_score is not None:
             # the scores start as the calibration replay left them on average, as if that many
             # steps had been scored (the warm start averages the next ones in from there)
@@ -736,7 +851,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             "c_slot": self._c_slot, "c_owner": self._c_owner, "c_key": self._c_key, "c_floor": self._c_floor,
             "stamp": self._stamp, "score": self._score, "led": self._led, "ctl": self._ctl, "behind": self._behind,
             "gain_of": self._gain_of, "scratch": self._scratch, "ops": self._ops, "counts": self._counts,
-            "det": self._det, "ring": self._ring})
+            "det": self._det, "ring": self._ring, "lead_books": self._lead_books})
         self._tab = self._books.table
         self._bound_entry = adaptive_entry  # the kernel for bind_step's rows (SaemPolicy.start set them to None)
         return state
