@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from saem_gguf.costmodel import (
-    C_DENSE_LAYER_S, C_STEP_S, C_SYNC, HW_PRESETS, CostModel, link_bytes_per_copy, t_cpu, t_gpu,
+    C_DENSE_LAYER_S, C_STEP_S, C_SYNC, HW_PRESETS, CostModel, get_hw, link_bytes_per_copy, t_cpu, t_gpu,
 )
 from saem_gguf.policies import make_policy
 from saem_gguf.accounting import A_HIT, Accounting
 from saem_gguf.policies.adaptive import (
-    CTL_CACHE_SWITCH_COST, CTL_FIRST_SWITCH, CTL_HORIZON, CTL_LEADER, CTL_SWITCH_COST, AdaptiveSaemPolicy, _set_diff,
-    candidate_kind, copy_cost_in_hits, hit_gains,
+    CTL_CACHE_SWITCH_COST, CTL_FIRST_SWITCH, CTL_HORIZON, CTL_LEAD_KEEP, CTL_LEADER, CTL_SWITCH_COST,
+    AdaptiveSaemPolicy, _set_diff, candidate_kind, copy_cost_in_hits, hit_gains,
 )
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import OP_EVICT, OP_PREFETCH, ResidencyChange, RoutingBlock, StepEvents
@@ -125,6 +125,8 @@ def test_a_switch_is_priced_at_the_busy_link_under_the_copy_barrier(copy_barrier
     assert pol._ctl[CTL_SWITCH_COST] == pytest.approx(busy if copy_barrier else 0.5 * idle)
     # a cache leader's entrants come as its own loads do, when used: each at an idle link's price
     assert pol._ctl[CTL_CACHE_SWITCH_COST] == pytest.approx(idle if copy_barrier else 0.0)
+    # and the lead a switch counts on is forecast from how past leads lasted (a barrier rule)
+    assert pol._ctl[CTL_LEAD_KEEP] == pytest.approx(1.0 - 1.0 / 1024 if copy_barrier else 0.0)
 
 
 @pytest.mark.parametrize("cache_switch_price", [1.0, 0.0])
@@ -361,8 +363,6 @@ def test_a_lead_that_does_not_last_does_not_switch_the_cache():
     barrier): lfu's score leads static's for stretches it does not keep. Taking the score lead
     as it stands (lead_memory_steps 0) the cache switched between them 25 times and ran at
     0.977x static-hot; with the lead forecast from how past leads lasted it stays within 1.5 %."""
-    from saem_gguf.costmodel import get_hw
-
     ts, calib = split_calibration(load_traces(str(DEVICE_RUN / "trace_long.npz")), 0.25)
     cost = default_cost(ts, get_hw(str(DEVICE_RUN / "fitted_hw.json")))
 

@@ -134,7 +134,7 @@ CTL_LOAD_SLOPE = 12  # how much of the busy-link price a copy pays per unit of l
 CTL_HIDDEN_COPIES = 13  # under the copy barrier, an estimated step in copy times: where the link clock ends (0: no barrier)
 CTL_CACHE_SWITCH_COST = 14  # under the barrier, CTL_SWITCH_COST of a switch to a cache leader (0: the same)
 CTL_QUEUED_COST = 15  # under the barrier, a copy queued behind another's price in hits (no dense part hides it)
-CTL_LEAD_KEEP = 16  # under the barrier, the weight a past lead's observation keeps per step (0: no lead forecast)
+CTL_LEAD_KEEP = 16  # under the barrier, the weight a past lead's observation keeps per step (0: no forecast)
 CTL_LEAD_PRIOR = 17  # steps the lead forecast's prior (slope 1, intercept 0) is worth
 N_CTL = 18
 
@@ -489,8 +489,9 @@ def record_leads(books, score, cand, H, keep):
     then five [C, C] matrices of sums over past steps, each observation weighted ``keep`` per step
     since: weights, x, y, x * x and x * y, where for the ordered pair (i, j) x is the score lead
     of i over j at a step and y the mean lead of their net gains over the H steps after it.
-    score float64 [C]: the scores as this step finds them; cand: CAND_NET_SUM, the net gains
-    summed to the step before; H: lead_window(horizon); keep: 1 - 1 / lead_memory_steps.
+    score float64 [C]: the scores as this step finds them; cand float64 [C, N_CAND]: read for
+    CAND_NET_SUM, each candidate's net gains summed to the step before; H: lead_window(horizon);
+    keep: 1 - 1 / lead_memory_steps.
     The observation of the step H steps back is complete now: it is added, the older ones decay."""
     C = score.shape[0]
     n = int(books[0])
@@ -571,7 +572,8 @@ def adaptive_step(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key
                   behind, budget, gain_of, scratch, ops, counts, on, det, ring, pos, lead_books):
     """One decode step of the adaptive policy in one kernel call: ``decide_adaptive`` (its
     arguments, same order, but ``lead_books`` last), then the stage candidate's books,
-    ``saem.stage_books(rows, slot_of, counts, on, det, ring, pos)`` (its arguments after ``ops``). Returns (ops rows written,
+    ``saem.stage_books(rows, slot_of, counts, on, det, ring, pos)`` (its arguments after ``ops``).
+    Returns (ops rows written,
     decoded, fired). One call, not two: after a decode each kernel call costs a few us before its
     arguments, about 0.8 us for each array (docs/POLICIES_HISTORY.md, per-token cost)."""
     n = decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led,
