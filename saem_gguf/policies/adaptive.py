@@ -298,13 +298,14 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     if ctl[CTL_LEAD_KEEP] > 0:
         H = lead_window(ctl[CTL_HORIZON])
         record_leads(lead_books, score, cand, H, ctl[CTL_LEAD_KEEP])
-        gain = -np.inf
+        top = -np.inf
         for c in range(C):
             if c != lead:
                 f = lead_forecast(lead_books, C, H, c, lead, score[c] - score[lead], ctl[CTL_LEAD_PRIOR])
-                if f * ctl[CTL_HORIZON] > gain:
+                if f > top:
                     best = c
-                    gain = f * ctl[CTL_HORIZON]
+                    top = f
+        gain = top * ctl[CTL_HORIZON]
     else:
         for c in range(C):
             if score[c] > score[best]:
@@ -481,6 +482,12 @@ def lead_window(horizon):
 
 
 @njit(cache=True)
+def lead_sums_at(C, H):
+    """Where the pairs' sums start in ``record_leads``' books (after the count and the two rings)."""
+    return 1 + 2 * H * C
+
+
+@njit(cache=True)
 def record_leads(books, score, cand, H, keep):
     """Keep the lead forecast's books at the start of a scored step, before the leader is chosen.
 
@@ -498,7 +505,7 @@ def record_leads(books, score, cand, H, keep):
     at = n % H
     rs = 1 + at * C  # the ring's entry of the step H back (its slot is reused for this step)
     rn = 1 + H * C + at * C
-    st = 1 + 2 * H * C
+    st = lead_sums_at(C, H)
     CC = C * C
     if n >= H:
         for k in range(5 * CC):
@@ -523,7 +530,7 @@ def record_leads(books, score, cand, H, keep):
 
 def lead_books_size(n_candidates: int, horizon: float) -> int:
     """Length of ``record_leads``' books."""
-    return 1 + 2 * lead_window(horizon) * n_candidates + 5 * n_candidates * n_candidates
+    return lead_sums_at(n_candidates, lead_window(horizon)) + 5 * n_candidates * n_candidates
 
 
 @njit(cache=True)
@@ -534,7 +541,7 @@ def lead_forecast(books, C, H, i, j, x, prior):
     ``prior`` steps had said so, the slope kept within [0, 1]; ``x`` itself before the first
     observation. A lead that past leads of the pair kept (slope 1) counts whole; one that past
     leads did not keep (noise in the scores: slope 0) counts for the pair's mean lead only."""
-    st = 1 + 2 * H * C
+    st = lead_sums_at(C, H)
     CC = C * C
     q = st + i * C + j
     w = books[q]
