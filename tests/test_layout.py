@@ -231,7 +231,7 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     from saem_gguf.simulator import replay
 
     L, E, K = 6, 32, 4
-    # paper-length stages: here the replay's most-led rule is not the default lrfu-16
+    # paper-length stages: here the replay's most-led rule is lfu, not the default lrfu-16
     calib = make_stage_traces(SyntheticConfig(n_layer=L, n_expert=E, top_k=K, n_sequences=3, seed=6))
     sample = calibration_sample(calib, 1500)
     barrier = CostModel.from_expert_bytes(SMALL.expert_bytes, SMALL.hw.replace(copy_barrier=True))
@@ -254,7 +254,7 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     unprimed.start(ctx)
     assert not unprimed._score.any() and unprimed._ctl[CTL_SCORED] == 0
     names = [c for c, _, _ in pol.candidates]
-    assert pol.leader == max(names, key=lambda c: (held.led_steps()[c], -names.index(c))) != "lrfu-16"
+    assert pol.leader == max(names, key=lambda c: (held.led_steps()[c], -names.index(c))) == "lfu"
     named = make_policy("saem", start_leader="lfu")
     named.start(ctx)
     assert named.leader == "lfu"
