@@ -223,11 +223,20 @@ def read_header(path: str) -> dict:
 def _open_npz(path: str):
     if not os.path.exists(path):
         raise TraceError(f"{path}: no such trace file")
+    if os.path.isdir(path):
+        raise TraceError(f"{path}: is a directory, not a trace file")
     return _load_npz(path, path)
 
 
 def _load_npz(source, where: str):
+    # A trace is a zip archive of arrays. np.load reads anything else as a bare .npy array (a
+    # different type, no header entry) or, failing that, says the file holds pickled data and
+    # suggests allow_pickle: so what is not a zip archive is refused before np.load sees it.
     try:
+        if not zipfile.is_zipfile(source):
+            raise TraceError(f"{where}: not a saem trace (.npz) file: not a zip archive")
+        if not isinstance(source, str):
+            source.seek(0)
         return np.load(source, allow_pickle=False)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
         raise TraceError(f"{where}: not a saem trace (.npz) file: {e}") from None

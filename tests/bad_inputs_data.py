@@ -227,8 +227,11 @@ def _traces(root: Path) -> dict[str, Path]:
     import numpy as np
 
     np.savez(root / "other.npz", x=np.zeros(3))
+    np.save(root / "array.npy", np.zeros(3))  # np.load reads it as a bare array, not an archive
+    (root / "trace-dir.npz").mkdir()
     return {"good": good, "empty": empty, "not_npz": root / "not-a-trace.npz",
-            "truncated": root / "cut-trace.npz", "foreign_npz": root / "other.npz"}
+            "truncated": root / "cut-trace.npz", "foreign_npz": root / "other.npz", "npy": root / "array.npy",
+            "directory": root / "trace-dir.npz"}
 
 
 def _prompt_files(root: Path) -> dict[str, Path]:

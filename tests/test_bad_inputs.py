@@ -221,8 +221,9 @@ for _ext in ("txt", "json", ""):
         str(d / ("plot." + e if e else "plot"))], 1, ".png", outputs=("plot.txt", "plot.json", "plot")))
 
 # traces (files simulate and calibrate read) and prompts files
-for _name, _needle in (("empty", "no sequences"), ("not_npz", "not a saem trace"),
-                       ("truncated", "trace"), ("foreign_npz", "no header")):
+for _name, _needle in (("empty", "no sequences"), ("not_npz", "not a zip archive"),
+                       ("truncated", "trace"), ("foreign_npz", "no header"), ("npy", "not a zip archive"),
+                       ("directory", "is a directory")):
     add(Case(f"simulate-trace-{_name}", lambda b, d, n=_name: [
         "simulate", "--trace", str(b.trace[n]), "--quiet"], 1, _needle))
     add(Case(f"calibrate-trace-{_name}", lambda b, d, n=_name: [

@@ -417,8 +417,10 @@ def grammar_arg(args: argparse.Namespace) -> str | None:
     def read(path: str, flag: str) -> str:
         try:
             return Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
+        except OSError as e:
             raise SaemError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise SaemError(f"{flag} {path}: not UTF-8 text") from None
 
     if args.grammar is not None:
         return args.grammar
