@@ -90,6 +90,21 @@ def test_follows_the_rule_that_serves_and_beats_the_rule_that_does_not():
     assert hits["saem"] >= 0.95 * max(hits["temporal-cpu"], hits["lfu-cpu"]), (led, hits)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("horizon_steps", 0.0), ("lead_memory_steps", 0.5), ("lead_memory_steps", -1.0), ("switch_margin", -1.0),
+    ("copy_price", float("nan")), ("first_switch", -1), ("prior_steps", -16.0), ("lead_prior_steps", -1.0),
+    ("cache_switch_price", -0.5), ("load_slope", -0.1), ("prior_tokens", -1.0), ("copy_cost", -2.0)])
+def test_knobs_out_of_range_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        AdaptiveSaemPolicy(**{field: value})
+
+
+def test_knobs_at_their_edges_are_taken():
+    for kw in ({"lead_memory_steps": 0.0}, {"lead_memory_steps": 1.0}, {"prior_steps": 0.0},
+               {"first_switch": 0}, {"copy_cost": 0.0}):
+        AdaptiveSaemPolicy(**kw)
+
+
 def test_candidate_names_and_copy_cost():
     assert candidate_kind("lrfu-32")[1] == pytest.approx(np.log(2) / 32)
     for bad in ("lrfu-0", "lrfu-x", "mru"):

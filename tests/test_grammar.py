@@ -220,7 +220,8 @@ def test_cli_flags_are_llama_cpps(tmp_path):
     (["-j", '{"$ref": "#/nowhere"}'], 1, "-j/--json-schema cannot be turned into a grammar"),
     (["-jf", "/"], 1, "-jf/--json-schema-file /: cannot read it"),
     # a binary file (was an internal error: a UnicodeDecodeError has no strerror)
-    (["--grammar-file", str(REPO / "saem_gguf/data/default-model.gguf")], 1, "default-model.gguf: not UTF-8 text"),
+    (["--grammar-file", str(REPO / "saem_gguf/data/default-model.gguf")], 1,
+     "default-model.gguf: not UTF-8 text"),
     (["-jf", str(REPO / "saem_gguf/data/default-model.gguf")], 1, "default-model.gguf: not UTF-8 text"),
     (["--grammar", "root ::= \"a\"", "-j", "{}"], 2, "not allowed with argument"),
 ])

@@ -242,6 +242,21 @@ class AdaptiveConfig:
     # the fitted line starts as the score lead itself (slope 1, intercept 0), worth this many steps
     lead_prior_steps: float = 512.0
 
+    def __post_init__(self) -> None:
+        # a zero horizon divides by zero; a memory under one step keeps nothing (the forecast off,
+        # silently, where 0 is the way to say so); the rest are prices, margins and counts
+        if not self.horizon_steps > 0:
+            raise ValueError(f"horizon_steps must be above 0, not {self.horizon_steps}")
+        if not (self.lead_memory_steps == 0 or self.lead_memory_steps >= 1):
+            raise ValueError(f"lead_memory_steps must be 0 (no forecast) or at least 1 step, "
+                             f"not {self.lead_memory_steps}")
+        for name in ("switch_margin", "prior_tokens", "copy_price", "first_switch", "load_slope", "prior_steps",
+                     "cache_switch_price", "lead_prior_steps"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be 0 or more, not {getattr(self, name)}")
+        if self.copy_cost is not None and not self.copy_cost >= 0:
+            raise ValueError(f"copy_cost must be 0 or more (or None: from the cost model), not {self.copy_cost}")
+
 
 @njit(cache=True)
 def _set_diff(c_slot, slot_of, c):
