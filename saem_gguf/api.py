@@ -4,7 +4,7 @@ The class is the engine's own model object (``engine.SaemLlama`` with an ``Engin
 the Python API and the CLI run one mechanism: every ubatch's routing feeds the stage detector and
 the placement policy, exactly as under ``generate``/``chat``. Everything llama-cpp-python's ``Llama``
 offers works unchanged (``create_completion``, ``create_chat_completion``, streaming, ``__call__``,
-``tokenize``, ...), with three differences, all toward llama.cpp:
+``tokenize``, ...), with four differences, the first three toward llama.cpp:
 
 * ``seed=0`` is a fixed seed (llama-cpp-python 0.3.36 turns 0 into its random default);
 * ``create_chat_completion`` tokenizes message contents as plain text: a message containing
@@ -13,7 +13,10 @@ offers works unchanged (``create_completion``, ``create_chat_completion``, strea
   ``ram_budget`` / ``ram_policy`` (the RAM tier, docs/RAM_TIER.md), the ``expert_stats()`` method,
   and ``create_chat_completion(..., chat_template_kwargs={...})``: more variables for the chat
   template, llama-server's request field (``{"enable_thinking": False}`` for Qwen3), which
-  llama-cpp-python's method has no way to pass.
+  llama-cpp-python's method has no way to pass;
+* after ``close()`` every method raises a SaemError (``expert_stats()`` still reads the books):
+  llama-cpp-python's ``close`` frees the model but keeps its pointers, and a later call killed
+  the process (SIGSEGV).
 
 Importing this module loads the patched llama.cpp (``saem_gguf.llama_lib``).
 """
@@ -77,6 +80,7 @@ class Llama(_SaemLlama):
         # a constructor that failed before llama-cpp-python's own init ran has nothing to close
         if "_stack" in self.__dict__:
             super().close()
+        self._saem_closed = True
 
     def create_chat_completion(self, messages, *args, chat_template_kwargs: dict[str, Any] | None = None,
                                **kwargs):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import inspect
 import math
 import os
 import random
@@ -554,7 +555,32 @@ def _make_llama_class(llama_cpp):
                 super().eval(chunk)
                 hook(chunk)
 
+        def close(self) -> None:
+            self._saem_closed = True
+            super().close()
+
+    _refuse_after_close(SaemLlama, llama_cpp.Llama)
     return SaemLlama
+
+
+def _refuse_after_close(cls: type, base: type) -> None:
+    """Make every public method of ``cls`` (``base``'s and its own) raise a SaemError once
+    ``close()`` ran. Why: llama-cpp-python's ``close`` frees the model and context but keeps
+    their pointers, so a later call (``llm("hi")`` after ``llm.close()``) reads freed memory and
+    the process dies of SIGSEGV, with ``Llama`` as with this class before the guard."""
+    names = {n for k in (base, cls) for n, a in vars(k).items()
+             if inspect.isfunction(a) and (not n.startswith("_") or n == "__call__") and n != "close"}
+    for name in sorted(names):
+        setattr(cls, name, _closed_guard(name, getattr(cls, name)))
+
+
+def _closed_guard(name: str, method: Callable) -> Callable:
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if self.__dict__.get("_saem_closed"):
+            raise SaemError(f"Llama.{name}: this model was closed (close() freed it); load it again to use it")
+        return method(self, *args, **kwargs)
+    return guarded
 
 
 class Engine:

@@ -117,3 +117,35 @@ def test_chat_template_kwargs_reach_the_template_through_the_api(llama_cpp):
             llm.create_chat_completion(msgs, chat_template_kwargs={"tools": []})
     finally:
         llm.close()
+
+
+def test_a_closed_llama_refuses_calls_instead_of_crashing(llama_cpp):
+    """llama-cpp-python's close() frees the model and context but keeps their pointers: a call
+    after it read freed memory and killed the process (SIGSEGV). Every public method now raises
+    a SaemError; the books (expert_stats) stay readable. In a subprocess: a crash fails the test."""
+    model = model_for("qwen3moe", "chatml", True)
+    code = f"""
+from saem_gguf import Llama
+from saem_gguf.errors import SaemError
+llm = Llama({str(model)!r}, n_ctx=256, n_threads=2, verbose=False)
+state = llm.save_state()
+llm("First,", max_tokens=2, temperature=0)
+llm.close()
+llm.close()  # twice: nothing more to free
+calls = {{"call": lambda: llm("First,", max_tokens=2), "tokenize": lambda: llm.tokenize(b"hi"),
+          "chat": lambda: llm.create_chat_completion([{{"role": "user", "content": "hi"}}], max_tokens=2),
+          "eval": lambda: llm.eval([1]), "load_state": lambda: llm.load_state(state),
+          "n_ctx": lambda: llm.n_ctx()}}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "ran")
+    except SaemError as e:
+        print(name, "refused:", e)
+print("tokens", llm.expert_stats()["tokens"])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    lines = r.stdout.splitlines()
+    assert len(lines) == 7 and all("refused: Llama." in ln and "was closed" in ln for ln in lines[:6]), r.stdout
+    assert int(lines[6].split()[1]) > 0, r.stdout
