@@ -190,7 +190,8 @@ for _flags, _needle in ((["--heads", "0"], "--heads"), (["--heads", "-4"], "--he
                         (["--head-dim", "15"], "--head-dim"), (["--top-k", "0"], "--top-k"),
                         (["--top-k", "9"], "--top-k"), (["--experts", "0"], "--experts"),
                         (["--experts", "5000"], "--experts"), (["--ff", "0"], "--ff"),
-                        (["--dense"], "--dense"), (["--arch", "olmoe"], "olmoe"),
+                        (["--dense"], "--dense"), (["--arch", "olmoe", "--kv-heads", "2"], "olmoe"),
+                        (["--arch", "deepseek2", "--kv-heads", "2"], "deepseek2"),
                         (["--expert-type", "q4_k"], "block size"), (["--heads", "3", "--kv-heads", "3"], "head size")):
     add(Case(f"gen-model{'_'.join(_flags)}",
              lambda b, d, f=_flags: ["gen-model", *f, "-o", str(d / "m.gguf")], 1, _needle,

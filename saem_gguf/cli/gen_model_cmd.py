@@ -12,6 +12,10 @@ from saem_gguf.fileio import check_output_path
 from saem_gguf.model_check import LLAMA_MAX_EXPERTS, LLAMA_MAX_LAYERS
 from saem_gguf.testmodels import ARCHS, EXPERT_TYPES, STAGE_PLANT, ModelSpec, ensure_model, write_model
 
+# the generators whose test models need as many KV heads as heads (testmodels/archs: deepseek2's
+# attention after kv_b is MHA; olmoe's)
+MHA_ARCHS = ("deepseek2", "olmoe")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gen-model", help="generate a small MoE GGUF test model",
@@ -26,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2, help="experts used per token")
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help=f"KV heads (default: as many as --heads for {' and '.join(MHA_ARCHS)}, whose test models "
+                        "need it; else 2)")
     p.add_argument("--dense", action="store_true", help="a dense model (no experts)")
     p.add_argument("--stage-routing", action="store_true",
                    help="plant reasoning-stage vocabulary (compute / check / another way / conclude) "
@@ -68,6 +74,8 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     _in_range("--embd", args.embd, 1, MAX_DIM)
     _in_range("--ff", args.ff, 1, MAX_DIM)
     _in_range("--heads", args.heads, 1, MAX_DIM)
+    if args.kv_heads is None:
+        args.kv_heads = args.heads if args.arch in MHA_ARCHS else min(2, args.heads)
     _in_range("--kv-heads", args.kv_heads, 1, args.heads)
     if args.heads % args.kv_heads:
         raise SaemError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads} "
