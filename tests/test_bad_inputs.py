@@ -311,7 +311,8 @@ add(Case("build-cuda-without-nvcc", lambda b, d: ["build", "--cuda"], 1, "nvcc",
 
 # usage
 for _argv, _needle in ((["bogus"], "invalid choice"), (["inspect"], "required"),
-                       (["generate", "-p", "x", "--bogus-flag"], "unrecognized"), (["gen-model", "-o"], "-o")):
+                       (["generate", "-p", "x", "--bogus-flag"], "saem_gguf generate: unrecognized arguments"),
+                       (["--bogus-flag"], "saem_gguf: unrecognized arguments"), (["gen-model", "-o"], "-o")):
     add(Case(f"usage-{'_'.join(_argv) or 'none'}", lambda b, d, a=_argv: list(a), 2, _needle))
 
 # serve's own flags (checked before anything binds or loads) and what fails before it listens

@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.register(sub)
+    parser.commands = sub.choices  # name -> the command's parser (main names it in an error)
     return parser
 
 
@@ -80,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the command modules' imports take a second or more (numpy, numba, gguf)
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            # argparse would name the top parser ("python -m saem_gguf: unrecognized arguments");
+            # the command's parser names the command whose --help lists what it takes
+            parser.commands.get(getattr(args, "command", None), parser).error(
+                f"unrecognized arguments: {' '.join(extras)}")
     except KeyboardInterrupt:
         return _interrupted()
     if not getattr(args, "func", None):
