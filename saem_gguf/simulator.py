@@ -520,10 +520,12 @@ class SimResult:
         batches = sorted({r["batch"] for r in self.rows})
         ecrs = sorted({r["ecr"] for r in self.rows})
         pols = list(dict.fromkeys(r["policy"] for r in self.rows))
+        # the label column: policies indented under their metric, as wide as the longest label
+        w = max([12, *(len(p) for p in pols), *(len(heads.get(c, c)) - 2 for c in columns), len("saem/best tok/s") - 2])
         for B in batches:
             out.append(f"batch {B}")
             for col in columns:
-                h = f"  {heads.get(col, col):<14}" + "".join(f"{f'ECR {e:g}%':>11}" for e in ecrs)
+                h = f"  {heads.get(col, col):<{w + 2}}" + "".join(f"{f'ECR {e:g}%':>11}" for e in ecrs)
                 out.append(h)
                 for p in pols:
                     cells = []
@@ -535,11 +537,9 @@ class SimResult:
                         v = rr[0][col]
                         if col in ("hit_rate", "adj_hit_rate", "cpu_share", "ram_hit_rate"):
                             cells.append(f"{100 * v:>11.2f}")
-                        elif col == "tok_s":
-                            cells.append(f"{v:>11.1f}")
                         else:
                             cells.append(f"{v:>11.1f}")
-                    out.append(f"    {p:<12}" + "".join(cells))
+                    out.append(f"    {p:<{w}}" + "".join(cells))
             # saem against the best other policy the engine can run, at each ECR
             base = [p for p in pols if p != "saem" and p not in NOT_IMPLEMENTABLE]
             if "saem" in pols and base:
@@ -552,7 +552,7 @@ class SimResult:
                         continue
                     best = max(bs, key=lambda r: r["tok_s"])
                     cells.append(f"{s[0]['tok_s'] / best['tok_s']:>10.2f}x")
-                out.append(f"  {'saem/best tok/s':<14}" + "".join(cells))
+                out.append(f"  {'saem/best tok/s':<{w + 2}}" + "".join(cells))
             out.append("")
         return "\n".join(out)
 

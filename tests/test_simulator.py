@@ -139,6 +139,10 @@ def test_simulate_synthetic_invariants(synth, tmp_path):
     json.dumps(res.to_json())
     text = res.table()
     assert "saem/best" in text and "oracle" in text
+    # every row's ECR columns line up with its block's head (saem-implicit is wider than the
+    # label column was; the last line of each block is saem/best)
+    ends = {len(line) for line in text.splitlines() if line.startswith("  ")}
+    assert len(ends) == 1, sorted(ends)
     from saem_gguf.plots import plot_results
 
     png = tmp_path / "p.png"
