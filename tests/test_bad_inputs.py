@@ -131,7 +131,7 @@ COMMAND_TAIL = {"generate": lambda d: ["-p", "hi", "-n", "2"], "bench": lambda d
 for _cmd, _tail in COMMAND_TAIL.items():
     for _flags, _code, _needle in ((["-c", "-1"], 2, "-c"), (["-c", "-5"], 2, "-c"),
                                    (["-c", str(2**32)], 1, "-c"), (["-c", "99999999999"], 1, "-c"),
-                                   (["-t", "0"], 2, "-t"), (["-t", "x"], 2, "-t"), (["-tb", "0"], 2, "-tb"),
+                                   (["-t", "x"], 2, "-t"), (["-tb", "1.5"], 2, "-tb"),
                                    (["--numa", "bogus"], 2, "--numa"),
                                    (["-m", "/nonexistent/m.gguf"], 1, "no such file")):
         add(Case(f"{_cmd}-flag{'_'.join(_flags)}",

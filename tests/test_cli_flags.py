@@ -4,6 +4,7 @@ loaded into llama.cpp, and its effect read back from llama.cpp (bindings, /proc,
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -47,7 +48,9 @@ def one_line_usage_error(r) -> str:
 # --- threads ----------------------------------------------------------------------------------
 
 def test_threads_and_batch_threads_reach_the_context(model, llama_cpp):
-    for argv, expected in ((["-t", "1", "-tb", "2"], (1, 2)), (["-t", "1"], (1, 1))):  # -tb defaults to -t
+    every = len(os.sched_getaffinity(0))  # llama.cpp reads -t / -tb of 0 or less as every CPU
+    for argv, expected in ((["-t", "1", "-tb", "2"], (1, 2)), (["-t", "1"], (1, 1)),  # -tb defaults to -t
+                           (["-t", "-1"], (every, every)), (["-t", "1", "-tb", "0"], (1, every))):
         eng = open_with("-m", model, *argv)
         try:
             assert (llama_cpp.llama_n_threads(eng.llm.ctx), llama_cpp.llama_n_threads_batch(eng.llm.ctx)) == expected

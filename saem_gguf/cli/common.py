@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -29,6 +30,16 @@ def _positive_int(text: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
     return v
+
+
+def _threads(text: str) -> int:
+    """-t / -tb: a count of threads; 0 or less is every CPU, as llama.cpp's arg.cpp reads it
+    (std::thread::hardware_concurrency; here the CPUs this process may run on, as the default)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    return v if v > 0 else len(os.sched_getaffinity(0))
 
 
 def _non_negative_int(text: str) -> int:
@@ -111,12 +122,12 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
                    help="GGUF model" + ("" if model_required else " (default: the embedded model)"))
     g.add_argument("-c", "--ctx-size", type=_non_negative_int, default=4096,
                    help="context size (4096; 0: the model's own context length, as llama.cpp)")
-    g.add_argument("-t", "--threads", type=_positive_int, default=None,
-                   help="CPU threads of a one-token decode, as llama.cpp's -t (default: every CPU this "
-                        "process may use; serve has its own rule, see its help)")
-    g.add_argument("-tb", "--threads-batch", dest="threads_batch", type=_positive_int, default=None,
+    g.add_argument("-t", "--threads", type=_threads, default=None,
+                   help="CPU threads of a one-token decode, as llama.cpp's -t (0 or less: every CPU this "
+                        "process may use; default: the same, but serve has its own rule, see its help)")
+    g.add_argument("-tb", "--threads-batch", dest="threads_batch", type=_threads, default=None,
                    help="CPU threads of a ubatch of several tokens (a prompt, a batch step of several "
-                        "sequences), as llama.cpp's -tb (default: as -t)")
+                        "sequences), as llama.cpp's -tb (0 or less: every CPU; default: as -t)")
     g.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=_n_gpu_layers,
                    default=None, metavar="N|auto|all",
                    help="layers whose weights go to the GPU (default auto; auto and all = every layer, as "
