@@ -195,9 +195,25 @@ class SamplingConfig:
     reasoning_budget: int = -1
     # llama.cpp's --reasoning-budget-message: text forced before the end tag (plain text here)
     reasoning_budget_message: str = ""
-    # llama-server's sampler order (saem_gguf.samplers, `serve` only): None keeps llama-cpp-python's
-    # chain; canonical names (samplers.sampler_order) build llama.cpp's common sampler chain
+    # llama-server's sampler order (saem_gguf.samplers; `serve` only): None keeps llama-cpp-python's
+    # chain (or, where a sampler below is on, llama.cpp's default order); canonical names
+    # (samplers.sampler_order) build llama.cpp's common sampler chain in that order
     samplers: tuple[str, ...] | None = None
+    # llama.cpp's samplers that llama-cpp-python's chain lacks (common/arg.cpp names and defaults,
+    # each off at its default; `serve` only): one that is on builds llama.cpp's common sampler chain
+    dry_multiplier: float = 0.0  # DRY repetition penalty; 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64  # tokens DRY scans for repetitions; 0: off
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    xtc_probability: float = 0.0  # XTC; 0: off
+    xtc_threshold: float = 0.1  # above 0.5: off
+    top_n_sigma: float = -1.0  # <= 0: off
+    dynatemp_range: float = 0.0  # dynamic temperature; 0: off
+    dynatemp_exponent: float = 1.0
+    mirostat: int = 0  # 1: Mirostat, 2: Mirostat 2.0 (then top-k, top-p, ... are not applied)
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("temp", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
@@ -214,6 +230,14 @@ class SamplingConfig:
             raise SaemError("a stop string must not be empty")
         if any(math.isnan(bias) for _, bias in self.logit_bias):
             raise SaemError("a logit bias must be a number or -inf, not NaN")
+        for name in ("dry_multiplier", "dry_base", "xtc_probability", "xtc_threshold", "top_n_sigma",
+                     "dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta"):
+            if not math.isfinite(getattr(self, name)):
+                raise SaemError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.dry_allowed_length < 0 or self.dry_penalty_last_n < 0:
+            raise SaemError("dry_allowed_length and dry_penalty_last_n must be >= 0")
+        if self.mirostat not in (0, 1, 2):
+            raise SaemError(f"mirostat must be 0 (off), 1 or 2, got {self.mirostat}")
         if self.samplers is not None:
             from saem_gguf.samplers import CANONICAL, UNSUPPORTED
 
@@ -223,6 +247,16 @@ class SamplingConfig:
         if self.reasoning_budget < -1:
             raise SaemError(f"the reasoning budget must be -1 (unlimited) or a count of tokens >= 0, "
                             f"got {self.reasoning_budget}")
+
+    @property
+    def server_chain(self) -> bool:
+        """Sampled by llama.cpp's common sampler chain (saem_gguf.samplers), not llama-cpp-python's:
+        an order is named, or a sampler its chain lacks is set away from llama.cpp's default."""
+        return self.samplers is not None or any(
+            getattr(self, name) != getattr(GREEDY, name) for name in (
+                "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+                "xtc_probability", "xtc_threshold", "top_n_sigma", "dynatemp_range", "dynatemp_exponent",
+                "mirostat", "mirostat_tau", "mirostat_eta"))
 
     def chain_logit_bias(self, eog_tokens: Iterable[int]) -> list[tuple[int, float]]:
         """The logit-bias member's entries: ``logit_bias``, then -inf for every end-of-generation
@@ -1100,6 +1134,9 @@ class Engine:
         ``reuse_prefix`` keeps the KV cache of a common prefix with the previous call (chat turns);
         otherwise the whole prompt is evaluated, so prompt timings and traces cover all of it."""
         llm = self.llm
+        if sampling.server_chain:  # llama-cpp-python's chain is this method's reference: it has neither
+            raise SaemError("a sampler order, DRY, XTC, top-n-sigma, dynamic temperature and Mirostat are serve's "
+                            "(llama-server's chain); generate and chat sample as llama-cpp-python does")
         stop = sampling.stop
         if isinstance(prompt, ChatPrompt):
             toks, stop = prompt.tokens, stop + prompt.stop

@@ -248,5 +248,14 @@ class ChainSampler:
         lc.llama_sampler_apply(lc.llama_sampler_chain_get(self.sampler, self._grammar_index), ctypes.byref(arr))
         return bool(np.isfinite(one["logit"][0]))
 
+    def accept_prompt(self, tokens) -> None:
+        """Feed the prompt to every member but the grammar, which only follows what is generated
+        (llama.cpp's ``common_sampler_accept(..., is_generated=false)``); the budget neither."""
+        lc = self._lc
+        members = [lc.llama_sampler_chain_get(self.sampler, i) for i in range(self._n) if i != self._grammar_index]
+        for token in tokens:
+            for m in members:
+                lc.llama_sampler_accept(m, token)
+
     def close(self) -> None:
         self.chain.close()

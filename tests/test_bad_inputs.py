@@ -323,6 +323,9 @@ for _flags, _code, _needle in ((["--port", "70000"], 2, "--port"), (["--port", "
                                (["--api-key", " , "], 2, "API key"), (["--shutdown-timeout", "-1"], 2, "--shutdown"),
                                (["--shutdown-timeout", "inf"], 2, "--shutdown"), (["--temp", "nan"], 2, "--temp"),
                                (["-c", "-1"], 2, "-c"), (["--policy", "bogus"], 2, "--policy"),
+                               (["--mirostat", "3"], 2, "--mirostat"), (["--dry-multiplier", "nan"], 2, "--dry"),
+                               (["--dry-penalty-last-n", "-1"], 2, "--dry-penalty-last-n"),
+                               (["--xtc-probability", "x"], 2, "--xtc"), (["--sampler-seq", "a"], 2, "adaptive_p"),
                                (["--host", "no.such.host.invalid"], 1, "--host"),
                                (["--host", "192.0.2.1"], 1, "not one of this machine's"),
                                (["-m", "/nonexistent/m.gguf"], 1, "no such file")):

@@ -85,6 +85,14 @@ BAD_BODIES = [
     ("schema-missing", _body(CHAT, response_format={"type": "json_schema"}), ChatRequest, "json_schema.schema"),
     ("top-logprobs-21", _body(CHAT, logprobs=True, top_logprobs=21), ChatRequest, "top_logprobs"),
     ("logprobs-int-in-chat", _body(CHAT, logprobs=3), ChatRequest, "logprobs"),
+    # llama-server's hard limits of the samplers llama-cpp-python lacks (its soft ones clamp)
+    ("dry-last-n-negative", _body(COMPLETION, dry_penalty_last_n=-1), CompletionRequest, "dry_penalty_last_n"),
+    ("dry-length-negative", _body(CHAT, dry_allowed_length=-2), ChatRequest, "dry_allowed_length"),
+    ("dry-breakers-empty", _body(COMPLETION, dry_sequence_breakers=[]), CompletionRequest, "dry_sequence_breakers"),
+    ("dry-breakers-string", _body(COMPLETION, dry_sequence_breakers="\n"), CompletionRequest,
+     "dry_sequence_breakers"),
+    ("mirostat-float", _body(CHAT, mirostat=1.5), ChatRequest, "mirostat"),
+    ("xtc-nan", b'{"prompt": "hi", "xtc_probability": NaN}', CompletionRequest, "xtc_probability"),
 ]
 
 

@@ -64,8 +64,13 @@ COUNTS = ("content", "tokens", "stop", "stop_type", "stopping_word", "tokens_pre
     {"n_predict": 8, "temperature": 0, "grammar": 'root ::= ("yes" | "no") " ok"'},
     {"n_predict": 4, "temperature": 0, "n_probs": 3},
     {"n_predict": 12, "temperature": 0.9, "seed": 7, "grammar": 'root ::= ("yes" | "no" | " maybe" | " Paris")+'},
+    # the penalties look back over the prompt too, as llama-server's init_sampler feeds it to the
+    # chain (answered otherwise before: " 4,. That + 4 more more, so" against " 4, and add them; ...")
+    {"n_predict": 12, "temperature": 0, "repeat_penalty": 2.0, "prompt": "2 + 2 = 4. 2 + 2 = 4. 2 + 2 = 4. 2 + 2 ="},
+    {"n_predict": 12, "temperature": 0, "presence_penalty": 1.5, "grammar": 'root ::= ("yes" | "no" | " 4" | ",")+',
+     "prompt": "2 + 2 = 4. 2 + 2 = 4. 2 + 2 ="},
 ], ids=["greedy", "stop-word", "seeded", "logit-bias-pairs", "logit-bias-object", "grammar", "n-probs",
-        "seeded-grammar"])
+        "seeded-grammar", "penalty-over-the-prompt", "penalty-over-the-prompt-grammar"])
 def test_completion_answers_as_llama_server(pair, fields):
     stock, ours = _both(pair, "/completion", {"prompt": PROMPT, **fields})
     assert set(ours) == set(stock), set(ours) ^ set(stock)
@@ -142,6 +147,64 @@ def test_a_sampler_order_draws_as_llama_server(pair, samplers, seed):
     assert {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
     greedy = _both(pair, "/completion", {**body, "temperature": 0, "grammar": 'root ::= ("yes" | " Paris")+'})
     assert greedy[0]["content"] == greedy[1]["content"]
+
+
+REPEATING = "2 + 2 = 4. 2 + 2 = 4. 2 + 2 = 4. 2 + 2 ="  # what DRY has something to penalize in
+
+
+@pytest.mark.parametrize("fields", [
+    {"dry_multiplier": 0.8, "dry_allowed_length": 1, "prompt": REPEATING},
+    {"dry_multiplier": 1.5, "dry_base": 0.5, "dry_sequence_breakers": ["\n", "."], "dry_penalty_last_n": 16,
+     "prompt": REPEATING},
+    {"xtc_probability": 0.9, "xtc_threshold": 0.05},
+    {"xtc_probability": 1.5, "xtc_threshold": 0.02},
+    {"top_n_sigma": 0.5},
+    {"dynatemp_range": 0.8, "dynatemp_exponent": 1.5},
+    {"mirostat": 1, "mirostat_tau": 3.0, "mirostat_eta": 0.2},
+    {"mirostat": 2, "top_k": 1},
+    {"mirostat": 7},
+    {"dry_multiplier": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.05, "samplers": ["xtc", "dry", "temperature"],
+     "prompt": REPEATING},
+], ids=["dry", "dry-base-below-1-breakers", "xtc", "xtc-clamped", "top-n-sigma", "dynatemp", "mirostat",
+        "mirostat-2-ignores-top-k", "mirostat-clamped", "named-order"])
+@pytest.mark.parametrize("seed", [3, 11])
+def test_samplers_llama_cpp_python_lacks_draw_as_llama_server(pair, fields, seed):
+    """DRY, XTC, top-n-sigma, dynamic temperature and Mirostat, which llama-cpp-python's chain
+    lacks, build llama.cpp's common chain (samplers.llama_server_chain) with llama-server's limits
+    (a soft one clamped, dry_base below 1 the server's); each changes what is drawn."""
+    body = {"prompt": fields.get("prompt", PROMPT), "n_predict": 24, "temperature": 0.9, "seed": seed,
+            "repeat_penalty": 1.1}
+    stock, ours = _both(pair, "/completion", {**body, **fields})
+    assert {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
+    for k in set(fields) - {"prompt"}:  # llama-server's floats are float32
+        s, o = stock["generation_settings"][k], ours["generation_settings"][k]
+        assert o == (pytest.approx(s, rel=1e-6) if isinstance(s, float) else s), k
+    plain = _both(pair, "/completion", body)
+    assert plain[0]["content"] == plain[1]["content"] != ours["content"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--dry-multiplier", "1.0", "--dry-allowed-length", "1", "--dry-sequence-breaker", "none", "--xtc-probability",
+     "0.5", "--xtc-threshold", "0.05", "--sampler-seq", "edkxt"],
+    ["--mirostat", "2", "--mirostat-ent", "3", "--mirostat-lr", "0.3", "--dynatemp-range", "0.5"],
+    ["--top-nsigma", "0.7", "--dry-multiplier", "0.5", "--dry-base", "0.5", "--dry-sequence-breaker", "4"],
+], ids=["dry-xtc-order", "mirostat", "top-n-sigma-dry"])
+def test_sampler_flags_are_the_defaults_of_a_request_as_in_llama_server(flags):
+    """serve's DRY, XTC, top-n-sigma, dynamic temperature, Mirostat and --sampler-seq flags: the
+    settings of a request that names none, drawn as llama-server draws with the same flags."""
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048", *flags)
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--parse-special", *flags]).start()
+    try:
+        for seed in (5, 9):
+            body = {"prompt": REPEATING, "n_predict": 24, "temperature": 0.9, "seed": seed}
+            s, o = _both((stock.url, ours.url), "/completion", body)
+            assert {k: o[k] for k in COUNTS} == {k: s[k] for k in COUNTS}
+            for k, v in s["generation_settings"].items():
+                if k in o["generation_settings"] and k != "seed":
+                    assert o["generation_settings"][k] == (pytest.approx(v, rel=1e-6) if isinstance(v, float) else v), k
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
 
 
 @pytest.mark.parametrize("flags", [["-np", "1"], ["-np", "2"], ["-np", "1", "--cache-ram", "0"],

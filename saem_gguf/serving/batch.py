@@ -21,10 +21,14 @@ one-row dot products, so its logits may differ from a lone decode in the last bi
 docs/ARCHITECTURE.md "A batch step"); for the same schedule they are identical under every
 policy and cache size.
 
-Fidelity (``Engine.stream``'s rules): the same SamplingConfig chain built by llama-cpp-python's
-``_init_sampler`` (penalties over the generated tokens, greedy at temperature 0, else top-k,
-typical, top-p, min-p, temperature and a seeded draw; ``ignore_eos`` as a -inf logit bias first;
-a grammar checked after the draw as llama-server's common sampler does),
+Fidelity (``Engine.stream``'s rules, and llama-server's where they differ): the same
+SamplingConfig chain built by llama-cpp-python's ``_init_sampler`` (greedy at temperature 0, else
+top-k, typical, top-p, min-p, temperature and a seeded draw; ``ignore_eos`` as a -inf logit bias
+first; a grammar checked after the draw as llama-server's common sampler does), or llama.cpp's
+common chain where a request names an order or a sampler that chain lacks (DRY, XTC,
+top-n-sigma, dynamic temperature, Mirostat: samplers.server_sampler); the prompt's tokens fed to
+the chain before the first draw, as llama-server's ``init_sampler`` does, so that the penalties
+and DRY look back over the prompt too (the grammar only follows what is generated),
 a stop at every end-of-generation token (``llama_vocab_is_eog``), stop strings with hold-back
 (``engine.StopText``) and each token's text by ``Engine._piece_after``; llama-server's own limits
 of /completion and /infill (``LineLimits``: an indentation each new line must keep, a time after
@@ -58,8 +62,8 @@ from saem_gguf.engine import (
     ChatPrompt, Engine, SamplingConfig, StopText, check_logit_bias, check_token_ids, resolve_seed,
 )
 from saem_gguf.errors import SaemError
-from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar, grammar_sampler
-from saem_gguf.samplers import llama_server_chain
+from saem_gguf.grammar import GrammarDeadEnd, check_grammar
+from saem_gguf.samplers import server_sampler
 from saem_gguf.serving.infill import FimTokens
 from saem_gguf.serving.prompt_cache import PromptCache, common_prefix
 
@@ -589,6 +593,7 @@ class Scheduler:
             self.engine.reasoning_budget(req.prompt_tokens, req.chat_text, sampling)
         seq = _Sequence(handle, slot, limit, self._make_sampler(sampling, handle.seed, budget), StopText(stops),
                         lines=None if req.lines is None else LineState(req.lines))
+        self._accept_prompt(seq.sampler, req.prompt_tokens)
         keep = common_prefix(self._kept[slot], req.prompt_tokens) if req.cache_prompt else 0
         seq.n_past = seq.n_cached = max(0, min(keep, len(req.prompt_tokens) - 1))
         self._kept[slot] = []
@@ -656,14 +661,16 @@ class Scheduler:
 
     def _make_sampler(self, sampling: SamplingConfig, seed: int, budget=None):
         """``sampling``'s chain with ``seed``, as llama-cpp-python builds it for ``generate``
-        (Engine._steps), with a chat's reasoning budget (thinking.ReasoningBudget) or None; a
+        (Engine._steps), or llama.cpp's common chain where ``sampling.server_chain``
+        (samplers.server_sampler), with a chat's reasoning budget (thinking.ReasoningBudget) or None; a
         grammar is checked after the chain and applied only where its token breaks it, as
         llama-server samples (grammar.ChainSampler's ``grammar_last``)."""
         from llama_cpp.llama_grammar import LlamaGrammar  # llama_cpp is loaded: the engine is
 
         llm = self.engine.llm
-        if sampling.samplers is not None:
-            return self._ordered_sampler(sampling, seed, budget)
+        if sampling.server_chain:
+            return server_sampler(self._lc, self._vocab, self._n_vocab, sampling,
+                                  sampling.chain_logit_bias(self.engine.eog_tokens), seed, budget)
         saved = llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget, llm._saem_grammar_last
         try:
             llm.set_seed(seed)
@@ -679,26 +686,15 @@ class Scheduler:
         finally:
             llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget, llm._saem_grammar_last = saved
 
-    def _ordered_sampler(self, sampling: SamplingConfig, seed: int, budget=None):
-        """llama-server's chain for ``sampling.samplers`` (saem_gguf.samplers), its grammar
-        checked after the draw and its reasoning budget applied as ``_make_sampler``'s are."""
-        lc, llm = self._lc, self.engine.llm
-        chain = llama_server_chain(
-            lc, self._vocab, self._n_vocab, sampling.samplers, temp=sampling.temp, top_k=sampling.top_k,
-            top_p=sampling.top_p, min_p=sampling.min_p, typical_p=sampling.typical_p,
-            repeat_last_n=sampling.repeat_last_n, repeat_penalty=sampling.repeat_penalty,
-            frequency_penalty=sampling.frequency_penalty, presence_penalty=sampling.presence_penalty,
-            logit_bias=sampling.chain_logit_bias(self.engine.eog_tokens), seed=seed)
-        if sampling.grammar is None:
-            return chain if budget is None else ChainSampler(lc, chain, self._n_vocab, budget=budget)
-        try:
-            member = grammar_sampler(lc, llm._model.vocab, sampling.grammar)
-        except BaseException:
-            chain.close()
-            raise
-        lc.llama_sampler_chain_add(chain.sampler, member)  # where does not matter: grammar_last
-        return ChainSampler(lc, chain, self._n_vocab, lc.llama_sampler_chain_n(chain.sampler) - 1, budget,
-                            grammar_last=True)
+    def _accept_prompt(self, sampler, tokens: list[int]) -> None:
+        """The prompt's tokens into the sampler chain before the first draw, as llama-server's
+        ``init_sampler`` feeds them: the penalties and DRY look back over the prompt too (a
+        grammar does not: ChainSampler.accept_prompt)."""
+        if hasattr(sampler, "accept_prompt"):
+            sampler.accept_prompt(tokens)
+            return
+        for token in tokens:
+            self._lc.llama_sampler_accept(sampler.sampler, token)
 
     def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """Load (sequence id, token, position, logits wanted) rows into the llama_batch."""

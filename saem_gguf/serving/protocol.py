@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from saem_gguf.engine import SEED_RANDOM, SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import json_object_grammar, json_schema_grammar
-from saem_gguf.samplers import sampler_order
+from saem_gguf.samplers import DEFAULT_ORDER, sampler_order
 from saem_gguf.serving.batch import LineLimits
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat); completions' logprobs use the same
@@ -133,6 +133,22 @@ class _Common(_Strict):
     cache_prompt: bool | None = None
     # llama-server's sampler order: names, or one character each (saem_gguf.samplers)
     samplers: str | list[str] | None = None
+    # llama-server's samplers that llama-cpp-python's chain lacks (saem_gguf.samplers), with its
+    # limits: the hard ones (ge=0, a breaker list not empty) refuse, the soft ones are clamped in
+    # ``generation`` as llama-server clamps them
+    dry_multiplier: float | None = None
+    dry_base: float | None = None  # below 1: the server's
+    dry_allowed_length: int | None = Field(default=None, ge=0)
+    dry_penalty_last_n: int | None = Field(default=None, ge=0)
+    dry_sequence_breakers: list[str] | None = Field(default=None, min_length=1)
+    xtc_probability: float | None = None  # clamped to [0, 1]
+    xtc_threshold: float | None = None  # clamped to [0, 1]
+    top_n_sigma: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    mirostat: int | None = None  # clamped to [0, 2]
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
 
     @field_validator("stop")
     @classmethod
@@ -433,6 +449,17 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
         if value is not None}
     if isinstance(req, NativeCompletionRequest) and req.repeat_last_n is not None:
         over["repeat_last_n"] = req.repeat_last_n
+    clamp = lambda v, lo, hi: min(max(v, lo), hi)  # noqa: E731
+    over.update({name: value for name, value in (
+        ("dry_multiplier", req.dry_multiplier), ("dry_allowed_length", req.dry_allowed_length),
+        ("dry_penalty_last_n", req.dry_penalty_last_n), ("top_n_sigma", req.top_n_sigma),
+        ("dynatemp_range", req.dynatemp_range), ("dynatemp_exponent", req.dynatemp_exponent),
+        ("mirostat_tau", req.mirostat_tau), ("mirostat_eta", req.mirostat_eta),
+        ("dry_base", None if req.dry_base is None else req.dry_base if req.dry_base >= 1 else defaults.dry_base),
+        ("dry_sequence_breakers", None if req.dry_sequence_breakers is None else tuple(req.dry_sequence_breakers)),
+        ("xtc_probability", None if req.xtc_probability is None else clamp(req.xtc_probability, 0.0, 1.0)),
+        ("xtc_threshold", None if req.xtc_threshold is None else clamp(req.xtc_threshold, 0.0, 1.0)),
+        ("mirostat", None if req.mirostat is None else clamp(req.mirostat, 0, 2))) if value is not None})
     if req.seed is not None:
         over["seed"] = None if req.seed == -1 else req.seed
     if req.ignore_eos:
@@ -678,9 +705,15 @@ def native_settings(sampling: SamplingConfig, n_predict: int) -> dict:
     /props ``default_generation_settings.params``)."""
     d = sampling
     return {"n_predict": n_predict, "seed": -1 if d.seed is None else d.seed, "temperature": d.temp,
-            "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "typical_p": d.typical_p,
+            "dynatemp_range": d.dynatemp_range, "dynatemp_exponent": d.dynatemp_exponent,
+            "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "top_n_sigma": d.top_n_sigma,
+            "xtc_probability": d.xtc_probability, "xtc_threshold": d.xtc_threshold, "typical_p": d.typical_p,
             "repeat_last_n": d.repeat_last_n, "repeat_penalty": d.repeat_penalty,
             "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
+            "dry_multiplier": d.dry_multiplier, "dry_base": d.dry_base, "dry_allowed_length": d.dry_allowed_length,
+            "dry_penalty_last_n": d.dry_penalty_last_n, "dry_sequence_breakers": list(d.dry_sequence_breakers),
+            "mirostat": d.mirostat, "mirostat_tau": d.mirostat_tau, "mirostat_eta": d.mirostat_eta,
+            "samplers": list(DEFAULT_ORDER if d.samplers is None else d.samplers),
             "ignore_eos": d.ignore_eos, "stop": list(d.stop),
             "logit_bias": [[t, b if math.isfinite(b) else False] for t, b in d.logit_bias],
             "grammar": d.grammar or ""}
