@@ -113,11 +113,12 @@ def test_n_predict_and_the_context(gemma_model):
         assert none.tokens == [] and none.finish_reason == "length"
     finally:
         eng.close()
-    r = run_cli("generate", "-m", str(gemma_model), "-c", "256", "-p", PROMPT, "-n", "-1", "--ignore-eos",
-                "--json", "--quiet")
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
-    assert d["finish_reason"] == "length" and d["n_prompt"] + d["n_generated"] == 256
+    for n in ("-1", "-2"):  # -2: llama-completion's "until context filled", the same here
+        r = run_cli("generate", "-m", str(gemma_model), "-c", "256", "-p", PROMPT, "-n", n, "--ignore-eos",
+                    "--json", "--quiet")
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)
+        assert d["finish_reason"] == "length" and d["n_prompt"] + d["n_generated"] == 256
     long = run_cli("generate", "-m", str(gemma_model), "-c", "256", "-p", "word " * 400, "--quiet")
     assert long.returncode == 1 and "does not fit the context" in long.stderr
     assert "Traceback" not in long.stderr and len(long.stderr.strip().splitlines()) == 1
@@ -334,7 +335,7 @@ def test_reserved_template_variables_are_the_chat_handlers_own(llama_cpp):
 
 # --- flags -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags", [["--temp", "nan"], ["--top-p", "2"], ["--min-p", "-0.1"], ["-s", "x"],
-                                   ["--repeat-last-n", "-1"], ["-n", "-2"], ["--typical", "inf"],
+                                   ["--repeat-last-n", "-1"], ["-n", "-3"], ["--typical", "inf"],
                                    ["--chat", "--parse-special"], ["-sys", "be brief"]])
 def test_bad_sampling_values_are_usage_errors(flags):
     r = run_cli("generate", "-p", "x", *flags)

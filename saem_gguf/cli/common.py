@@ -281,6 +281,13 @@ def _int_at_least(minimum: int, meaning: str = "") -> Callable[[str], int]:
     return parse
 
 
+def _n_predict(text: str) -> int:
+    """-n: a count of tokens, or -1 (until end of generation or a full context); llama-completion's
+    -2 ("until context filled") is the same here, where the context does not shift."""
+    v = _int_at_least(-2, " (-1 = until the context is full)")(text)
+    return -1 if v == -2 else v
+
+
 def _seed(text: str) -> int | None:
     """llama.cpp's -s: an unsigned 32-bit seed; -1 (= 4294967295) asks for a random one (None)."""
     from saem_gguf.engine import SEED_RANDOM
@@ -315,9 +322,10 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
     g = p.add_argument_group("sampling (llama.cpp flags; the default --temp 0 is greedy, unlike "
                              "llama.cpp's 0.8)")
     g.add_argument("-n", "--predict", "--n-predict", dest="n_predict", default=n_predict, metavar="N",
-                   type=_int_at_least(-1, " (-1 = until the context is full)"),
+                   type=_n_predict,
                    help=f"tokens to generate ({n_predict}; -1 = until end of generation or a "
-                                     "full context; capped at the room the context has left)")
+                                     "full context, -2 the same, as llama-completion's; capped at the room the "
+                                     "context has left)")
     g.add_argument("--temp", "--temperature", dest="temp", type=_finite_float, default=0.0, metavar="N",
                    help="temperature (default 0 = greedy; llama.cpp's default is 0.8; <= 0 is greedy)")
     g.add_argument("--top-k", type=int, default=40, metavar="N", help="top-k sampling (40, 0 = disabled)")
