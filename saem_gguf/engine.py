@@ -214,6 +214,8 @@ class SamplingConfig:
     mirostat: int = 0  # 1: Mirostat, 2: Mirostat 2.0 (then top-k, top-p, ... are not applied)
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    # llama-server's min_keep: top-p, min-p, typical and XTC keep at least this many tokens (0: off)
+    min_keep: int = 0
 
     def __post_init__(self) -> None:
         for name in ("temp", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
@@ -234,8 +236,8 @@ class SamplingConfig:
                      "dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta"):
             if not math.isfinite(getattr(self, name)):
                 raise SaemError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.dry_allowed_length < 0 or self.dry_penalty_last_n < 0:
-            raise SaemError("dry_allowed_length and dry_penalty_last_n must be >= 0")
+        if self.dry_allowed_length < 0 or self.dry_penalty_last_n < 0 or self.min_keep < 0:
+            raise SaemError("dry_allowed_length, dry_penalty_last_n and min_keep must be >= 0")
         if self.mirostat not in (0, 1, 2):
             raise SaemError(f"mirostat must be 0 (off), 1 or 2, got {self.mirostat}")
         if self.samplers is not None:
@@ -256,7 +258,7 @@ class SamplingConfig:
             getattr(self, name) != getattr(GREEDY, name) for name in (
                 "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
                 "xtc_probability", "xtc_threshold", "top_n_sigma", "dynatemp_range", "dynatemp_exponent",
-                "mirostat", "mirostat_tau", "mirostat_eta"))
+                "mirostat", "mirostat_tau", "mirostat_eta", "min_keep"))
 
     def chain_logit_bias(self, eog_tokens: Iterable[int]) -> list[tuple[int, float]]:
         """The logit-bias member's entries: ``logit_bias``, then -inf for every end-of-generation

@@ -84,8 +84,8 @@ def llama_server_chain(lc, vocab, n_vocab: int, sampling: SamplingConfig, logit_
     """A llama-cpp-python ``LlamaSampler`` holding llama.cpp's common sampler chain
     (``common_sampler_init``) for ``sampling``: its ``samplers`` order, llama-server's default
     order where it names none; under Mirostat, temperature and the Mirostat draw alone. The logit
-    bias member first (``logit_bias``: the entries, ignore_eos's included); ``min_keep`` is
-    llama.cpp's default, 0; XTC draws from ``seed`` as the final draw does."""
+    bias member first (``logit_bias``: the entries, ignore_eos's included); XTC draws from
+    ``seed`` as the final draw does."""
     from llama_cpp import _internals
 
     chain = _internals.LlamaSampler()
@@ -104,11 +104,11 @@ def llama_server_chain(lc, vocab, n_vocab: int, sampling: SamplingConfig, logit_
         if name == "top_k":
             add(lc.llama_sampler_init_top_k(sampling.top_k))
         elif name == "top_p":
-            add(lc.llama_sampler_init_top_p(sampling.top_p, 0))
+            add(lc.llama_sampler_init_top_p(sampling.top_p, sampling.min_keep))
         elif name == "typ_p":
-            add(lc.llama_sampler_init_typical(sampling.typical_p, 0))
+            add(lc.llama_sampler_init_typical(sampling.typical_p, sampling.min_keep))
         elif name == "min_p":
-            add(lc.llama_sampler_init_min_p(sampling.min_p, 0))
+            add(lc.llama_sampler_init_min_p(sampling.min_p, sampling.min_keep))
         elif name == "temperature":
             add(lc.llama_sampler_init_temp_ext(sampling.temp, sampling.dynatemp_range, sampling.dynatemp_exponent))
         elif name == "infill":
@@ -122,7 +122,7 @@ def llama_server_chain(lc, vocab, n_vocab: int, sampling: SamplingConfig, logit_
                                           sampling.dry_allowed_length, sampling.dry_penalty_last_n,
                                           (ctypes.c_char_p * max(len(breakers), 1))(*breakers), len(breakers)))
         elif name == "xtc":
-            add(lc.llama_sampler_init_xtc(sampling.xtc_probability, sampling.xtc_threshold, 0, seed))
+            add(lc.llama_sampler_init_xtc(sampling.xtc_probability, sampling.xtc_threshold, sampling.min_keep, seed))
         elif name == "top_n_sigma":
             add(lc.llama_sampler_init_top_n_sigma(sampling.top_n_sigma))
         else:  # sampler_order never yields another name

@@ -93,6 +93,7 @@ BAD_BODIES = [
      "dry_sequence_breakers"),
     ("mirostat-float", _body(CHAT, mirostat=1.5), ChatRequest, "mirostat"),
     ("xtc-nan", b'{"prompt": "hi", "xtc_probability": NaN}', CompletionRequest, "xtc_probability"),
+    ("min-keep-negative", _body(CHAT, min_keep=-1), ChatRequest, "min_keep"),
 ]
 
 

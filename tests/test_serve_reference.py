@@ -165,8 +165,9 @@ REPEATING = "2 + 2 = 4. 2 + 2 = 4. 2 + 2 = 4. 2 + 2 ="  # what DRY has something
     {"mirostat": 7},
     {"dry_multiplier": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.05, "samplers": ["xtc", "dry", "temperature"],
      "prompt": REPEATING},
+    {"min_keep": 6, "top_p": 0.05, "min_p": 0.3},
 ], ids=["dry", "dry-base-below-1-breakers", "xtc", "xtc-clamped", "top-n-sigma", "dynatemp", "mirostat",
-        "mirostat-2-ignores-top-k", "mirostat-clamped", "named-order"])
+        "mirostat-2-ignores-top-k", "mirostat-clamped", "named-order", "min-keep"])
 @pytest.mark.parametrize("seed", [3, 11])
 def test_samplers_llama_cpp_python_lacks_draw_as_llama_server(pair, fields, seed):
     """DRY, XTC, top-n-sigma, dynamic temperature and Mirostat, which llama-cpp-python's chain

@@ -149,6 +149,7 @@ class _Common(_Strict):
     mirostat: int | None = None  # clamped to [0, 2]
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
+    min_keep: int | None = Field(default=None, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -454,7 +455,7 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
         ("dry_multiplier", req.dry_multiplier), ("dry_allowed_length", req.dry_allowed_length),
         ("dry_penalty_last_n", req.dry_penalty_last_n), ("top_n_sigma", req.top_n_sigma),
         ("dynatemp_range", req.dynatemp_range), ("dynatemp_exponent", req.dynatemp_exponent),
-        ("mirostat_tau", req.mirostat_tau), ("mirostat_eta", req.mirostat_eta),
+        ("mirostat_tau", req.mirostat_tau), ("mirostat_eta", req.mirostat_eta), ("min_keep", req.min_keep),
         ("dry_base", None if req.dry_base is None else req.dry_base if req.dry_base >= 1 else defaults.dry_base),
         ("dry_sequence_breakers", None if req.dry_sequence_breakers is None else tuple(req.dry_sequence_breakers)),
         ("xtc_probability", None if req.xtc_probability is None else clamp(req.xtc_probability, 0.0, 1.0)),
@@ -713,7 +714,7 @@ def native_settings(sampling: SamplingConfig, n_predict: int) -> dict:
             "dry_multiplier": d.dry_multiplier, "dry_base": d.dry_base, "dry_allowed_length": d.dry_allowed_length,
             "dry_penalty_last_n": d.dry_penalty_last_n, "dry_sequence_breakers": list(d.dry_sequence_breakers),
             "mirostat": d.mirostat, "mirostat_tau": d.mirostat_tau, "mirostat_eta": d.mirostat_eta,
-            "samplers": list(DEFAULT_ORDER if d.samplers is None else d.samplers),
+            "min_keep": d.min_keep, "samplers": list(DEFAULT_ORDER if d.samplers is None else d.samplers),
             "ignore_eos": d.ignore_eos, "stop": list(d.stop),
             "logit_bias": [[t, b if math.isfinite(b) else False] for t, b in d.logit_bias],
             "grammar": d.grammar or ""}
