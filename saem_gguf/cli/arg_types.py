@@ -22,6 +22,17 @@ def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
 def non_negative_float(text: str) -> float:
     """An argparse type: a finite number >= 0."""
     try:

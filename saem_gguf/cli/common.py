@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from saem_gguf.budget import ECR_HELP, parse_ecr, parse_ecr_list, parse_size, parse_vram_budget
+from saem_gguf.cli.arg_types import finite_float
 from saem_gguf.engine import KV_CACHE_TYPES
 from saem_gguf.errors import SaemError
 from saem_gguf.numa import LLAMA_NUMA_STRATEGIES
@@ -235,16 +236,6 @@ def add_ram_tier_args(p: argparse.ArgumentParser) -> None:
                         "then fault in with the kernel's readahead around each fault)")
 
 
-def _finite_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return v
-
-
 _LOGIT_BIAS = re.compile(r"\s*(\d+)\s*([+-])\s*(\S+)\s*")
 
 
@@ -262,7 +253,7 @@ def _logit_bias(text: str) -> tuple[int, float]:
 
 
 def unit_float(text: str) -> float:
-    v = _finite_float(text)
+    v = finite_float(text)
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
     return v
@@ -326,7 +317,7 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
                    help=f"tokens to generate ({n_predict}; -1 = until end of generation or a "
                                      "full context, -2 the same, as llama-completion's; capped at the room the "
                                      "context has left)")
-    g.add_argument("--temp", "--temperature", dest="temp", type=_finite_float, default=0.0, metavar="N",
+    g.add_argument("--temp", "--temperature", dest="temp", type=finite_float, default=0.0, metavar="N",
                    help="temperature (default 0 = greedy; llama.cpp's default is 0.8; <= 0 is greedy)")
     g.add_argument("--top-k", type=int, default=40, metavar="N", help="top-k sampling (40, 0 = disabled)")
     g.add_argument("--top-p", type=unit_float, default=0.95, metavar="N",
@@ -337,11 +328,11 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
                    help="locally typical sampling, parameter p (1.0 = disabled)")
     g.add_argument("--repeat-last-n", type=_int_at_least(0), default=64, metavar="N",
                    help="last n tokens to consider for penalize (64, 0 = disabled)")
-    g.add_argument("--repeat-penalty", type=_finite_float, default=1.0, metavar="N",
+    g.add_argument("--repeat-penalty", type=finite_float, default=1.0, metavar="N",
                    help="penalize repeat sequence of tokens (1.0 = disabled)")
-    g.add_argument("--presence-penalty", type=_finite_float, default=0.0, metavar="N",
+    g.add_argument("--presence-penalty", type=finite_float, default=0.0, metavar="N",
                    help="repeat alpha presence penalty (0.0 = disabled)")
-    g.add_argument("--frequency-penalty", type=_finite_float, default=0.0, metavar="N",
+    g.add_argument("--frequency-penalty", type=finite_float, default=0.0, metavar="N",
                    help="repeat alpha frequency penalty (0.0 = disabled)")
     g.add_argument("-s", "--seed", type=_seed, default=None, metavar="SEED",
                    help="RNG seed: any value is a fixed seed, 0 too (default -1: a random one, shown by "

@@ -10,8 +10,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from saem_gguf.cli.arg_types import bounded_int, non_negative_float
-from saem_gguf.cli.common import (_finite_float, add_chat_args, add_model_args, add_placement_args, add_sampling_args,
+from saem_gguf.cli.arg_types import bounded_int, finite_float, non_negative_float
+from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
                                   sampling_config, unit_float)
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.engine import MAX_PARALLEL
@@ -76,9 +76,9 @@ def add_llama_sampler_args(p: argparse.ArgumentParser) -> None:
     """The samplers of llama.cpp's common chain that llama-cpp-python's lacks (its flags, names and
     defaults; each off at its default): the defaults of a request that does not set them."""
     g = p.add_argument_group("llama.cpp's samplers beyond llama-cpp-python's (serve only; off by default)")
-    g.add_argument("--dry-multiplier", type=_finite_float, default=0.0, metavar="N",
+    g.add_argument("--dry-multiplier", type=finite_float, default=0.0, metavar="N",
                    help="DRY repetition penalty multiplier (0.0 = disabled)")
-    g.add_argument("--dry-base", type=_finite_float, default=1.75, metavar="N",
+    g.add_argument("--dry-base", type=finite_float, default=1.75, metavar="N",
                    help="DRY base value (1.75; below 1.0 ignored, as llama.cpp)")
     g.add_argument("--dry-allowed-length", type=bounded_int(0, 1 << 30), default=2, metavar="N",
                    help="repetitions longer than this are penalized by DRY (2)")
@@ -88,22 +88,22 @@ def add_llama_sampler_args(p: argparse.ArgumentParser) -> None:
                    metavar="STRING",
                    help="a DRY sequence breaker; the first replaces the defaults ('\\n', ':', '\"', '*'), "
                         "'none' clears them")
-    g.add_argument("--xtc-probability", type=_finite_float, default=0.0, metavar="N",
+    g.add_argument("--xtc-probability", type=finite_float, default=0.0, metavar="N",
                    help="XTC probability (0.0 = disabled)")
-    g.add_argument("--xtc-threshold", type=_finite_float, default=0.1, metavar="N",
+    g.add_argument("--xtc-threshold", type=finite_float, default=0.1, metavar="N",
                    help="XTC threshold (0.1; above 0.5 disables XTC)")
-    g.add_argument("--top-nsigma", "--top-n-sigma", dest="top_n_sigma", type=_finite_float, default=-1.0,
+    g.add_argument("--top-nsigma", "--top-n-sigma", dest="top_n_sigma", type=finite_float, default=-1.0,
                    metavar="N", help="top-n-sigma sampling (-1.0 = disabled)")
-    g.add_argument("--dynatemp-range", type=_finite_float, default=0.0, metavar="N",
+    g.add_argument("--dynatemp-range", type=finite_float, default=0.0, metavar="N",
                    help="dynamic temperature range (0.0 = disabled)")
-    g.add_argument("--dynatemp-exp", dest="dynatemp_exponent", type=_finite_float, default=1.0, metavar="N",
+    g.add_argument("--dynatemp-exp", dest="dynatemp_exponent", type=finite_float, default=1.0, metavar="N",
                    help="dynamic temperature exponent (1.0)")
     g.add_argument("--mirostat", type=bounded_int(0, 2), default=0, metavar="N",
                    help="Mirostat sampling: 1 Mirostat, 2 Mirostat 2.0 (top-k, top-p, ... then not applied; "
                         "0 = disabled)")
-    g.add_argument("--mirostat-lr", dest="mirostat_eta", type=_finite_float, default=0.1, metavar="N",
+    g.add_argument("--mirostat-lr", dest="mirostat_eta", type=finite_float, default=0.1, metavar="N",
                    help="Mirostat learning rate, parameter eta (0.1)")
-    g.add_argument("--mirostat-ent", dest="mirostat_tau", type=_finite_float, default=5.0, metavar="N",
+    g.add_argument("--mirostat-ent", dest="mirostat_tau", type=finite_float, default=5.0, metavar="N",
                    help="Mirostat target entropy, parameter tau (5.0)")
 
 
