@@ -252,7 +252,8 @@ class ChainSampler:
         """Feed the prompt to every member but the grammar, which only follows what is generated
         (llama.cpp's ``common_sampler_accept(..., is_generated=false)``); the budget neither."""
         lc = self._lc
-        members = [lc.llama_sampler_chain_get(self.sampler, i) for i in range(self._n) if i != self._grammar_index]
+        members = [self.sampler] if self._grammar_index < 0 else \
+            [lc.llama_sampler_chain_get(self.sampler, i) for i in range(self._n) if i != self._grammar_index]
         for token in tokens:
             for m in members:
                 lc.llama_sampler_accept(m, token)
