@@ -299,6 +299,21 @@ def test_chat_splits_thinking_as_llama_server(pair, fields):
         assert stock[1]  # the split happened
 
 
+@pytest.mark.parametrize("fields", [
+    {"repeat_penalty": 4.0, "frequency_penalty": 2.0},
+    {"dry_multiplier": 1.0, "dry_allowed_length": 1, "temperature": 0.8, "seed": 3},
+    {"mirostat": 2, "mirostat_tau": 8.0, "temperature": 1.5, "seed": 5},
+], ids=["penalties", "dry", "mirostat"])
+def test_chat_samples_over_the_rendered_prompt_as_llama_server(pair, fields):
+    """A chat's penalties and DRY look back over its rendered prompt (the template's markup and
+    the messages), and the samplers llama-cpp-python lacks act on /v1/chat/completions as on
+    /completion; each changes the answer."""
+    stock, ours = (_message(_chat(url, max_tokens=48, **fields)) for url in pair)
+    assert ours == stock
+    assert ours != _message(_chat(pair[1], max_tokens=48, **{k: v for k, v in fields.items()
+                                                              if k in ("temperature", "seed")}))
+
+
 @pytest.mark.parametrize("forced", FORCED)
 def test_chat_split_rules_as_llama_server(pair, forced):
     """Outputs forced by a grammar: where <think> may stand, a second </think>, empty thinking."""
