@@ -67,9 +67,8 @@ class _DryBreakers(argparse.Action):
     one, "none" clears them."""
 
     def __call__(self, parser, namespace, value, option_string=None) -> None:
-        given = getattr(namespace, self.dest)
-        given = [] if given is None or value == "none" else given
-        setattr(namespace, self.dest, given if value == "none" else [*given, value])
+        given = getattr(namespace, self.dest) or []  # None: the defaults, not given yet
+        setattr(namespace, self.dest, [] if value == "none" else [*given, value])
 
 
 def add_llama_sampler_args(p: argparse.ArgumentParser) -> None:

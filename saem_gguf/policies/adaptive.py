@@ -595,9 +595,9 @@ def adaptive_step(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key
     """One decode step of the adaptive policy in one kernel call: ``decide_adaptive`` (its
     arguments, same order, but ``lead_books`` last), then the stage candidate's books,
     ``saem.stage_books(rows, slot_of, counts, on, det, ring, pos)`` (its arguments after ``ops``).
-    Returns (ops rows written,
-    decoded, fired). One call, not two: after a decode each kernel call costs a few us before its
-    arguments, about 0.8 us for each array (docs/POLICIES_HISTORY.md, per-token cost)."""
+    Returns (ops rows written, decoded, fired). One call, not two: after a decode each kernel call
+    costs a few us before its arguments, about 0.8 us for each array (docs/POLICIES_HISTORY.md,
+    per-token cost)."""
     n = decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led,
                         ctl, behind, budget, gain_of, scratch, ops, lead_books)
     decoded, fired = stage_books(rows, slot_of, counts, on, det, ring, pos)
@@ -852,7 +852,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                                                                      t_xfer(ctx.cost.array))
         self._ctl[CTL_WARM] = 1.0 if self.adaptive.warm_start else 0.0
         if barrier and self.adaptive.lead_memory_steps > 0:
-            self._ctl[CTL_LEAD_KEEP] = 1.0 - 1.0 / max(self.adaptive.lead_memory_steps, 1.0)
+            self._ctl[CTL_LEAD_KEEP] = 1.0 - 1.0 / self.adaptive.lead_memory_steps  # >= 1: AdaptiveConfig
             self._ctl[CTL_LEAD_PRIOR] = self.adaptive.lead_prior_steps
         self._lead_books = np.zeros(lead_books_size(C, self.adaptive.horizon_steps))
         if barrier and self.adaptive.prior_steps > 0 and self.replay_score is not None:
