@@ -29,7 +29,9 @@ FORCED_OPEN = ("{%- for message in messages -%}{%- if message['role'] == 'assist
                "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}"
                "{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}")
 FORCED = ["<think>abc</think>def", " <think>abc</think>def", "xyz<think>abc</think>def", "abc</think>def",
-          "<think>abc", "<think></think>def", "<think>\n\n</think>\n\ndef", "<think>a</think>b</think>c"]
+          "<think>abc", "<think></think>def", "<think>\n\n</think>\n\ndef", "<think>a</think>b</think>c",
+          # split into nothing: the answer is its text (llama-server's fallback on an empty parse)
+          "<think>", "<think>\n", " <think>", "<think>\n </think>"]
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +374,13 @@ def test_thinking_opened_by_the_template_splits_as_in_llama_server(forced_pair, 
     stock, ours = (_message(_chat(url, max_tokens=40, grammar="root ::= " + json.dumps(forced)))
                    for url in forced_pair)
     assert ours == stock and stock[1] is not None and stock[1].startswith("\n")
+
+
+@pytest.mark.parametrize("forced", ["\n", " ", "</think>"])
+def test_thinking_opened_by_the_template_that_splits_into_nothing_is_the_text_as_llama_server(forced_pair, forced):
+    stock, ours = (_message(_chat(url, max_tokens=40, grammar="root ::= " + json.dumps(forced)))
+                   for url in forced_pair)
+    assert ours == stock == (forced, None, "stop")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 llama-server returns a reasoning model's ``<think>...</think>`` as ``message.reasoning_content``
 and the rest as ``content`` (its default; ``none`` leaves both in ``content``). It decides per
 chat template by its own analysis of the template; the rule here matches what the stock build
-does on the templates tested (tests/test_serve_reasoning.py runs it):
+does on the templates tested (tests/test_serve_reference.py runs it):
 
 * a template that mentions ``</think>`` is a reasoning template; others get no split (``auto``);
 * output that starts (after whitespace) with ``<think>`` is reasoning up to the first
@@ -11,7 +11,11 @@ does on the templates tested (tests/test_serve_reasoning.py runs it):
 * where the generation prompt itself ends inside ``<think>`` (thinking forced open), the
   reasoning starts with the prompt's text after ``<think>``;
 * both parts are kept verbatim (not stripped); a reasoning part that is only whitespace is
-  no reasoning (the key is left out).
+  no reasoning (the key is left out);
+* an answer that splits into neither (``<think>`` alone, ``<think>\n</think>``, whitespace under
+  a template that opened the block) is its text, verbatim, as content: llama-server's whole
+  answer falls back so on an empty parse. Its stream sends nothing there; this stream sends the
+  text at the end, so that a streamed answer and a whole one agree.
 
 ``Reasoning`` splits a text that grows token by token, so a stream sends the same split in
 deltas: a possible start of ``<think>`` or end ``</think>`` is held back until it is decided, and
@@ -68,6 +72,8 @@ class Reasoning:
         reasoning, content = self._parts(final)
         if not reasoning.strip():  # whitespace alone may yet be no reasoning at all
             reasoning = ""
+        if final and not reasoning and not content and not self.sent_content:
+            content = self.text  # nothing parsed: the text as it came (sent_reasoning is 0 here)
         r = reasoning[self.sent_reasoning:]
         c = content[self.sent_content:]
         self.sent_reasoning += len(r)
