@@ -223,9 +223,11 @@ class SamplingConfig:
             v = getattr(self, name)
             if not math.isfinite(v):
                 raise SaemError(f"{name} must be a finite number, got {v}")
-        for name in ("top_p", "min_p", "typical_p"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise SaemError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        # llama.cpp's own check (common_sampler_init, --repeat-penalty): the penalty divides logits
+        # (a zero one made every repeated token certain); top_p, min_p and typical_p take any value
+        # (at or past their ends a sampler does nothing, or keeps one token)
+        if not 1.0 / float(np.finfo(np.float32).max) < self.repeat_penalty < math.inf:  # 1/p finite in float32
+            raise SaemError(f"repeat_penalty must be finite and greater than 0, got {self.repeat_penalty}")
         if self.repeat_last_n < 0:
             raise SaemError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
         if any(not s for s in self.stop):

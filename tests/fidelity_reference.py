@@ -56,7 +56,8 @@ def run_case(model: str, n_ctx: int, case: dict) -> dict:
             r = llm.create_completion(case["prompt"], max_tokens=case["max_tokens"],
                                       temperature=case.get("temperature", 0.0), seed=case.get("seed"),
                                       stop=case.get("stop", []), grammar=grammar,
-                                      logit_bias={int(t): float(b) for t, b in case.get("logit_bias", [])} or None)
+                                      logit_bias={int(t): float(b) for t, b in case.get("logit_bias", [])} or None,
+                                      **case.get("sampling", {}))  # top_p, min_p, typical_p, top_k, ...
             c = r["choices"][0]
             calls.append({"prompt_tokens": llm.prompts[-1], "text": c["text"],
                           "finish_reason": c["finish_reason"]})

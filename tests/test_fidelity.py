@@ -208,6 +208,26 @@ def test_seeded_sampling_matches_stock(llama_cpp, stock_lib):
         llm.close()
 
 
+# llama.cpp takes any top_p, min_p and typical_p: at or past one end a sampler does nothing, past the
+# other it keeps one token (llama-server clamps top_p and min_p into [0, 1]; serve does too)
+PAST_THEIR_ENDS = [{"top_p": 1.5}, {"min_p": 2.0}, {"typical_p": -0.5}, {"top_p": -0.5, "min_p": -1.0},
+                   {"typical_p": 1.5, "top_k": -3}]
+
+
+def test_sampling_values_past_their_ends_draw_as_stock(llama_cpp, stock_lib):
+    model = model_for("qwen2moe", "chatml", True)
+    cases = [{"kind": "completion", "prompt": PROMPT, "max_tokens": 24, "temperature": 0.9, "seed": 5,
+              "sampling": s} for s in PAST_THEIR_ENDS]
+    ref = reference(stock_lib, model, cases)
+    assert len({r[0]["text"] for r in ref}) >= 3  # the values matter (else this proves nothing)
+    eng = engine(model, "lru")
+    try:
+        for s, want in zip(PAST_THEIR_ENDS, ref):
+            same(result_row(eng.generate(PROMPT, 24, SamplingConfig(temp=0.9, seed=5))), want[0], str(s))
+    finally:
+        eng.close()
+
+
 def test_no_repack_answers_as_stock_with_no_repack(llama_cpp, stock_lib):
     """``-nr`` (llama.cpp's ``--no-repack``): the weights other than the experts load without
     extra buffer types on both sides. On a CPU with AMX the F16 matrices otherwise go to ggml's

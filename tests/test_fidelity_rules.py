@@ -334,12 +334,21 @@ def test_reserved_template_variables_are_the_chat_handlers_own(llama_cpp):
 
 
 # --- flags -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("flags", [["--temp", "nan"], ["--top-p", "2"], ["--min-p", "-0.1"], ["-s", "x"],
+@pytest.mark.parametrize("flags", [["--temp", "nan"], ["--top-p", "x"], ["--repeat-penalty", "0"],
+                                   ["--repeat-penalty", "-1"], ["--repeat-penalty", "1e-40"], ["-s", "x"],
                                    ["--repeat-last-n", "-1"], ["-n", "-3"], ["--typical", "inf"],
                                    ["--chat", "--parse-special"], ["-sys", "be brief"]])
 def test_bad_sampling_values_are_usage_errors(flags):
     r = run_cli("generate", "-p", "x", *flags)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_sampling_values_llama_cpp_takes_are_taken(gemma_model):
+    """As llama.cpp's arg.cpp: top-p, min-p and typical take any number (test_fidelity draws with
+    them against stock); a negative temperature is 0."""
+    r = run_cli("generate", "-m", str(gemma_model), "-p", "x", "-n", "4", "--top-p", "1.5", "--min-p", "-1",
+                "--typical", "2", "--temp", "-1", "--json")
+    assert r.returncode == 0, r.stderr
 
 
 # --- a chat longer than its context ------------------------------------------------------------

@@ -364,8 +364,9 @@ def test_malformed_requests_are_400_error_objects(server, path, body, words):
 
 
 def test_bad_field_through_the_client_is_bad_request(client):
-    with pytest.raises(openai.BadRequestError, match="top_p"):
-        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}], top_p=3)
+    with pytest.raises(openai.BadRequestError, match="repeat_penalty"):
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"repeat_penalty": 0})
 
 
 def test_prompt_longer_than_the_context_is_400(client):

@@ -16,8 +16,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from saem_gguf.engine import SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.serving.protocol import (
-    SSE_DONE, ApiError, ChatRequest, CompletionRequest, Reply, TokenLogprob, generation, parse_request,
-    request_logit_bias, sse,
+    SSE_DONE, ApiError, ChatRequest, CompletionRequest, NativeCompletionRequest, Reply, TokenLogprob, generation,
+    parse_request, request_logit_bias, sse,
 )
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -30,7 +30,7 @@ def _body(base: dict, **fields) -> bytes:
 
 def _error(body: bytes, kind) -> ApiError:
     with pytest.raises(ApiError) as e:
-        parse_request(body, kind)
+        generation(parse_request(body, kind), SamplingConfig(), 1)
     assert e.value.status == 400 and e.value.type == "invalid_request_error"
     return e.value
 
@@ -53,17 +53,24 @@ BAD_BODIES = [
     ("max-tokens-float", _body(COMPLETION, max_tokens=1.5), CompletionRequest, "max_tokens"),
     ("max-tokens-bool", _body(COMPLETION, max_tokens=True), CompletionRequest, "max_tokens"),
     ("max-tokens-negative", _body(COMPLETION, max_tokens=-2), CompletionRequest, "max_tokens"),
-    ("top-p-above-1", _body(COMPLETION, top_p=1.5), CompletionRequest, "top_p"),
-    ("min-p-negative", _body(COMPLETION, min_p=-0.1), CompletionRequest, "min_p"),
-    ("seed-huge", _body(COMPLETION, seed=2**40), CompletionRequest, "seed"),
+    ("top-p-string", _body(COMPLETION, top_p="1"), CompletionRequest, "top_p"),
+    ("temperature-bool", _body(COMPLETION, temperature=True), CompletionRequest, "temperature"),
+    ("top-k-not-whole", _body(COMPLETION, top_k=40.5), CompletionRequest, "top_k"),
     ("seed-string", _body(COMPLETION, seed="7"), CompletionRequest, "seed"),
+    ("seed-not-whole", _body(COMPLETION, seed=7.5), CompletionRequest, "seed"),
+    # llama.cpp's common_sampler_init refuses these (llama-server: "Failed to initialize samplers")
+    ("repeat-penalty-zero", _body(COMPLETION, repeat_penalty=0), CompletionRequest, "repeat_penalty"),
+    ("repeat-penalty-negative", _body(CHAT, repeat_penalty=-1.0), ChatRequest, "repeat_penalty"),
+    ("repeat-last-n-past-int32", _body({}, prompt="hi", repeat_last_n=2**31), NativeCompletionRequest,
+     "repeat_last_n"),
+    ("n-predict-past-int32", _body({}, prompt="hi", n_predict=2**31), NativeCompletionRequest, "n_predict"),
     ("stop-empty", _body(COMPLETION, stop=""), CompletionRequest, "stop"),
     ("stop-numbers", _body(COMPLETION, stop=[1]), CompletionRequest, "stop"),
     ("n-2", _body(COMPLETION, n=2), CompletionRequest, "n=1"),
     ("echo", _body(COMPLETION, echo=True), CompletionRequest, "echo"),
     ("best-of", _body(COMPLETION, best_of=2), CompletionRequest, "best_of"),
     ("suffix", _body(COMPLETION, suffix="x"), CompletionRequest, "suffix"),
-    ("logprobs-too-many", _body(COMPLETION, logprobs=21), CompletionRequest, "logprobs"),
+    ("logprobs-string", _body(COMPLETION, logprobs="3"), CompletionRequest, "logprobs"),
     ("logit-bias-string", _body(COMPLETION, logit_bias={"15": "up"}), CompletionRequest, "logit_bias"),
     ("logit-bias-true", _body(COMPLETION, logit_bias={"15": True}), CompletionRequest, "false to ban"),
     ("logit-bias-nan", b'{"prompt": "hi", "logit_bias": {"15": NaN}}', CompletionRequest, "logit_bias"),
@@ -83,7 +90,7 @@ BAD_BODIES = [
     ("tools", _body(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), ChatRequest, "tools"),
     ("format-unknown", _body(CHAT, response_format={"type": "xml"}), ChatRequest, "response_format.type"),
     ("schema-missing", _body(CHAT, response_format={"type": "json_schema"}), ChatRequest, "json_schema.schema"),
-    ("top-logprobs-21", _body(CHAT, logprobs=True, top_logprobs=21), ChatRequest, "top_logprobs"),
+    ("top-logprobs-negative", _body(CHAT, logprobs=True, top_logprobs=-1), ChatRequest, "top_logprobs"),
     ("logprobs-int-in-chat", _body(CHAT, logprobs=3), ChatRequest, "logprobs"),
     # llama-server's hard limits of the samplers llama-cpp-python lacks (its soft ones clamp)
     ("dry-last-n-negative", _body(COMPLETION, dry_penalty_last_n=-1), CompletionRequest, "dry_penalty_last_n"),
@@ -185,7 +192,10 @@ def test_chat_max_completion_tokens_wins_and_logprobs_need_the_flag():
                         ChatRequest)
     gen = generation(req, SamplingConfig(), 1)
     assert gen.max_tokens == 9 and gen.top_n == 3
-    assert generation(parse_request(_body(CHAT, logprobs=True), ChatRequest), SamplingConfig(), 1).top_n == 0
+    # llama-server's 20 alternatives where logprobs is asked for without top_logprobs
+    assert generation(parse_request(_body(CHAT, logprobs=True), ChatRequest), SamplingConfig(), 1).top_n == 20
+    assert generation(parse_request(_body(CHAT, logprobs=True, top_logprobs=0), ChatRequest),
+                      SamplingConfig(), 1).top_n == 0
     with pytest.raises(ApiError, match="top_logprobs requires logprobs"):
         generation(parse_request(_body(CHAT, top_logprobs=2), ChatRequest), SamplingConfig(), 1)
 
@@ -193,6 +203,48 @@ def test_chat_max_completion_tokens_wins_and_logprobs_need_the_flag():
 def test_completion_logprobs_zero_asks_for_the_chosen_tokens_only():
     gen = generation(parse_request(_body(COMPLETION, logprobs=0), CompletionRequest), SamplingConfig(), 1)
     assert gen.top_n == 0
+
+
+def _read(kind, base: dict, **fields):
+    return generation(parse_request(_body(base, **fields), kind), SamplingConfig(seed=3), 9)
+
+
+@pytest.mark.parametrize("kind, base", [(CompletionRequest, COMPLETION), (ChatRequest, CHAT),
+                                        (NativeCompletionRequest, COMPLETION)], ids=["openai", "chat", "native"])
+def test_fields_take_llama_servers_values(kind, base):
+    """server-schema.cpp's rules: soft limits clamp, typical_p and the log-prob counts are
+    unbounded, a seed is a uint32, a whole number may be written as a float."""
+    s = _read(kind, base, top_p=1.5, min_p=-0.5, temperature=-1.0, top_k=-5).sampling
+    assert (s.top_p, s.min_p, s.temp, s.top_k) == (1.0, 0.0, 0.0, 0)
+    s = _read(kind, base, top_p=-0.5, min_p=2.0, top_k=2**40, typical_p=1.5).sampling
+    assert (s.top_p, s.min_p, s.top_k, s.typical_p) == (0.0, 1.0, 2**31 - 1, 1.5)
+    assert _read(kind, base, typical_p=-0.5).sampling.typical_p == -0.5
+    for seed, taken in ((-7, 2**32 - 7), (2**32 + 5, 5), (-1, None), (2**32 - 1, None), (0, 0), (7.0, 7)):
+        assert _read(kind, base, seed=seed).sampling.seed == taken, seed
+    assert _read(kind, base, top_k=40.0, max_tokens=12.0).sampling.top_k == 40
+    assert _read(kind, base, max_tokens=12.0).max_tokens == 12
+    assert _read(kind, base, n_probs=50).top_n == 50
+    assert _read(kind, base, n_probs=-3).top_n is None
+
+
+@pytest.mark.parametrize("kind, base", [(CompletionRequest, COMPLETION), (ChatRequest, CHAT),
+                                        (NativeCompletionRequest, COMPLETION)], ids=["openai", "chat", "native"])
+def test_null_is_a_field_left_out_as_in_llama_server(kind, base):
+    every = ["model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty",
+             "presence_penalty", "frequency_penalty", "seed", "stop", "stream", "stream_options", "n",
+             "ignore_eos", "n_probs", "logit_bias", "grammar", "json_schema", "cache_prompt", "samplers",
+             "dry_multiplier", "dry_sequence_breakers", "mirostat", "min_keep", "user"]
+    every += {CompletionRequest: ["logprobs", "echo", "best_of", "suffix"],
+              ChatRequest: ["logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "functions",
+                            "chat_template_kwargs", "reasoning_effort", "reasoning_format",
+                            "max_completion_tokens"],
+              NativeCompletionRequest: ["n_predict", "repeat_last_n", "return_tokens", "n_indent",
+                                        "t_max_predict_ms", "response_fields"]}[kind]
+    nulls = _read(kind, base, **dict.fromkeys(every))
+    assert nulls == _read(kind, base)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    assert parse_request(_body({}, messages=messages), ChatRequest).messages[1].content is None
+    assert "content" in _error(_body({}, messages=[{"role": "user", "content": None}]), ChatRequest).message
 
 
 TOKENS = [TokenLogprob(b" Paris", -0.25, ((b" Paris", -0.25), (b" Lyon", -2.0))),

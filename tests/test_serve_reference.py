@@ -83,6 +83,53 @@ def test_completion_answers_as_llama_server(pair, fields):
         assert abs(s["logprob"] - o["logprob"]) < 1e-4  # llama-server's float softmax, llama-cpp-python's
 
 
+@pytest.mark.parametrize("fields", [
+    {"top_p": 1.5}, {"top_p": -0.5}, {"min_p": 2.0}, {"min_p": -1.0}, {"temperature": -1.0}, {"top_k": -5},
+    {"typical_p": 1.5}, {"typical_p": -0.5}, {"seed": -7}, {"seed": 2**32 + 5},
+    {"top_k": 40.0, "n_predict": 12.0},
+    {"stream": None, "top_k": None, "stop": None, "ignore_eos": None, "cache_prompt": None, "logit_bias": None,
+     "grammar": None, "n_probs": None, "samplers": None, "max_tokens": None},
+], ids=["top-p-above-1", "top-p-below-0", "min-p-above-1", "min-p-below-0", "temperature-below-0",
+        "top-k-below-0", "typical-above-1", "typical-below-0", "seed-below-0",
+        "seed-past-uint32", "whole-floats", "nulls"])
+def test_request_values_read_as_llama_server(pair, fields):
+    """server-schema.cpp's rules: soft limits clamp, typical_p has none, a seed is a uint32, a whole
+    float is an integer, null is a field left out; the same draws and settings as llama-server."""
+    body = {"prompt": PROMPT, "n_predict": 12, "temperature": 0.9, "seed": 3, **fields}
+    stock, ours = _both(pair, "/completion", body)
+    assert {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
+    given = {k for k, v in fields.items() if v is not None}
+    for k in given & set(stock["generation_settings"]):  # llama-server's floats are float32
+        s, o = stock["generation_settings"][k], ours["generation_settings"][k]
+        assert o == (pytest.approx(s, rel=1e-6) if isinstance(s, float) else s), k
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/completion", {"prompt": PROMPT, "n_predict": 3, "n_probs": 30}),
+    ("/completion", {"prompt": PROMPT, "n_predict": 3, "n_probs": 10**6}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "logprobs": 25}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 25}),
+], ids=["n-probs-30", "n-probs-past-the-vocabulary", "openai-logprobs-25", "chat-logprobs-alone", "chat-top-25"])
+def test_alternatives_counted_as_llama_server(pair, path, body):
+    """No bound of 20: as many alternatives as asked for, at most the vocabulary; a chat's
+    "logprobs": true alone gives llama-server's 20."""
+    def counts(answer: dict) -> list[int]:
+        if "completion_probabilities" in answer:
+            return [len(t["top_logprobs"]) for t in answer["completion_probabilities"]]
+        lp = answer["choices"][0]["logprobs"]
+        return [len(t["top_logprobs"]) for t in lp["content"]] if "content" in lp else list(map(len, lp["top_logprobs"]))
+
+    stock, ours = _both(pair, path, {"temperature": 0, **body})
+    assert counts(ours) == counts(stock) and len(counts(stock)) == 3 and counts(stock)[0] >= 20
+
+
+def test_a_repeat_penalty_of_zero_is_refused_as_by_llama_server(pair):
+    for url in pair:
+        r = httpx.post(url + "/completion", json={"prompt": PROMPT, "repeat_penalty": 0}, timeout=300)
+        assert r.status_code == 400 and "repeat" in r.json()["error"]["message"], (url, r.text)
+
+
 def test_a_chat_prompt_sent_raw_ends_at_eos_as_in_llama_server(pair):
     """With --parse-special the template's markup in a raw prompt is its tokens, as llama-server
     reads it; the answer ends at the end-of-turn token, which llama-server counts."""

@@ -252,6 +252,21 @@ def _logit_bias(text: str) -> tuple[int, float]:
     return int(m.group(1)), -bias if m.group(2) == "-" else bias
 
 
+def _temperature(text: str) -> float:
+    return max(finite_float(text), 0.0)  # llama.cpp's arg.cpp clamps it so
+
+
+def _repeat_penalty(text: str) -> float:
+    from saem_gguf.engine import SamplingConfig
+
+    v = finite_float(text)
+    try:  # llama.cpp's check, SamplingConfig's
+        SamplingConfig(repeat_penalty=v)
+    except SaemError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("repeat_penalty ", "")) from None
+    return v
+
+
 def unit_float(text: str) -> float:
     v = finite_float(text)
     if not 0.0 <= v <= 1.0:
@@ -317,19 +332,20 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
                    help=f"tokens to generate ({n_predict}; -1 = until end of generation or a "
                                      "full context, -2 the same, as llama-completion's; capped at the room the "
                                      "context has left)")
-    g.add_argument("--temp", "--temperature", dest="temp", type=finite_float, default=0.0, metavar="N",
-                   help="temperature (default 0 = greedy; llama.cpp's default is 0.8; <= 0 is greedy)")
+    g.add_argument("--temp", "--temperature", dest="temp", type=_temperature, default=0.0, metavar="N",
+                   help="temperature (default 0 = greedy; llama.cpp's default is 0.8; below 0 is 0, as "
+                        "llama.cpp reads it)")
     g.add_argument("--top-k", type=int, default=40, metavar="N", help="top-k sampling (40, 0 = disabled)")
-    g.add_argument("--top-p", type=unit_float, default=0.95, metavar="N",
+    g.add_argument("--top-p", type=finite_float, default=0.95, metavar="N",
                    help="top-p sampling (0.95, 1.0 = disabled)")
-    g.add_argument("--min-p", type=unit_float, default=0.05, metavar="N",
+    g.add_argument("--min-p", type=finite_float, default=0.05, metavar="N",
                    help="min-p sampling (0.05, 0.0 = disabled)")
-    g.add_argument("--typical", "--typical-p", dest="typical", type=unit_float, default=1.0, metavar="N",
+    g.add_argument("--typical", "--typical-p", dest="typical", type=finite_float, default=1.0, metavar="N",
                    help="locally typical sampling, parameter p (1.0 = disabled)")
     g.add_argument("--repeat-last-n", type=_int_at_least(0), default=64, metavar="N",
                    help="last n tokens to consider for penalize (64, 0 = disabled)")
-    g.add_argument("--repeat-penalty", type=finite_float, default=1.0, metavar="N",
-                   help="penalize repeat sequence of tokens (1.0 = disabled)")
+    g.add_argument("--repeat-penalty", type=_repeat_penalty, default=1.0, metavar="N",
+                   help="penalize repeat sequence of tokens (1.0 = disabled; greater than 0)")
     g.add_argument("--presence-penalty", type=finite_float, default=0.0, metavar="N",
                    help="repeat alpha presence penalty (0.0 = disabled)")
     g.add_argument("--frequency-penalty", type=finite_float, default=0.0, metavar="N",

@@ -74,7 +74,7 @@ class BatchRequest:
     max_tokens: int  # n_predict (< 0: until the sequence's context is full); also stops there
     sampling: SamplingConfig  # seed None: a random one per request
     extra_stops: tuple[str, ...] = ()  # the chat format's stop strings, added to sampling.stop
-    n_probs: int = 0  # top log-probs per generated token (0: none)
+    n_probs: int = 0  # top log-probs per generated token (0: none; at most the vocabulary's)
     # a chat prompt's text (None: a raw prompt): a chat's reasoning budget counts from the
     # thinking block its generation prompt opens (Engine.reasoning_budget)
     chat_text: str | None = None
@@ -370,8 +370,8 @@ class Scheduler:
             raise PromptTooLong(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context "
                                 f"({self._n_ctx_seq} tokens per sequence)")
         check_logit_bias(req.sampling.logit_bias, self._n_vocab)
-        if not 0 <= req.n_probs <= self._n_vocab:
-            raise SaemError(f"n_probs must be in 0..{self._n_vocab}, got {req.n_probs}")
+        if req.n_probs < 0:  # more than the vocabulary holds is all of it, as llama-server's
+            raise SaemError(f"n_probs must be >= 0, got {req.n_probs}")
         handle = SequenceHandle(self, req, resolve_seed(req.sampling.seed))
         with self._lock:
             if not self._accepting or self._failure is not None:
@@ -788,6 +788,7 @@ class Scheduler:
         descending, then token id descending: ``sorted(zip(logprobs, ids), reverse=True)``)."""
         if n_probs <= 0:
             return None
+        n_probs = min(n_probs, self._n_vocab)  # a request may ask for more (llama-server: all there are)
         ptr = self._lc.llama_get_logits_ith(self._ctx, batch_index)
         lp = self.engine.llm.logits_to_logprobs(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)))
         cut = np.partition(lp, lp.size - n_probs)[lp.size - n_probs]  # the n_probs-th best value

@@ -7,8 +7,16 @@ sources): error bodies are ``{"error": {"message", "type", "param", "code"}}`` w
 error types, chat content parts are joined with a newline, ``echo``, ``best_of`` and ``suffix`` are
 refused, and llama.cpp's own sampling fields (``top_k``, ``min_p``, ``typical_p``,
 ``repeat_penalty``, ``ignore_eos``, ``n_probs``) are accepted beside OpenAI's. Unknown fields are
-ignored, as both servers do. Values are checked strictly: a string where a number belongs is a
-400, not a silent conversion.
+ignored, as both servers do.
+
+The fields take llama-server's values (tools/server/server-schema.cpp): ``null`` is the field left
+out; a soft limit clamps (``top_k`` >= 0, ``top_p`` and ``min_p`` in [0, 1], ``temperature`` >= 0,
+XTC's and ``mirostat``'s), a hard one is a 400 (counts >= 0, at most INT32_MAX); ``typical_p`` and
+the log-prob counts have no bound (``n_probs`` <= 0: none); a seed is taken modulo 2^32, as
+llama.cpp's uint32 (2^32 - 1, and -1, draw one at random); a whole number written as a float
+(``40.0``) is that integer. Types are checked strictly: a string where a number belongs is a 400,
+as in llama-server, and so are a boolean there and ``40.5`` where an integer belongs (llama-server
+reads them as 1 and 40), not a silent conversion.
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from saem_gguf.engine import SEED_RANDOM, SamplingConfig
 from saem_gguf.errors import SaemError
@@ -29,7 +37,8 @@ from saem_gguf.grammar import json_object_grammar, json_schema_grammar
 from saem_gguf.samplers import DEFAULT_ORDER, sampler_order
 from saem_gguf.serving.batch import LineLimits
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat); completions' logprobs use the same
+INT32_MAX = 2**31 - 1  # llama-server's hard limit of its integer fields
+DEFAULT_TOP_LOGPROBS = 20  # llama-server's alternatives for a chat's "logprobs": true alone
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,24 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class _Strict(BaseModel):
     # strict: "0.5" is not a temperature; unknown fields are ignored (clients send user, metadata, ...)
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        # llama-server reads a null field as one left out (its has_value / json_value), and clients
+        # that write every field send "stream": null, "logprobs": null, ...
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def _whole(v):
+    """A float that holds a whole number (``40.0``) as that integer; anything else as it came."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+Whole = Annotated[int, BeforeValidator(_whole)]  # an integer field: 40 or 40.0
+Count = Annotated[int, BeforeValidator(_whole), Field(ge=0, le=INT32_MAX)]  # llama-server's hard limit
 
 
 class StreamOptions(_Strict):
@@ -104,22 +131,23 @@ class _Common(_Strict):
     """Fields /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=-1)  # -1: until end of generation or a full context
-    temperature: float | None = None
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = None
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    typical_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    # -1: until end of generation or a full context
+    max_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
+    temperature: float | None = None  # clamped to >= 0 (generation)
+    top_p: float | None = None  # clamped to [0, 1]
+    top_k: Whole | None = None  # clamped to [0, INT32_MAX]
+    min_p: float | None = None  # clamped to [0, 1]
+    typical_p: float | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = Field(default=None, ge=-1, le=SEED_RANDOM - 1)
+    seed: Whole | None = None  # modulo 2^32
     stop: Any = None  # a string or a list of strings
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
     ignore_eos: bool = False
-    n_probs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    n_probs: Whole | None = None  # <= 0: none
     # OpenAI's {"token id": bias}, and llama-server's [[id or text, bias], ...] and text keys (each of
     # the text's tokens); a bias of false bans the token (request_logit_bias)
     logit_bias: dict[str, Any] | list[Any] | None = None
@@ -138,18 +166,18 @@ class _Common(_Strict):
     # ``generation`` as llama-server clamps them
     dry_multiplier: float | None = None
     dry_base: float | None = None  # below 1: the server's
-    dry_allowed_length: int | None = Field(default=None, ge=0)
-    dry_penalty_last_n: int | None = Field(default=None, ge=0)
+    dry_allowed_length: Count | None = None
+    dry_penalty_last_n: Count | None = None
     dry_sequence_breakers: list[str] | None = Field(default=None, min_length=1)
     xtc_probability: float | None = None  # clamped to [0, 1]
     xtc_threshold: float | None = None  # clamped to [0, 1]
     top_n_sigma: float | None = None
     dynatemp_range: float | None = None
     dynatemp_exponent: float | None = None
-    mirostat: int | None = None  # clamped to [0, 2]
+    mirostat: Whole | None = None  # clamped to [0, 2]
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
-    min_keep: int | None = Field(default=None, ge=0)
+    min_keep: Count | None = None
 
     @field_validator("stop")
     @classmethod
@@ -189,7 +217,7 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: Any  # a string or a list of one string; checked below
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: Whole | None = None  # < 0: none (llama-server's n_probs); 0: the chosen token's alone (OpenAI's)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -221,7 +249,9 @@ class CompletionRequest(_Common):
 
     def top_n(self) -> int | None:
         """Alternatives per token to return, None for no log-probs at all."""
-        return self.logprobs if self.logprobs is not None else self.n_probs
+        if self.logprobs is not None:
+            return self.logprobs if self.logprobs >= 0 else None
+        return self.n_probs if self.n_probs is not None and self.n_probs > 0 else None
 
 
 class NativeCompletionRequest(_Common):
@@ -230,13 +260,13 @@ class NativeCompletionRequest(_Common):
     ``repeat_last_n``, ``n_probs``, ``return_tokens``; the sampling fields are the OpenAI routes'."""
 
     prompt: str | list[str | int]
-    n_predict: int | None = Field(default=None, ge=-1)
-    repeat_last_n: int | None = Field(default=None, ge=0)
+    n_predict: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
+    repeat_last_n: Count | None = None
     return_tokens: bool = False
     # llama-server's limits for code completion (batch.LineLimits): each new line's least
     # indentation, and a time after which the next newline ends the answer (-1, 0: none)
-    n_indent: int = Field(default=0, ge=0, le=2**31 - 1)
-    t_max_predict_ms: int = Field(default=-1, ge=-1)
+    n_indent: Count = 0
+    t_max_predict_ms: Whole = Field(default=-1, ge=-1, le=2**63 - 1)
     # llama-server's: only these fields of the last object, a path with slashes naming a nested
     # one (e.g. "timings/predicted_n", kept under that name); absent ones left out
     response_fields: list[str] = []
@@ -272,7 +302,7 @@ class NativeCompletionRequest(_Common):
         return v
 
     def top_n(self) -> int | None:
-        return self.n_probs or None
+        return self.n_probs if self.n_probs is not None and self.n_probs > 0 else None
 
 
 class InfillChunk(_Strict):
@@ -328,9 +358,9 @@ class ResponseFormat(_Strict):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=-1)
+    max_completion_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Whole | None = Field(default=None, ge=0)  # absent with logprobs: 20, as llama-server
     response_format: ResponseFormat | None = None
     tools: list | None = None
     tool_choice: Any = None
@@ -343,8 +373,8 @@ class ChatRequest(_Common):
     reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] | None = None
     # llama-server's: the thinking block's token budget over the server's --reasoning-budget (-1:
     # the server's), its other name, and the text forced before the end tag once it is spent
-    reasoning_budget_tokens: int | None = Field(default=None, ge=-1)
-    thinking_budget_tokens: int | None = Field(default=None, ge=-1)
+    reasoning_budget_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
+    thinking_budget_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
     reasoning_budget_message: str | None = None
 
     @field_validator("chat_template_kwargs")
@@ -376,8 +406,8 @@ class ChatRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be set to true", "top_logprobs")
         if self.logprobs:
-            return self.top_logprobs or 0
-        return self.n_probs
+            return DEFAULT_TOP_LOGPROBS if self.top_logprobs is None else self.top_logprobs
+        return self.n_probs if self.n_probs is not None and self.n_probs > 0 else None
 
 
 class TokenizeRequest(_Strict):
@@ -443,14 +473,17 @@ class Generation:
 
 def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) -> Generation:
     """The request's sampling on top of the server's defaults (the CLI's sampling flags)."""
+    def clamp(v, lo, hi):  # llama-server's soft limits
+        return None if v is None else min(max(v, lo), hi)
+
     over = {name: value for name, value in (
-        ("temp", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k), ("min_p", req.min_p),
+        ("temp", clamp(req.temperature, 0.0, math.inf)), ("top_p", clamp(req.top_p, 0.0, 1.0)),
+        ("top_k", clamp(req.top_k, 0, INT32_MAX)), ("min_p", clamp(req.min_p, 0.0, 1.0)),
         ("typical_p", req.typical_p), ("repeat_penalty", req.repeat_penalty),
         ("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty))
         if value is not None}
     if isinstance(req, NativeCompletionRequest) and req.repeat_last_n is not None:
         over["repeat_last_n"] = req.repeat_last_n
-    clamp = lambda v, lo, hi: min(max(v, lo), hi)  # noqa: E731
     over.update({name: value for name, value in (
         ("dry_multiplier", req.dry_multiplier), ("dry_allowed_length", req.dry_allowed_length),
         ("dry_penalty_last_n", req.dry_penalty_last_n), ("top_n_sigma", req.top_n_sigma),
@@ -458,11 +491,12 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
         ("mirostat_tau", req.mirostat_tau), ("mirostat_eta", req.mirostat_eta), ("min_keep", req.min_keep),
         ("dry_base", None if req.dry_base is None else req.dry_base if req.dry_base >= 1 else defaults.dry_base),
         ("dry_sequence_breakers", None if req.dry_sequence_breakers is None else tuple(req.dry_sequence_breakers)),
-        ("xtc_probability", None if req.xtc_probability is None else clamp(req.xtc_probability, 0.0, 1.0)),
-        ("xtc_threshold", None if req.xtc_threshold is None else clamp(req.xtc_threshold, 0.0, 1.0)),
-        ("mirostat", None if req.mirostat is None else clamp(req.mirostat, 0, 2))) if value is not None})
-    if req.seed is not None:
-        over["seed"] = None if req.seed == -1 else req.seed
+        ("xtc_probability", clamp(req.xtc_probability, 0.0, 1.0)),
+        ("xtc_threshold", clamp(req.xtc_threshold, 0.0, 1.0)),
+        ("mirostat", clamp(req.mirostat, 0, 2))) if value is not None})
+    if req.seed is not None:  # llama.cpp's uint32 seed; LLAMA_DEFAULT_SEED (-1 too) draws one
+        seed = req.seed % 2**32
+        over["seed"] = None if seed == SEED_RANDOM else seed
     if req.ignore_eos:
         over["ignore_eos"] = True
     if req.samplers is not None:
