@@ -19,6 +19,7 @@ from saem_gguf.default_model import default_model_path
 from saem_gguf.engine import SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import json_object_grammar, json_schema_grammar
+from saem_gguf.serving.output_format import JSON_OBJECT
 from saem_gguf.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse_request, request_grammar
 
 PROMPT = "What is 12 + 7?"
@@ -239,11 +240,11 @@ def _req(kind, **kw):
     return parse_request(json.dumps({**base, **kw}).encode(), kind)
 
 
-def test_requests_name_their_grammar_as_llama_cpp_python_does():
+def test_requests_name_their_grammar():
     schema = json.loads(SCHEMA)
     assert request_grammar(_req(ChatRequest)) is None
     assert request_grammar(_req(ChatRequest, response_format={"type": "text"})) is None
-    assert request_grammar(_req(ChatRequest, response_format={"type": "json_object"})) == json_object_grammar()
+    assert request_grammar(_req(ChatRequest, response_format={"type": "json_object"})) == JSON_OBJECT  # llama-server's
     via_schema = json_schema_grammar(json.dumps(schema))
     assert request_grammar(_req(ChatRequest, response_format={"type": "json_object", "schema": schema})) == via_schema
     assert request_grammar(_req(ChatRequest, response_format={

@@ -191,15 +191,20 @@ def test_concurrent_greedy_replies_equal_the_lone_ones(client):
     assert together == alone
 
 
-def test_json_schema_response_format_equals_generate_j(client, server):
-    """OpenAI's structured output (response_format json_schema) is the CLI's -j on the same schema."""
+def test_json_schema_response_format_through_the_client(client, server):
+    """OpenAI's structured output (response_format json_schema): the model thinks, then answers in
+    JSON, and the content is the JSON alone (as llama-server: test_serve_reference.py). The CLI's
+    -j constrains the whole output from the first token, as llama-cpp-python does, and so answers
+    without thinking."""
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
-    cli = _generate("--chat", "-p", QUESTION, "-n", str(N), "-j", json.dumps(schema))
-    r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}], max_tokens=N,
+    r = client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}], max_tokens=600,
                                        temperature=0, response_format={"type": "json_schema", "json_schema": {
-                                           "name": "answer", "schema": schema, "strict": True}})
-    assert r.choices[0].message.content == cli["text"] and cli["text"].lstrip().startswith("{")
-    assert r.choices[0].finish_reason == cli["finish_reason"]
+                                           "name": "answer", "schema": schema, "strict": True}},
+                                       extra_body={"reasoning_format": "auto"})
+    assert json.loads(r.choices[0].message.content) == {"answer": 19} and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.model_extra["reasoning_content"]
+    cli = _generate("--chat", "-p", QUESTION, "-n", str(N), "-j", json.dumps(schema))
+    assert cli["text"].startswith("{") and "<think>" not in cli["text"]
     bad = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "grammar": "root ::= x"})
     assert bad.status_code == 400 and "Undefined rule identifier 'x'" in bad.json()["error"]["message"]
     # a grammar deep enough to overflow llama.cpp's parser (a segfault: test_grammar.py) is a 400,

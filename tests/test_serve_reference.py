@@ -384,6 +384,55 @@ def test_streamed_chat_splits_thinking_as_llama_server(pair):
     assert ours == stock and stock[2] > 100  # the same thinking, answer and number of thinking deltas
 
 
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+JSON_ANSWERS = [{"response_format": {"type": "json_object"}},
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA}}},
+                {"json_schema": SCHEMA}, {"json_schema": SCHEMA, "reasoning_format": "none"}]
+JSON_IDS = ["json-object", "json-schema", "json-schema-field", "format-none"]
+
+
+@pytest.mark.parametrize("fields", JSON_ANSWERS, ids=JSON_IDS)
+def test_a_json_answer_comes_after_the_thinking_as_in_llama_server(pair, fields):
+    """response_format / json_schema on a reasoning template: llama-server's grammar lets the
+    model think first (the thinking unconstrained), then the JSON, whose content is the JSON alone
+    (serving.output_format); before, the grammar held from the first token, and the model
+    answered {"answer": 12} without thinking, where llama-server answers 19."""
+    stock, ours = (_message(_chat(url, max_tokens=600, **fields)) for url in pair)
+    assert ours == stock
+    if fields.get("reasoning_format") != "none":
+        assert stock[1] and stock[0].startswith("{")
+
+
+def _streamed_message(url: str, **fields) -> tuple:
+    with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 0, "stream": True,
+                                                                  **fields}, timeout=300) as r:
+        deltas = [json.loads(ln[6:])["choices"] for ln in r.iter_lines() if ln.startswith("data: {")]
+    deltas = [c[0] for c in deltas if c]
+    return ("".join(d["delta"].get("content") or "" for d in deltas),
+            "".join(d["delta"].get("reasoning_content") or "" for d in deltas) or None, deltas[-1]["finish_reason"])
+
+
+def test_a_streamed_json_answer_comes_after_the_thinking_as_in_llama_server(pair):
+    stock, ours = (_streamed_message(url, max_tokens=600, json_schema=SCHEMA) for url in pair)
+    assert ours == stock == _message(_chat(pair[1], max_tokens=600, json_schema=SCHEMA))
+
+
+def test_a_json_answer_without_a_reasoning_template_as_in_llama_server(tmp_path):
+    """A template with no thinking: no thinking block, the same whitespace and fence rules."""
+    tpl = tmp_path / "plain.jinja"
+    tpl.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048", "--chat-template-file", str(tpl))
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--chat-template", str(tpl)]).start()
+    try:
+        for fields in JSON_ANSWERS[:3]:
+            s, o = (_message(_chat(url, max_tokens=100, **fields)) for url in (stock.url, ours.url))
+            assert o == s and s[1] is None, fields
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+
+
 @pytest.fixture(scope="module")
 def forced_pair(tmp_path_factory):
     tpl = tmp_path_factory.mktemp("forced") / "forced-open.jinja"
@@ -430,6 +479,12 @@ def test_thinking_opened_by_the_template_that_splits_into_nothing_is_the_text_as
     assert ours == stock == (forced, None, "stop")
 
 
+@pytest.mark.parametrize("fields", JSON_ANSWERS[:3], ids=JSON_IDS[:3])
+def test_a_json_answer_after_thinking_the_template_opened_as_llama_server(forced_pair, fields):
+    stock, ours = (_message(_chat(url, max_tokens=600, **fields)) for url in forced_pair)
+    assert ours == stock and stock[1]
+
+
 @pytest.fixture(scope="module")
 def budget_pair():
     """(stock llama-server, serve) with --reasoning-budget 5: a chat's thinking ends after 5 tokens."""
@@ -459,6 +514,12 @@ def test_reasoning_budget_as_llama_server(budget_pair, fields):
 def test_streamed_chat_with_a_reasoning_budget_as_llama_server(budget_pair):
     stock, ours = (_streamed(url) for url in budget_pair)
     assert ours[:2] == stock[:2] and stock[0] == "\nFirst, this is"
+
+
+@pytest.mark.parametrize("fields", JSON_ANSWERS[:2], ids=JSON_IDS[:2])
+def test_a_json_answer_after_a_cut_thinking_as_llama_server(budget_pair, fields):
+    stock, ours = (_message(_chat(url, max_tokens=200, **fields)) for url in budget_pair)
+    assert ours == stock
 
 
 def test_generate_chat_with_a_reasoning_budget_writes_llama_servers_text(budget_pair):

@@ -38,6 +38,7 @@ from saem_gguf.serving.protocol import (
     InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation,
     llama_timings, native_probs, native_settings, parse_request, piece_json, request_logit_bias, sse, stop_type,
 )
+from saem_gguf.serving.output_format import JsonAnswer, answer_grammar, json_answer_text, thinking_of
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
 from saem_gguf.thinking import THINK_OPEN, forced_open_prefix, template_reasons
 
@@ -196,6 +197,8 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     lead = ""  # unsplit, llama-server's content starts with the thinking block the prompt opened
     # the chat prompt's text (None for a raw prompt): where a thinking block may already be open
     chat_text = handle.request.chat_text
+    # a schema's answer: the JSON alone, as llama-server's parser captures it
+    json_answer = JsonAnswer() if gen.json_answer else None
     if chat and splits(req.reasoning_format or state.cfg.reasoning_format, state.cfg.chat_template):
         thinking = Reasoning(forced_open_prefix(chat_text))
     elif chat and template_reasons(state.cfg.chat_template):
@@ -220,6 +223,8 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
             reasoning, piece = thinking.add(piece, final=ev.finish_reason is not None)
         elif lead and (piece or ev.finish_reason is not None):
             piece, lead = lead + piece, ""
+        if json_answer is not None:
+            piece = json_answer.add(piece, final=ev.finish_reason is not None)
         tokens = _token_logprobs(ev, reply.top_n, state.piece)
         if piece or reasoning or tokens:
             out.append(sse(reply.chunk(piece, tokens, text_offset=offset, reasoning=reasoning)))
@@ -243,6 +248,8 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
     reply.text = lead + text.decode("utf-8", errors="ignore")
     if thinking is not None:
         reply.reasoning, reply.text = split_reasoning(reply.text, thinking.prefix)
+    if json_answer is not None:
+        reply.text = json_answer_text(reply.text)
     return JSONResponse(reply.response())
 
 
@@ -332,13 +339,16 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
     gen = generation(req, state.cfg.sampling, state.cfg.max_tokens)
     sched = state.scheduler
     try:
-        if gen.sampling.grammar is not None and gen.sampling.grammar is not state.cfg.sampling.grammar:
-            await run_in_threadpool(sched.check_grammar, gen.sampling.grammar)
         # a text key biases its tokens as llama-server's common_tokenize(vocab, text, false) makes them
         bias = await run_in_threadpool(request_logit_bias, req, lambda text: sched.tokenize_mixed(text, False, False))
         if bias is not None:
             gen = replace(gen, sampling=replace(gen.sampling, logit_bias=bias))
         tokens, extra_stops, chat_text = await prompt()
+        if gen.json_answer:  # the JSON after the thinking, where the prompt leaves the answer
+            where = thinking_of(chat_text, state.cfg.chat_template, req.reasoning_format or state.cfg.reasoning_format)
+            gen = replace(gen, sampling=replace(gen.sampling, grammar=answer_grammar(gen.sampling.grammar, where)))
+        if gen.sampling.grammar is not None and gen.sampling.grammar is not state.cfg.sampling.grammar:
+            await run_in_threadpool(sched.check_grammar, gen.sampling.grammar)
         if state.stopping:
             raise SHUTTING_DOWN
         native = isinstance(req, NativeCompletionRequest)

@@ -33,9 +33,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from saem_gguf.engine import SEED_RANDOM, SamplingConfig
 from saem_gguf.errors import SaemError
-from saem_gguf.grammar import json_object_grammar, json_schema_grammar
+from saem_gguf.grammar import json_schema_grammar
 from saem_gguf.samplers import DEFAULT_ORDER, sampler_order
 from saem_gguf.serving.batch import LineLimits
+from saem_gguf.serving.output_format import JSON_OBJECT
 
 INT32_MAX = 2**31 - 1  # llama-server's hard limit of its integer fields
 DEFAULT_TOP_LOGPROBS = 20  # llama-server's alternatives for a chat's "logprobs": true alone
@@ -469,6 +470,9 @@ class Generation:
     max_tokens: int
     sampling: SamplingConfig
     top_n: int | None  # log-prob alternatives per token; None: no log-probs
+    # a chat answer constrained by a schema (response_format, json_schema): its grammar is the
+    # JSON alone, which serving.output_format puts after the thinking, as llama-server does
+    json_answer: bool = False
 
 
 def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) -> Generation:
@@ -523,13 +527,15 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
         max_tokens = req.max_completion_tokens
     if isinstance(req, NativeCompletionRequest) and req.n_predict is not None:
         max_tokens = req.n_predict
-    return Generation(default_max_tokens if max_tokens is None else max_tokens, sampling, req.top_n())
+    return Generation(default_max_tokens if max_tokens is None else max_tokens, sampling, req.top_n(),
+                      json_answer=isinstance(req, ChatRequest) and grammar is not None and req.grammar is None)
 
 
 def request_grammar(req: _Common) -> str | None:
     """The GBNF a request constrains its output to (None: the server's default, if any): its
-    ``grammar``, ``json_schema``, or a chat's ``response_format`` (json_object, json_schema; as
-    llama-cpp-python's chat handler turns them into grammars). More than one is a 400."""
+    ``grammar``, ``json_schema``, or a chat's ``response_format`` (json_schema; json_object, with
+    llama-cpp-python's optional ``schema``, else llama-server's grammar of any object), schemas
+    by llama-cpp-python's converter. More than one is a 400."""
     given = {"grammar": req.grammar, "json_schema": req.json_schema}
     fmt = req.response_format if isinstance(req, ChatRequest) else None
     if fmt is not None and fmt.type != "text":
@@ -548,7 +554,7 @@ def request_grammar(req: _Common) -> str | None:
             return json_schema_grammar(json.dumps(req.json_schema), "json_schema")
         schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else fmt.schema_
         if schema is None:
-            return json_object_grammar()
+            return JSON_OBJECT
         return json_schema_grammar(json.dumps(schema), "response_format's schema")
     except SaemError as e:
         raise bad_request(str(e), named[0]) from None
