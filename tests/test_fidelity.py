@@ -223,7 +223,7 @@ def test_sampling_values_past_their_ends_draw_as_stock(llama_cpp, stock_lib):
     eng = engine(model, "lru")
     try:
         for s, want in zip(PAST_THEIR_ENDS, ref):
-            same(result_row(eng.generate(PROMPT, 24, SamplingConfig(temp=0.9, seed=5))), want[0], str(s))
+            same(result_row(eng.generate(PROMPT, 24, SamplingConfig(temp=0.9, seed=5, **s))), want[0], str(s))
     finally:
         eng.close()
 
