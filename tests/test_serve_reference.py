@@ -130,6 +130,22 @@ def test_a_repeat_penalty_of_zero_is_refused_as_by_llama_server(pair):
         assert r.status_code == 400 and "repeat" in r.json()["error"]["message"], (url, r.text)
 
 
+def _native_chunks(url: str, body: dict) -> list[tuple]:
+    with httpx.stream("POST", url + "/completion", json={**body, "stream": True}, timeout=300) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")]
+    return [(c["content"], c["tokens"], c["stop"], c.get("stop_type"),
+             [(t["id"], t["top_logprobs"][0]["id"]) for t in c.get("completion_probabilities", [])]) for c in chunks]
+
+
+@pytest.mark.parametrize("fields", [{}, {"n_probs": 2}, {"return_tokens": True}, {"stop": [" so"]}],
+                         ids=["plain", "n-probs", "return-tokens", "stop-word"])
+def test_streamed_completion_chunks_as_llama_server(pair, fields):
+    """Each chunk's text and token ids (sent whether or not return_tokens is), as llama-server's."""
+    body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, **fields}
+    stock, ours = (_native_chunks(url, body) for url in pair)
+    assert ours == stock and len(stock) > 2
+
+
 def test_a_chat_prompt_sent_raw_ends_at_eos_as_in_llama_server(pair):
     """With --parse-special the template's markup in a raw prompt is its tokens, as llama-server
     reads it; the answer ends at the end-of-turn token, which llama-server counts."""

@@ -775,9 +775,10 @@ class NativeReply:
 
     def partial(self, text: bytes, token_ids: tuple[int, ...], probs: list[dict] | None,
                 n_predicted: int, n_prompt: int) -> dict:
-        """A streamed chunk: the text this event releases."""
+        """A streamed chunk: the text this event releases, and its token ids (llama-server sends
+        them in every chunk; ``return_tokens`` is for the last object)."""
         out = {"index": 0, "content": text.decode("utf-8", errors="ignore"),
-               "tokens": list(token_ids) if self.return_tokens else [], "stop": False, "id_slot": self.id_slot,
+               "tokens": list(token_ids), "stop": False, "id_slot": self.id_slot,
                "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt}
         if probs:
             out["completion_probabilities"] = probs
