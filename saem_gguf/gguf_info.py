@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from saem_gguf.errors import GGUFFormatError
-from saem_gguf.model_check import check_model, check_structure
+from saem_gguf.model_check import check_model, check_split_part, check_structure
 
 GGUF_MAGIC = b"GGUF"
 # Routed-expert tensors (and their per-expert biases/scales): llama.cpp's LLM_FFN_EXPS_REGEX.
@@ -137,8 +137,25 @@ def _int_field(reader, key: str, default: int, lo: int = 0, hi: int = 1 << 31) -
 
 
 def read_model_info(path: str | Path, for_load: bool = False) -> ModelInfo:
-    """The file's MoE shape; ``for_load`` also requires every key a llama.cpp load needs."""
+    """The file's MoE shape; ``for_load`` also requires every key a llama.cpp load needs. A split
+    model (``split.count`` > 1) is read whole, from its first part, as llama.cpp loads it: every
+    part found by llama.cpp's names and checked."""
     path = Path(path)
+    reader = _reader(path)
+    try:
+        _not_a_later_part(path, reader)
+        check_model(reader, path.stat().st_size, for_load)
+    except GGUFFormatError as e:
+        raise GGUFFormatError(f"{path}: {e}") from None
+    parts = [(path, reader)] + _other_parts(path, reader)
+    try:
+        return _info_from_readers(parts)
+    except GGUFFormatError as e:
+        raise GGUFFormatError(f"{path}: {e}") from None
+
+
+def _reader(path: Path):
+    """The gguf package's reader of ``path``, after gguf.cpp's structure checks."""
     _check_header(path)
     try:
         from gguf import GGUFReader
@@ -147,20 +164,65 @@ def read_model_info(path: str | Path, for_load: bool = False) -> ModelInfo:
         # below (model_check redoes it in Python integers), not as a RuntimeWarning on stderr
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore", RuntimeWarning)
-            reader = GGUFReader(path)
+            return GGUFReader(path)
     except GGUFFormatError:
         raise
     except Exception as e:  # noqa: BLE001 - the gguf reader raises many types on bad files
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GGUFFormatError(f"{path}: truncated or corrupt GGUF ({msg})") from None
-    try:
-        check_model(reader, path.stat().st_size, for_load)
-        return _info_from_reader(path, reader)
-    except GGUFFormatError as e:
-        raise GGUFFormatError(f"{path}: {e}") from None
 
 
-def _info_from_reader(path: Path, reader) -> ModelInfo:
+def split_part_paths(path: Path, n_split: int) -> list[Path]:
+    """The parts of a model split in ``n_split``, by llama.cpp's names (``llama_split_path``:
+    PREFIX-00001-of-00003.gguf, ...), from its first part ``path``."""
+    suffix = f"-00001-of-{n_split:05d}.gguf"
+    if not path.name.endswith(suffix) or len(path.name) == len(suffix):
+        raise GGUFFormatError(f"{path}: the first part of a model split in {n_split} must be named "
+                              f"PREFIX{suffix} (llama.cpp finds the other parts by their names)")
+    prefix = str(path)[:-len(suffix)]
+    return [Path(f"{prefix}-{i:05d}-of-{n_split:05d}.gguf") for i in range(1, n_split + 1)]
+
+
+def _not_a_later_part(path: Path, reader) -> None:
+    """A split model's later part holds tensors but no model: it is loaded from the first part."""
+    n_split = _int_field(reader, "split.count", 0, 0, 65535)
+    index = _int_field(reader, "split.no", 0, 0, 65535)
+    if n_split > 1 and index != 0:
+        raise GGUFFormatError(f"part {index + 1} of a model split in {n_split}: give its first part "
+                              f"(llama.cpp loads a split model from it)")
+
+
+def _other_parts(path: Path, reader) -> list[tuple[Path, object]]:
+    """The readers of a split model's parts after the first (none for a whole file), each checked
+    as llama.cpp checks them; their tensors, and no more, as ``split.tensors.count`` says."""
+    n_split = _int_field(reader, "split.count", 0, 0, 65535)
+    if n_split <= 1:
+        return []
+    parts = []
+    for i, p in enumerate(split_part_paths(path, n_split)[1:], 1):
+        if not p.exists():
+            raise GGUFFormatError(f"{path}: part {i + 1} of this split model is missing: {p}")
+        r = _reader(p)
+        try:
+            check_split_part(r, p.stat().st_size, i)
+        except GGUFFormatError as e:
+            raise GGUFFormatError(f"{p}: {e}") from None
+        parts.append((p, r))
+    names: set[str] = set()
+    for p, r in [(path, reader)] + parts:
+        for t in r.tensors:
+            if t.name in names:
+                raise GGUFFormatError(f"{p}: tensor {t.name} is in two parts of the split model")
+            names.add(t.name)
+    expected = _int_field(reader, "split.tensors.count", len(names), 0, 1 << 31)
+    if expected != len(names):
+        raise GGUFFormatError(f"{path}: the split model's parts hold {len(names)} tensors, "
+                              f"split.tensors.count says {expected}")
+    return parts
+
+
+def _info_from_readers(parts: list[tuple[Path, object]]) -> ModelInfo:
+    path, reader = parts[0]
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise GGUFFormatError("no general.architecture: not a llama.cpp model file")
@@ -182,13 +244,14 @@ def _info_from_reader(path: Path, reader) -> ModelInfo:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = len(tokens.data) if tokens is not None else 0
 
-    file_bytes = path.stat().st_size
+    file_bytes = sum(p.stat().st_size for p, _ in parts)
     layers: dict[int, MoELayer] = {}
     expert_bytes = total_bytes = 0
     types: set[str] = set()
     matrix_types: set[str] = set()
     has_shexp = False
-    for t in reader.tensors:  # offsets, sizes and types: checked by check_model
+    # offsets, sizes and types: checked by check_model (check_split_part)
+    for t in (t for _, r in parts for t in r.tensors):
         nbytes = int(t.n_bytes)
         total_bytes += nbytes
         if SHARED_EXPERT_TENSOR.match(t.name):

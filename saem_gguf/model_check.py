@@ -87,6 +87,21 @@ def check_model(reader, file_bytes: int, for_load: bool = True) -> None:
     _check_tensor_infos(reader, file_bytes)
 
 
+def check_split_part(reader, file_bytes: int, index: int) -> None:
+    """Raise GGUFFormatError on anything llama.cpp would abort on or reject in part ``index`` (from
+    0) of a split model: its ``split.no`` (read with gguf_get_val_u16, which aborts on another
+    type) must say ``index``; its tensors are checked as a whole file's. Its other metadata is not
+    read by llama.cpp (the first part's counts)."""
+    fields = reader.fields
+    f = fields.get("split.no")
+    if f is None:
+        raise GGUFFormatError("metadata split.no is missing: not a part of a split model")
+    _check_key_types({"split.no": f}, "")
+    if _scalar(f) != index:
+        raise GGUFFormatError(f"it says it is part {_scalar(f) + 1} (split.no {_scalar(f)}), expected part {index + 1}")
+    _check_tensor_infos(reader, file_bytes)
+
+
 # --- file structure (gguf.cpp's reader, before the gguf package parses anything) ---------------
 GGUF_MAX_STRING_LENGTH = 1 << 30
 GGUF_MAX_ARRAY_ELEMENTS = 1 << 30

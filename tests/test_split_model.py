@@ -1,0 +1,96 @@
+"""A model split into parts (llama.cpp's gguf-split naming: PREFIX-00001-of-00003.gguf, the
+layout of the large MoE GGUFs people download): given its first part, it is read, checked and
+loaded whole, as llama.cpp loads it, and answers as the unsplit file does; a part given alone, a
+part missing or a part that says it is another is one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import gguf
+import pytest
+
+from conftest import run_cli
+from saem_gguf.default_model import default_model_path
+from saem_gguf.gguf_info import read_model_info
+
+PARTS = 3
+
+
+def write_split(src: Path, dst: Path, parts: int) -> list[Path]:
+    """``src`` rewritten as ``parts`` files by gguf-py's writer (the split keys llama.cpp reads)."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents(),
+                             split_max_tensors=math.ceil(len(reader.tensors) / parts))
+    for f in reader.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        kind = f.types[0]
+        writer.add_key_value(f.name, f.contents(), kind, sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return [dst.with_name(f"{dst.stem}-{i:05d}-of-{parts:05d}.gguf") for i in range(1, parts + 1)]
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory) -> list[Path]:
+    paths = write_split(default_model_path(), tmp_path_factory.mktemp("split") / "model.gguf", PARTS)
+    assert all(p.exists() for p in paths)
+    return paths
+
+
+def test_a_split_model_reads_as_the_whole_file(split):
+    whole, parts = read_model_info(default_model_path(), for_load=True), read_model_info(split[0], for_load=True)
+    assert {**vars(parts), "path": "", "file_bytes": 0} == {**vars(whole), "path": "", "file_bytes": 0}
+    assert parts.file_bytes == sum(p.stat().st_size for p in split)
+    assert len({t.name for layer in parts.moe_layers for t in layer.tensors}) == 3 * parts.n_layer
+
+
+def _generate(model: Path, *flags: str) -> dict:
+    r = run_cli("generate", "-m", str(model), "-p", "What is 12 + 7?", "-n", "24", "--json", *flags, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("flags", [[], ["--policy", "lru", "--ecr", "0.25"]], ids=["saem", "lru"])
+def test_a_split_model_answers_as_the_whole_file(split, flags):
+    ours, whole = _generate(split[0], *flags), _generate(default_model_path(), *flags)
+    assert ours["text"] == whole["text"] and ours["n_generated"] == 24
+
+
+def _one_line_error(*args: str) -> str:
+    r = run_cli(*args)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_a_later_part_alone_is_one_line(split):
+    assert "part 2 of a model split in 3: give its first part" in _one_line_error("inspect", str(split[1]))
+
+
+def test_a_missing_part_is_one_line(split, tmp_path):
+    shutil.copy(split[0], tmp_path / split[0].name)
+    shutil.copy(split[1], tmp_path / split[1].name)
+    line = _one_line_error("generate", "-m", str(tmp_path / split[0].name), "-p", "x", "-n", "2")
+    assert "part 3 of this split model is missing" in line and split[2].name in line
+
+
+def test_a_first_part_renamed_is_one_line(split, tmp_path):
+    renamed = tmp_path / "model.gguf"
+    shutil.copy(split[0], renamed)
+    assert "must be named PREFIX-00001-of-00003.gguf" in _one_line_error("inspect", str(renamed))
+
+
+def test_parts_in_the_wrong_places_are_one_line(split, tmp_path):
+    for i, j in ((0, 0), (1, 2), (2, 1)):
+        shutil.copy(split[j], tmp_path / split[i].name)
+    line = _one_line_error("inspect", str(tmp_path / split[0].name))
+    assert "says it is part 3" in line and "expected part 2" in line
