@@ -942,7 +942,8 @@ class Engine:
         self.placement = Placement(self.llm.ctx, policy, slots, cost, detector,
                                    calib_counts=calib, cue_counts=cue_counts, calib_routing=routing,
                                    record=self.cfg.record, policy_args=policy_args,
-                                   check_slots=self._check_host_slots)
+                                   check_slots=self._check_host_slots,
+                                   file_moe_layers=[m.index for m in self.info.moe_layers])
         self.policy_name = policy
         if self.ram_tier is not None:  # the RAM tier outlives a policy switch (bench); its counts restart
             self.ram_tier.reset_stats()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -80,9 +80,12 @@ class Placement:
                  calib_counts: np.ndarray | None = None, cue_counts: dict[str, np.ndarray] | None = None,
                  calib_routing: TraceSet | None = None, record: bool = False,
                  policy_args: dict | None = None,
-                 check_slots: Callable[[np.ndarray], None] | None = None) -> None:
+                 check_slots: Callable[[np.ndarray], None] | None = None,
+                 file_moe_layers: Sequence[int] | None = None) -> None:
         """``check_slots``: called with the slots per model layer the policy asks for, before the
-        native cache allocates them (the engine's host-memory bound: it raises SaemError)."""
+        native cache allocates them (the engine's host-memory bound: it raises SaemError).
+        ``file_moe_layers``: the MoE layers the engine read in the file (gguf_info), which must be
+        the ones llama.cpp loaded: the engine placed the expert tensors by them."""
         self.ctx = ctx
         n_layers = na.saem_moe_n_layers(ctx)
         infos = [na.saem_moe_get_layer_info(ctx, il) for il in range(n_layers)]
@@ -91,6 +94,11 @@ class Placement:
         self.moe_layers = [i.il for i in self.moe_layer_infos]
         if not self.moe_layers:
             raise SaemError("the model has no MoE layers")
+        if file_moe_layers is not None and list(file_moe_layers) != self.moe_layers:
+            # the cache would trust expert tensors the engine did not place (a split model read
+            # from its first part alone was such a case: SIGSEGV in llama.cpp)
+            raise SaemError(f"llama.cpp loaded experts in layers {self.moe_layers}, the file was read as having "
+                            f"them in layers {list(file_moe_layers)}: not starting the expert cache on that")
         first = infos[self.moe_layers[0]]
         self.n_expert, self.top_k = first.n_expert, first.n_expert_used
         # indexed by a decision's MoE layer index: the model layer, the bytes one copy moves

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from saem_gguf.default_model import default_model_path
 from saem_gguf.gguf_info import read_model_info
 
@@ -94,3 +96,23 @@ def test_parts_in_the_wrong_places_are_one_line(split, tmp_path):
         shutil.copy(split[j], tmp_path / split[i].name)
     line = _one_line_error("inspect", str(tmp_path / split[0].name))
     assert "says it is part 3" in line and "expected part 2" in line
+
+
+def test_experts_llama_cpp_loads_elsewhere_than_the_file_says_stop_the_engine(split):
+    """The engine places the expert tensors by the layers it read in the file; where llama.cpp
+    loads experts in others (a split model read from its first part alone, before), the expert
+    cache is not started on that: one SaemError, not a SIGSEGV (run apart, in case it is one)."""
+    script = (
+        "import sys\n"
+        "import saem_gguf.gguf_info as gi\n"
+        "from saem_gguf.engine import Engine, EngineConfig\n"
+        "from saem_gguf.errors import SaemError\n"
+        "gi._other_parts = lambda path, reader: []  # the first part alone, as before\n"
+        "try:\n"
+        f"    Engine(EngineConfig(model=gi.Path({str(split[0])!r}), n_ctx=256, n_threads=1, verbose=False))\n"
+        "except SaemError as e:\n"
+        "    print(e)\n"
+        "    sys.exit(3)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert "llama.cpp loaded experts in layers [0, 1, 2, 3, 4, 5]" in r.stdout, r.stdout
