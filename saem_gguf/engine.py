@@ -111,6 +111,7 @@ class EngineConfig:
     use_extra_bufts: bool = True
     use_mlock: bool = False  # --mlock
     tensor_overrides: tuple = ()  # -ot: tensor_overrides.TensorOverride, in order
+    kv_overrides: tuple = ()  # --override-kv: (key, value) pairs, saem_gguf.kv_overrides
     numa: str | None = None  # llama.cpp's --numa strategy: distribute | isolate | numactl
     pin_gpu_node: bool = False  # pin CPU expert threads and weights to the GPU's NUMA node
     n_cpu_moe: int | None = None  # -ncmoe N: the n-cpu-moe policy with the experts of blocks < N on the CPU
@@ -146,6 +147,10 @@ class EngineConfig:
             raise SaemError(f"n_parallel (-np) must be in 1..{MAX_PARALLEL}, got {self.n_parallel}")
         if self.n_batch < 1 or self.n_ubatch < 1:
             raise SaemError(f"batch sizes must be >= 1, got -b {self.n_batch} -ub {self.n_ubatch}")
+        if self.kv_overrides:
+            from saem_gguf.kv_overrides import merged
+
+            merged(self.kv_overrides)  # a key given twice is refused
         if self.n_cpu_moe is not None and (self.n_cpu_moe < 0 or self.policy != "n-cpu-moe"):
             raise SaemError(f"n_cpu_moe (-ncmoe) must be >= 0 and goes with the n-cpu-moe policy, got "
                             f"{self.n_cpu_moe} with policy {self.policy}")
@@ -744,6 +749,7 @@ class Engine:
         import gguf
 
         from saem_gguf import native_api as na
+        from saem_gguf.kv_overrides import merged
         from saem_gguf.tensor_overrides import check_against_experts, resolve
 
         cfg = self.cfg
@@ -801,7 +807,8 @@ class Engine:
             type_k=kv_type[cfg.cache_type_k], type_v=kv_type[cfg.cache_type_v],
             use_mmap=use_mmap, use_mlock=cfg.use_mlock, saem_no_repack=no_repack,
             saem_experts_on_host=experts_on_host, saem_experts_pinned=pinned,
-            saem_tensor_overrides=resolve(llama_cpp, overrides))
+            saem_tensor_overrides=resolve(llama_cpp, overrides),
+            **({"kv_overrides": merged(cfg.kv_overrides)} if cfg.kv_overrides else {}))
 
     def _slots_per_layer(self) -> int | None:
         info, cfg = self.info, self.cfg

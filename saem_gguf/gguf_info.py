@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from saem_gguf.errors import GGUFFormatError
-from saem_gguf.model_check import check_model, check_split_part, check_structure
+from saem_gguf.model_check import check_model, check_split_part, check_structure, overridden_fields
 
 GGUF_MAGIC = b"GGUF"
 # Routed-expert tensors (and their per-expert biases/scales): llama.cpp's LLM_FFN_EXPS_REGEX.
@@ -113,8 +113,8 @@ def _check_header(path: Path) -> None:
         raise GGUFFormatError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
+def _field(fields, key: str, default=None):
+    f = fields.get(key)
     if f is None:
         return default
     try:
@@ -123,8 +123,8 @@ def _field(reader, key: str, default=None):
         raise GGUFFormatError(f"metadata key {key} is malformed") from None
 
 
-def _int_field(reader, key: str, default: int, lo: int = 0, hi: int = 1 << 31) -> int:
-    v = _field(reader, key, default)
+def _int_field(fields, key: str, default: int, lo: int = 0, hi: int = 1 << 31) -> int:
+    v = _field(fields, key, default)
     if isinstance(v, list):  # per-layer arrays (e.g. head_count_kv): take the max
         v = max(v) if v else default
     try:
@@ -136,20 +136,21 @@ def _int_field(reader, key: str, default: int, lo: int = 0, hi: int = 1 << 31) -
     return v
 
 
-def read_model_info(path: str | Path, for_load: bool = False) -> ModelInfo:
-    """The file's MoE shape; ``for_load`` also requires every key a llama.cpp load needs. A split
-    model (``split.count`` > 1) is read whole, from its first part, as llama.cpp loads it: every
-    part found by llama.cpp's names and checked."""
+def read_model_info(path: str | Path, for_load: bool = False, overrides: tuple = ()) -> ModelInfo:
+    """The file's MoE shape; ``for_load`` also requires every key a llama.cpp load needs;
+    ``overrides`` (--override-kv, saem_gguf.kv_overrides) set metadata over the file's, checked as
+    it is. A split model (``split.count`` > 1) is read whole, from its first part, as llama.cpp
+    loads it: every part found by llama.cpp's names and checked."""
     path = Path(path)
     reader = _reader(path)
     try:
         _not_a_later_part(path, reader)
-        check_model(reader, path.stat().st_size, for_load)
+        check_model(reader, path.stat().st_size, for_load, overrides)
     except GGUFFormatError as e:
         raise GGUFFormatError(f"{path}: {e}") from None
     parts = [(path, reader)] + _other_parts(path, reader)
     try:
-        return _info_from_readers(parts)
+        return _info_from_readers(parts, overrides)
     except GGUFFormatError as e:
         raise GGUFFormatError(f"{path}: {e}") from None
 
@@ -185,8 +186,8 @@ def split_part_paths(path: Path, n_split: int) -> list[Path]:
 
 def _not_a_later_part(path: Path, reader) -> None:
     """A split model's later part holds tensors but no model: it is loaded from the first part."""
-    n_split = _int_field(reader, "split.count", 0, 0, 65535)
-    index = _int_field(reader, "split.no", 0, 0, 65535)
+    n_split = _int_field(reader.fields, "split.count", 0, 0, 65535)
+    index = _int_field(reader.fields, "split.no", 0, 0, 65535)
     if n_split > 1 and index != 0:
         raise GGUFFormatError(f"part {index + 1} of a model split in {n_split}: give its first part "
                               f"(llama.cpp loads a split model from it)")
@@ -195,7 +196,7 @@ def _not_a_later_part(path: Path, reader) -> None:
 def _other_parts(path: Path, reader) -> list[tuple[Path, object]]:
     """The readers of a split model's parts after the first (none for a whole file), each checked
     as llama.cpp checks them; their tensors, and no more, as ``split.tensors.count`` says."""
-    n_split = _int_field(reader, "split.count", 0, 0, 65535)
+    n_split = _int_field(reader.fields, "split.count", 0, 0, 65535)
     if n_split <= 1:
         return []
     parts = []
@@ -214,34 +215,35 @@ def _other_parts(path: Path, reader) -> list[tuple[Path, object]]:
             if t.name in names:
                 raise GGUFFormatError(f"{p}: tensor {t.name} is in two parts of the split model")
             names.add(t.name)
-    expected = _int_field(reader, "split.tensors.count", len(names), 0, 1 << 31)
+    expected = _int_field(reader.fields, "split.tensors.count", len(names), 0, 1 << 31)
     if expected != len(names):
         raise GGUFFormatError(f"{path}: the split model's parts hold {len(names)} tensors, "
                               f"split.tensors.count says {expected}")
     return parts
 
 
-def _info_from_readers(parts: list[tuple[Path, object]]) -> ModelInfo:
+def _info_from_readers(parts: list[tuple[Path, object]], overrides: tuple = ()) -> ModelInfo:
     path, reader = parts[0]
-    arch = _field(reader, "general.architecture")
+    fields = overridden_fields(reader.fields, overrides)
+    arch = _field(fields, "general.architecture")
     if not isinstance(arch, str) or not arch:
         raise GGUFFormatError("no general.architecture: not a llama.cpp model file")
     a = arch
-    n_layer = _int_field(reader, f"{a}.block_count", 0, 1, MAX_LAYERS)
-    n_embd = _int_field(reader, f"{a}.embedding_length", 0, 1, 1 << 20)
-    n_head = _int_field(reader, f"{a}.attention.head_count", 1, 0, 1 << 16)
-    n_head_kv = _int_field(reader, f"{a}.attention.head_count_kv", n_head, 0, 1 << 16)
+    n_layer = _int_field(fields, f"{a}.block_count", 0, 1, MAX_LAYERS)
+    n_embd = _int_field(fields, f"{a}.embedding_length", 0, 1, 1 << 20)
+    n_head = _int_field(fields, f"{a}.attention.head_count", 1, 0, 1 << 16)
+    n_head_kv = _int_field(fields, f"{a}.attention.head_count_kv", n_head, 0, 1 << 16)
     hd = n_embd // max(n_head, 1)
-    head_dim_k = _int_field(reader, f"{a}.attention.key_length", hd, 0, 1 << 16)
-    head_dim_v = _int_field(reader, f"{a}.attention.value_length", hd, 0, 1 << 16)
-    n_ctx_train = _int_field(reader, f"{a}.context_length", 0, 0, 1 << 31)
-    n_expert = _int_field(reader, f"{a}.expert_count", 0, 0, MAX_EXPERTS)
-    n_used = _int_field(reader, f"{a}.expert_used_count", 0, 0, MAX_EXPERTS)
+    head_dim_k = _int_field(fields, f"{a}.attention.key_length", hd, 0, 1 << 16)
+    head_dim_v = _int_field(fields, f"{a}.attention.value_length", hd, 0, 1 << 16)
+    n_ctx_train = _int_field(fields, f"{a}.context_length", 0, 0, 1 << 31)
+    n_expert = _int_field(fields, f"{a}.expert_count", 0, 0, MAX_EXPERTS)
+    n_used = _int_field(fields, f"{a}.expert_used_count", 0, 0, MAX_EXPERTS)
     if n_expert and not (0 < n_used <= n_expert):
         raise GGUFFormatError(f"expert_used_count={n_used} must be in [1, expert_count={n_expert}]")
-    n_shared = _int_field(reader, f"{a}.expert_shared_count", 0, 0, MAX_EXPERTS)
-    n_ff_exp = _int_field(reader, f"{a}.expert_feed_forward_length", 0, 0, 1 << 24)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_shared = _int_field(fields, f"{a}.expert_shared_count", 0, 0, MAX_EXPERTS)
+    n_ff_exp = _int_field(fields, f"{a}.expert_feed_forward_length", 0, 0, 1 << 24)
+    tokens = fields.get("tokenizer.ggml.tokens")
     n_vocab = len(tokens.data) if tokens is not None else 0
 
     file_bytes = sum(p.stat().st_size for p, _ in parts)
@@ -280,7 +282,7 @@ def _info_from_readers(parts: list[tuple[Path, object]]) -> ModelInfo:
                 n_ff_exp = shape[1] // (2 if m.group(2) == "gate_up" else 1)
     if n_expert and has_shexp and not n_shared:
         n_shared = 1
-    name = _field(reader, "general.name", "") or ""
+    name = _field(fields, "general.name", "") or ""
     return ModelInfo(
         path=str(path), file_bytes=file_bytes, architecture=arch, name=str(name), n_layer=n_layer,
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_dim_k,

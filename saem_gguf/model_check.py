@@ -17,6 +17,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from saem_gguf.errors import GGUFFormatError
@@ -72,19 +73,72 @@ GLOBAL_KEYS: dict[str, KeyRule] = {
 }
 
 
-def check_model(reader, file_bytes: int, for_load: bool = True) -> None:
+def check_model(reader, file_bytes: int, for_load: bool = True, overrides: tuple = ()) -> None:
     """Raise GGUFFormatError (naming the key or tensor) on anything llama.cpp would abort on or
-    reject in the file that ``reader`` (gguf.GGUFReader) holds. ``for_load=False`` (inspect)
+    reject in the file that ``reader`` (gguf.GGUFReader) holds, with ``overrides`` (--override-kv:
+    (key, value) pairs) over its metadata as llama.cpp applies them. ``for_load=False`` (inspect)
     checks the values present but lets keys that only a load needs be missing."""
-    fields = reader.fields
+    fields = overridden_fields(reader.fields, overrides)
     arch_field = fields.get("general.architecture")
     arch = _scalar(arch_field) if arch_field is not None and _type_of(arch_field) == STR else None
     if not isinstance(arch, str) or not arch:
         raise GGUFFormatError("no general.architecture: not a llama.cpp model file")
-    _check_key_types(fields, arch)
-    _check_hparams(fields, arch, for_load)
-    _check_vocab(fields)
+    try:
+        _check_key_types(fields, arch)
+        _check_hparams(fields, arch, for_load)
+        _check_vocab(fields)
+    except GGUFFormatError as e:
+        named = [k for k, _ in overrides if k in str(e)]
+        raise GGUFFormatError(f"{e} (set by --override-kv {named[0]})" if named else str(e)) from None
     _check_tensor_infos(reader, file_bytes)
+
+
+class OverrideField:
+    """A scalar metadata value set by --override-kv, read as the gguf reader's fields are."""
+
+    def __init__(self, gtype: GGUFValueType, value) -> None:
+        self.types = [gtype]
+        self.data = [0]
+        self.parts = [np.array([value])] if gtype != STR else []
+        self._value = value
+
+    def contents(self):
+        return self._value
+
+
+# the GGUF types an override of each kind may set (llama.cpp: int64, double, bool, a string)
+_OVERRIDE_SETS = {int: {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+                        U32, I32, GGUFValueType.UINT64, GGUFValueType.INT64},
+                  float: {F32, GGUFValueType.FLOAT64}, bool: {BOOL}, str: {STR}}
+_OVERRIDE_NAMES = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def overridden_fields(fields, overrides: tuple) -> dict:
+    """``fields`` (the reader's) with each (key, value) override in place, where llama.cpp would
+    apply it: an override of a type llama.cpp does not read the key as, or of a per-layer key it
+    only reads from the file (absent there, or an array), it ignores with a warning; that is a
+    GGUFFormatError here, so that what is asked for is what runs."""
+    if not overrides:
+        return fields
+    arch_field = fields.get("general.architecture")
+    arch = _scalar(arch_field) if arch_field is not None and _type_of(arch_field) == STR else ""
+    rules = {**GLOBAL_KEYS, **{f"{arch}.{k}": r for k, r in ARCH_KEYS.items()}}
+    out = dict(fields)
+    for key, value in overrides:
+        kind = type(value)
+        rule, present = rules.get(key), fields.get(key)
+        want = rule.type if rule is not None else _type_of(present) if present is not None else None
+        if want == GGUFValueType.ARRAY or (rule is not None and rule.per_layer and (
+                present is None or _type_of(present) == GGUFValueType.ARRAY)):
+            where = "absent from this file" if present is None else "an array in this file"
+            raise GGUFFormatError(f"--override-kv {key}: {where}, which llama.cpp reads only from the file "
+                                  f"(it would ignore the override)")
+        if want is not None and want not in _OVERRIDE_SETS[kind]:
+            fitting = next(n for t, n in _OVERRIDE_NAMES.items() if want in _OVERRIDE_SETS[t])
+            raise GGUFFormatError(f"--override-kv {key}={_OVERRIDE_NAMES[kind]}:...: llama.cpp reads {key} as "
+                                  f"{want.name.lower()}: give {fitting}:VALUE (it would ignore this one)")
+        out[key] = OverrideField(want or next(iter(_OVERRIDE_SETS[kind])), value)
+    return out
 
 
 def check_split_part(reader, file_bytes: int, index: int) -> None:

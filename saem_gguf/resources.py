@@ -168,7 +168,7 @@ def checked_engine_inputs(cfg, note: Callable[[str], None]):
         from saem_gguf.default_model import default_model_path
 
         path = default_model_path()
-    info = read_model_info(path, for_load=True)
+    info = read_model_info(path, for_load=True, overrides=cfg.kv_overrides)
     if cfg.n_ctx == 0:
         cfg = dataclasses.replace(cfg, n_ctx=context_size(info, 0))
         note(f"-c 0: the model's context length, {cfg.n_ctx} tokens")

@@ -37,7 +37,8 @@ class RecordingLlama(llama_cpp.Llama):
 
 
 def run_case(model: str, n_ctx: int, case: dict) -> dict:
-    llm = RecordingLlama(model_path=model, n_ctx=n_ctx, n_threads=2, verbose=False)
+    # "model": more Llama arguments (kv_overrides, ...)
+    llm = RecordingLlama(model_path=model, n_ctx=n_ctx, n_threads=2, verbose=False, **case.get("model", {}))
     calls = []
     try:
         if case["kind"] == "logits":

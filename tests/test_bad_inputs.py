@@ -344,6 +344,23 @@ add(Case("generate-system-invalid-utf8", lambda b, d: ["generate", "-m", _m(b), 
                                                        "-sys", b"caf\xe9".decode("utf-8", "surrogateescape")],
          1, "UTF-8"))
 
+# --override-kv: llama.cpp's forms, stricter (its atol reads "2x" as 2); an overridden value checked as
+# the file's (expert_used_count 0 aborts stock llama.cpp: SIGABRT); a type llama.cpp would ignore
+for _id, _kv, _rc, _words in (
+        ("malformed", "foo", 2, "expected KEY=TYPE:VALUE"), ("type", "a=long:2", 2, "int:, float:, bool: or str:"),
+        ("int", "qwen3moe.expert_used_count=int:2x", 2, "not a 64-bit integer"),
+        ("float", "qwen3moe.rope.freq_base=float:nan", 2, "not a finite number"),
+        ("bool", "tokenizer.ggml.add_bos_token=bool:yes", 2, "true or false"),
+        ("str", "general.name=str:" + "x" * 128, 2, "cannot exceed 127 bytes"),
+        ("key", "k" * 128 + "=int:1", 2, "longer than 127 bytes"),
+        ("experts-zero", "qwen3moe.expert_used_count=int:0", 1, "must be in [1, expert_count="),
+        ("experts-many", "qwen3moe.expert_used_count=int:99", 1, "(set by --override-kv qwen3moe.expert_used_count)"),
+        ("eps-negative", "qwen3moe.attention.layer_norm_rms_epsilon=float:-1", 1, "llama.cpp aborts"),
+        ("wrong-type", "qwen3moe.expert_used_count=float:2", 1, "give int:VALUE"),
+        ("twice", "qwen3moe.expert_used_count=int:2,qwen3moe.expert_used_count=int:3", 1, "twice")):
+    add(Case(f"override-kv-{_id}", lambda b, d, kv=_kv: ["generate", "-m", _m(b), "-p", "hi", "-n", "1",
+                                                          "--override-kv", kv], _rc, _words))
+
 
 def test_case_count():
     assert len(CASES) >= 150, len(CASES)

@@ -228,6 +228,25 @@ def test_sampling_values_past_their_ends_draw_as_stock(llama_cpp, stock_lib):
         eng.close()
 
 
+@pytest.mark.parametrize("overrides", [{"qwen2moe.expert_used_count": 1}, {"tokenizer.ggml.add_bos_token": False},
+                                       {"qwen2moe.expert_used_count": 1, "tokenizer.ggml.add_bos_token": False}])
+def test_kv_overrides_answer_as_stock_with_them(llama_cpp, stock_lib, overrides):
+    """--override-kv: llama.cpp loads the model with the metadata changed (fewer experts per token,
+    no BOS), as stock llama-cpp-python's Llama(kv_overrides=...); the placement routes as many."""
+    model = model_for("qwen2moe", "chatml", True)
+    cases = [{"kind": "completion", "prompt": PROMPT, "max_tokens": 16, "model": {"kv_overrides": overrides}},
+             {"kind": "completion", "prompt": PROMPT, "max_tokens": 16}]
+    ref = reference(stock_lib, model, cases)
+    assert ref[0][0] != ref[1][0]  # the override changes the answer (else this proves nothing)
+    eng = engine(model, "lru", kv_overrides=tuple(overrides.items()))
+    try:
+        if "qwen2moe.expert_used_count" in overrides:
+            assert eng.placement.top_k == eng.info.n_expert_used == overrides["qwen2moe.expert_used_count"]
+        same(result_row(eng.generate(PROMPT, 16)), ref[0][0], str(overrides))
+    finally:
+        eng.close()
+
+
 def test_no_repack_answers_as_stock_with_no_repack(llama_cpp, stock_lib):
     """``-nr`` (llama.cpp's ``--no-repack``): the weights other than the experts load without
     extra buffer types on both sides. On a CPU with AMX the F16 matrices otherwise go to ggml's

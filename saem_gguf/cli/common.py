@@ -105,8 +105,14 @@ def _overrides(text: str) -> list:
     return _usage(parse_overrides)(text)
 
 
+def _kv_overrides(text: str) -> list:
+    from saem_gguf.kv_overrides import parse_kv_overrides
+
+    return list(_usage(parse_kv_overrides)(text))
+
+
 class _Extend(argparse.Action):
-    """Repeated -ot adds to the list, as in llama.cpp."""
+    """Repeated -ot or --override-kv add to the list, as in llama.cpp."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *values])
@@ -150,6 +156,11 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
                    help="put tensors whose name matches the regex PATTERN in buffer type BUFT (CPU, "
                         "CUDA0, ...); repeatable. Under expert management expert tensors stay in host "
                         "memory: a pattern sending them to a device is refused")
+    g.add_argument("--override-kv", dest="kv_overrides", type=_kv_overrides, action=_Extend, default=[],
+                   metavar="KEY=TYPE:VALUE[,...]",
+                   help="override model metadata by key, as llama.cpp (types int, float, bool, str; e.g. "
+                        "qwen3moe.expert_used_count=int:6); repeatable. Checked before the load as the "
+                        "file's values are")
     g.add_argument("--mlock", action="store_true", help="keep the model in RAM (no swapping)")
     g.add_argument("--no-mmap", dest="use_mmap", action="store_false",
                    help="read the model into memory instead of memory-mapping it")

@@ -19,6 +19,7 @@ def engine_config(args: argparse.Namespace, **over) -> EngineConfig:
               flash_attn=args.flash_attn, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
               use_mmap=args.use_mmap, use_mlock=args.mlock,
               use_extra_bufts=args.use_extra_bufts, tensor_overrides=tuple(args.tensor_overrides),
+              kv_overrides=tuple(args.kv_overrides),
               numa=args.numa, pin_gpu_node=args.pin_gpu_node, hw=args.hw,
               policy=placement_policy(args) if has_placement else "saem",
               n_cpu_moe=args.n_cpu_moe if has_placement else None,
