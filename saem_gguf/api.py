@@ -53,13 +53,16 @@ class Llama(_SaemLlama):
         """
         from saem_gguf.ram_tier import parse_ram_budget
 
+        # llama-cpp-python's kv_overrides: checked before the load as --override-kv (an
+        # expert_used_count of 0 aborts llama.cpp) and the placement sized by them
+        kv_overrides = tuple((kwargs.pop("kv_overrides", None) or {}).items())
         cfg = EngineConfig(
             model=Path(model_path), n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
             policy=expert_policy, ecr=parse_ecr(ecr) if isinstance(ecr, str) else ecr,
             vram_budget=parse_vram_budget(vram_budget) if isinstance(vram_budget, str) else vram_budget,
             profile=Path(profile) if profile is not None else None, verbose=verbose, progress=False,
             ram_budget=parse_ram_budget(ram_budget) if isinstance(ram_budget, str) else ram_budget,
-            ram_policy=ram_policy,
+            ram_policy=ram_policy, kv_overrides=kv_overrides,
             **({"hw": hw} if hw is not None else {}))
 
         def construct(**engine_kwargs: Any) -> Llama:

@@ -149,3 +149,20 @@ print("tokens", llm.expert_stats()["tokens"])
     lines = r.stdout.splitlines()
     assert len(lines) == 7 and all("refused: Llama." in ln and "was closed" in ln for ln in lines[:6]), r.stdout
     assert int(lines[6].split()[1]) > 0, r.stdout
+
+
+def test_kv_overrides_are_checked_and_followed_in_the_api(llama_cpp):
+    """llama-cpp-python's kv_overrides: checked before the load as --override-kv (0 experts per
+    token aborts stock llama.cpp), and the placement routes as many experts as they say."""
+    from saem_gguf import Llama
+    from saem_gguf.errors import SaemError
+
+    model = model_for("qwen3moe", "chatml", False)
+    with pytest.raises(SaemError, match="expert_used_count=0 must be in"):
+        Llama(str(model), kv_overrides={"qwen3moe.expert_used_count": 0}, verbose=False)
+    llm = Llama(str(model), n_ctx=256, n_threads=2, kv_overrides={"qwen3moe.expert_used_count": 1}, verbose=False)
+    try:
+        assert llm._saem_engine.info.n_expert_used == llm._saem_engine.placement.top_k == 1
+        assert llm("Hello", max_tokens=4, temperature=0)["choices"][0]["text"]
+    finally:
+        llm.close()
