@@ -25,12 +25,13 @@ U32, I32, F32, STR, ARR = (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueT
 
 
 def rewrite_gguf(src: Path, dst: Path, changes: dict[str, tuple[GGUFValueType, object] | None],
-                 array_sub: dict[str, GGUFValueType] | None = None) -> Path:
+                 array_sub: dict[str, GGUFValueType] | None = None, split_max_tensors: int = 0) -> Path:
     """A copy of ``src`` with metadata keys replaced (``(type, value)``) or removed (``None``);
-    tensors copied as they are."""
+    tensors copied as they are (``split_max_tensors``: into parts of that many, named as llama.cpp
+    names a split model's parts, DST-00001-of-0000N.gguf, ...)."""
     r = GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
-    w = GGUFWriter(str(dst), arch)
+    w = GGUFWriter(str(dst), arch, split_max_tensors=split_max_tensors)
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture" or f.name in changes:
             continue

@@ -15,6 +15,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from bad_inputs_data import rewrite_gguf
 from conftest import REPO, run_cli
 from saem_gguf.default_model import default_model_path
 from saem_gguf.gguf_info import read_model_info
@@ -24,20 +25,8 @@ PARTS = 3
 
 def write_split(src: Path, dst: Path, parts: int) -> list[Path]:
     """``src`` rewritten as ``parts`` files by gguf-py's writer (the split keys llama.cpp reads)."""
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents(),
-                             split_max_tensors=math.ceil(len(reader.tensors) / parts))
-    for f in reader.fields.values():
-        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
-            continue
-        kind = f.types[0]
-        writer.add_key_value(f.name, f.contents(), kind, sub_type=f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    per = math.ceil(len(gguf.GGUFReader(src).tensors) / parts)
+    rewrite_gguf(src, dst, {}, split_max_tensors=per)
     return [dst.with_name(f"{dst.stem}-{i:05d}-of-{parts:05d}.gguf") for i in range(1, parts + 1)]
 
 
