@@ -592,3 +592,21 @@ def test_taken_port_is_one_error_line():
                            capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: the address is already in use"]
+
+
+def test_responses_through_the_client(client):
+    """OpenAI's Responses API as the official client reads it: output_text, usage, and a stream
+    whose text deltas make the answer."""
+    r = client.responses.create(model="any", input=QUESTION, max_output_tokens=N, temperature=0)
+    chat = client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=N, temperature=0)
+    assert r.output_text == chat.choices[0].message.content and r.status == "incomplete"
+    assert r.usage.output_tokens == chat.usage.completion_tokens == N
+    deltas, done = [], None
+    for event in client.responses.create(model="any", input=QUESTION, max_output_tokens=N, temperature=0,
+                                         stream=True):
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.completed":
+            done = event.response
+    assert "".join(deltas) == r.output_text == done.output_text

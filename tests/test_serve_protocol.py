@@ -385,3 +385,44 @@ def test_bind_reports_a_taken_port_and_a_bad_host_in_one_line():
         first.close()
     with pytest.raises(SaemError, match="--host no.such.host.invalid"):
         bind("no.such.host.invalid", 0)
+
+
+# --- /v1/responses read as a chat (serving.responses) -------------------------------------------
+def test_a_responses_request_is_a_chat():
+    from saem_gguf.serving.responses import chat_body
+
+    body = chat_body({"input": [{"role": "developer", "content": "Be brief."},
+                                {"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                             {"type": "input_text", "text": "b"}]},
+                                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}]},
+                                {"type": "reasoning", "summary": [], "content": [{"text": "t"}]},
+                                {"type": "message", "role": "assistant", "content": "y"},
+                                {"role": "user", "content": "c"}],
+                      "instructions": "Sys.", "max_output_tokens": 9, "temperature": 0.5, "store": False,
+                      "reasoning": {"effort": "none"},
+                      "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}})
+    assert body["messages"] == [{"role": "system", "content": "Sys."}, {"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "xy"},
+                                {"role": "user", "content": "c"}]
+    assert body["max_tokens"] == 9 and body["temperature"] == 0.5 and "store" not in body
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    req = parse_request(json.dumps(body).encode(), ChatRequest)
+    assert req.max_tokens == 9 and len(req.messages) == 5
+    assert req.template_kwargs() == {"enable_thinking": False}  # reasoning.effort "none"
+
+
+@pytest.mark.parametrize("body, words", [
+    ({}, "'input' is required"), ([1], "JSON object"), ({"input": 5}, "string or an array"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "function calling"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "not images or files"),
+    ({"input": [{"content": "x"}]}, "cannot tell what this input item is"),
+    ({"input": [7]}, "must be an object"),
+])
+def test_bad_responses_requests_are_400(body, words):
+    from saem_gguf.serving.responses import chat_body
+
+    with pytest.raises(ApiError) as e:
+        chat_body(body)
+    assert e.value.status == 400 and words in e.value.message

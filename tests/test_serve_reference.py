@@ -559,3 +559,86 @@ def test_a_budget_counts_the_thinking_the_template_opened_as_llama_server(forced
     (1 spends the budget; 0 is spent by the newline itself, so nothing is forced: llama.cpp's rule)."""
     stock, ours = (_message(_chat(url, max_tokens=40, reasoning_budget_tokens=budget)) for url in forced_pair)
     assert ours == stock
+
+
+# --- OpenAI's Responses API (/v1/responses) -----------------------------------------------------
+def _resp(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/v1/responses", json={"temperature": 0, **body}, timeout=300)
+    assert r.status_code == 200, (url, r.text[:500])
+    return r.json()
+
+
+def _told(answer: dict) -> tuple:
+    """What a Responses answer says: each output item's type and text, and the token counts."""
+    items = [(o["type"], o["role"] if o["type"] == "message" else None, [c["text"] for c in o["content"]])
+             for o in answer["output"]]
+    u = answer["usage"]
+    return items, (u["input_tokens"], u["output_tokens"], u["total_tokens"])
+
+
+@pytest.mark.parametrize("body", [
+    {"input": "What is 12 + 7?", "max_output_tokens": 600},
+    {"input": "What is 12 + 7?", "instructions": "Answer briefly.", "max_output_tokens": 600},
+    {"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is 3 + 4?"}]},
+               {"role": "assistant", "type": "message", "content": [{"type": "output_text", "text": "7"}]},
+               {"role": "user", "content": "And 12 + 7?"}], "max_output_tokens": 600},
+    {"input": "What is 12 + 7?", "max_output_tokens": 600, "reasoning_format": "none"},
+], ids=["text", "instructions", "items", "format-none"])
+def test_responses_answer_as_llama_server(pair, body):
+    """The request read as llama-server reads it (a chat), the answer in its shapes: a reasoning
+    item for the thinking, a message item for the answer, the token counts."""
+    stock, ours = (_resp(url, body) for url in pair)
+    assert _told(ours) == _told(stock) and ours["status"] == stock["status"] == "completed"
+    assert {k for k in stock if k != "timings"} <= set(ours) and ours["object"] == "response"
+    assert ours["id"].startswith("resp_") and ours["output"][-1]["id"].startswith("msg_")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 600}),
+    ("/v1/completions", {"prompt": "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n",
+                         "max_tokens": 600}),
+    ("/v1/responses", {"input": "What is 12 + 7?", "max_output_tokens": 600}),
+], ids=["chat", "completion", "responses"])
+def test_usage_counts_the_end_of_generation_as_llama_server(pair, path, body):
+    """An answer that ends at the end-of-generation token counts it among the completion's
+    tokens, as llama-server's usage (and its timings.predicted_n) do."""
+    stock, ours = _both(pair, path, {"temperature": 0, **body})
+    assert ours["usage"] == stock["usage"]
+    assert (ours["choices"][0]["finish_reason"] == "stop") if "choices" in ours else ours["status"] == "completed"
+
+
+def test_a_cut_response_is_incomplete_unlike_llama_server(pair):
+    """Cut by max_output_tokens: the same items and counts; status incomplete, as OpenAI's (llama-
+    server says completed)."""
+    stock, ours = (_resp(url, {"input": "What is 12 + 7?", "max_output_tokens": 20}) for url in pair)
+    assert _told(ours) == _told(stock) and stock["status"] == "completed"
+    assert ours["status"] == "incomplete" and ours["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def _resp_events(url: str, body: dict) -> list[tuple[str, dict]]:
+    with httpx.stream("POST", url + "/v1/responses", json={"temperature": 0, "stream": True, **body},
+                      timeout=300) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    names = [ln[7:] for ln in lines if ln.startswith("event: ")]
+    data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+    assert len(names) == len(data) and all(d["type"] == n for n, d in zip(names, data)), lines[:6]
+    return list(zip(names, data))
+
+
+def test_streamed_responses_as_llama_server(pair):
+    """The same events in the same order (created, in progress, each item added, its deltas, each
+    done, completed), the same deltas, and the whole answer at the end."""
+    body = {"input": "What is 12 + 7?", "max_output_tokens": 600}
+    stock, ours = (_resp_events(url, body) for url in pair)
+
+    def shape(events):  # consecutive deltas of one kind merged: where a piece is cut may differ
+        out = []
+        for name, data in events:
+            if name.endswith(".delta") and out and out[-1][0] == name:
+                out[-1] = (name, out[-1][1] + data["delta"])
+            else:
+                out.append((name, data.get("delta")))
+        return out
+
+    assert shape(ours) == shape(stock) and stock[0][0] == "response.created"
+    assert _told(ours[-1][1]["response"]) == _told(stock[-1][1]["response"])

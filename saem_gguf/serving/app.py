@@ -9,6 +9,7 @@ the stream), a non-streamed one by a watcher on the connection.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
@@ -36,10 +37,12 @@ from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
     SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Generation,
     InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation,
-    llama_timings, native_probs, native_settings, parse_request, piece_json, request_logit_bias, sse, stop_type,
+    llama_timings, native_probs, native_settings, parse_json, parse_request, piece_json, request_logit_bias, sse,
+    stop_type,
 )
 from saem_gguf.serving.output_format import JsonAnswer, answer_grammar, json_answer_text, thinking_of
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
+from saem_gguf.serving.responses import ResponsesReply, chat_body, sse_event
 from saem_gguf.thinking import THINK_OPEN, forced_open_prefix, template_reasons
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
@@ -147,6 +150,9 @@ def create_app(state: ServerState) -> Starlette:
     async def completions(request: Request) -> Response:
         return await _complete(state, request, chat=False)
 
+    async def responses(request: Request) -> Response:
+        return await _complete(state, request, chat=True, responses=True)
+
     async def not_found(request: Request, exc: HTTPException) -> Response:
         err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                        "not_found_error" if exc.status_code == 404 else "invalid_request_error")
@@ -162,6 +168,8 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", counted("/v1/chat/completions", chat), methods=["POST"]),
         Route("/chat/completions", counted("/v1/chat/completions", chat), methods=["POST"]),
         Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
+        Route("/v1/responses", counted("/v1/responses", responses), methods=["POST"]),
+        Route("/responses", counted("/v1/responses", responses), methods=["POST"]),
         # llama-server's own
         Route("/completion", counted("/completion", native), methods=["POST"]),
         Route("/completions", counted("/completion", native), methods=["POST"]),
@@ -175,11 +183,15 @@ def create_app(state: ServerState) -> Starlette:
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
 
 
-async def _complete(state: ServerState, request: Request, chat: bool) -> Response:
-    """/v1/chat/completions and /v1/completions: OpenAI's shapes."""
+async def _complete(state: ServerState, request: Request, chat: bool, responses: bool = False) -> Response:
+    """/v1/chat/completions and /v1/completions: OpenAI's shapes; ``responses``: /v1/responses, a
+    chat told in the Responses API's shapes (serving.responses)."""
     if state.stopping:
         raise SHUTTING_DOWN
-    req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
+    if responses:
+        req = parse_request(json.dumps(chat_body(parse_json(await _body(request)))).encode(), ChatRequest)
+    else:
+        req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     sched = state.scheduler
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
@@ -191,6 +203,7 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
             return await run_in_threadpool(sched.tokenize_prompt, req.prompt_text(), state.cfg.parse_special), (), None
     handle, gen = await _submit(state, req, prompt, "messages" if chat else "prompt")
     reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
+    told = ResponsesReply(state.cfg.model_id) if responses else None  # the Responses shapes
     offset = 0  # characters of text streamed so far (completions' text_offset)
     text = bytearray()  # decoded whole at the end: an event may end inside a character
     thinking: Reasoning | None = None  # the answer's thinking apart (llama-server's reasoning format)
@@ -211,7 +224,7 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         if tokens and reply.logprobs is not None:
             reply.logprobs.extend(tokens)
         if ev.finish_reason is not None:
-            reply.finish_reason, reply.usage = ev.finish_reason, (*(ev.usage or (0, 0)), ev.cached)
+            reply.finish_reason, reply.usage = ev.finish_reason, _usage(ev)
             reply.timings = _timings(ev)
 
     def chunks(ev: TokenEvent) -> list[bytes]:
@@ -225,12 +238,18 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
             piece, lead = lead + piece, ""
         if json_answer is not None:
             piece = json_answer.add(piece, final=ev.finish_reason is not None)
+        if told is not None:
+            out = [sse_event(*e) for e in told.events(reasoning, piece)]
+            if ev.finish_reason is not None:
+                usage = _usage(ev)
+                out += [sse_event(*e) for e in told.closing(ev.finish_reason, usage, _timings(ev))]
+            return out
         tokens = _token_logprobs(ev, reply.top_n, state.piece)
         if piece or reasoning or tokens:
             out.append(sse(reply.chunk(piece, tokens, text_offset=offset, reasoning=reasoning)))
             offset += len(piece)
         if ev.finish_reason is not None:
-            reply.usage = (*(ev.usage or (0, 0)), ev.cached)
+            reply.usage = _usage(ev)
             last = [reply.chunk(finish_reason=ev.finish_reason)]
             if req.stream_options and req.stream_options.include_usage:
                 last.append(reply.usage_chunk())
@@ -240,7 +259,10 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         return out
 
     if req.stream:
-        opening = [sse(reply.chunk(text="", role=True))] if chat else []  # OpenAI's first chunk names the role
+        if told is not None:
+            opening = [sse_event(*e) for e in told.opening()]
+        else:  # OpenAI's first chunk names the role
+            opening = [sse(reply.chunk(text="", role=True))] if chat else []
         return _event_stream(_stream(handle, opening, chunks))
     gone = await _collect(handle, request.receive, add)
     if gone:
@@ -250,6 +272,9 @@ async def _complete(state: ServerState, request: Request, chat: bool) -> Respons
         reply.reasoning, reply.text = split_reasoning(reply.text, thinking.prefix)
     if json_answer is not None:
         reply.text = json_answer_text(reply.text)
+    if told is not None:
+        told.reasoning, told.text = reply.reasoning or "", reply.text
+        return JSONResponse(told.response(reply.finish_reason, reply.usage, reply.timings))
     return JSONResponse(reply.response())
 
 
@@ -417,6 +442,13 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     if system is None or any(m["role"] == "system" for m in messages):
         return messages
     return [{"role": "system", "content": system}, *messages]
+
+
+def _usage(ev: TokenEvent) -> tuple[int, int, int]:
+    """A final event's OpenAI usage (prompt, completion and cached prompt tokens): the
+    end-of-generation token counted among the completion's, as llama-server counts it."""
+    n_prompt, n_gen = ev.usage or (0, 0)
+    return n_prompt, n_gen + (stop_type(ev.finish_reason, ev.stop_word) == "eos"), ev.cached
 
 
 def _timings(ev: TokenEvent) -> dict:

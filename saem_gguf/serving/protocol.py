@@ -446,6 +446,16 @@ def piece_json(piece: bytes) -> str | list[int]:
         return list(piece)
 
 
+def parse_json(body: bytes) -> object:
+    """The body's JSON value, or a 400 as ``parse_request`` words it."""
+    if not body.strip():
+        raise bad_request("the request body is empty (expected a JSON object)")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"malformed JSON: {e}") from None
+
+
 def parse_request(body: bytes, kind: type[_Strict]) -> _Strict:
     """The body as ``kind``, or a 400 naming the first field that is wrong."""
     if not body.strip():
