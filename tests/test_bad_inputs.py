@@ -361,6 +361,13 @@ for _id, _kv, _rc, _words in (
     add(Case(f"override-kv-{_id}", lambda b, d, kv=_kv: ["generate", "-m", _m(b), "-p", "hi", "-n", "1",
                                                           "--override-kv", kv], _rc, _words))
 
+# integers past int32, which llama.cpp's std::stoi refuses and ctypes would wrap round (--top-k
+# 3000000000 ran as a negative top-k: off)
+for _flag, _value in (("--top-k", "3000000000"), ("--top-k", "-3000000000"), ("--repeat-last-n", "3000000000"),
+                      ("--reasoning-budget", "3000000000"), ("-n", "3000000000")):
+    add(Case(f"int32{_flag}{_value}", lambda b, d, f=_flag, v=_value: ["generate", "-m", _m(b), "-p", "hi", f, v],
+             2, "must be"))
+
 
 def test_case_count():
     assert len(CASES) >= 150, len(CASES)

@@ -285,7 +285,12 @@ def unit_float(text: str) -> float:
     return v
 
 
-def _int_at_least(minimum: int, meaning: str = "") -> Callable[[str], int]:
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
+def _int_at_least(minimum: int, meaning: str = "", maximum: int = INT32_MAX) -> Callable[[str], int]:
+    """An argparse type: an integer from ``minimum`` to ``maximum`` (INT32_MAX: llama.cpp reads
+    these flags with std::stoi, which refuses a value past int32; ctypes would wrap it round)."""
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -293,6 +298,8 @@ def _int_at_least(minimum: int, meaning: str = "") -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
         if v < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}{meaning}, got {v}")
+        if v > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {v}")
         return v
 
     return parse
@@ -309,7 +316,7 @@ def _seed(text: str) -> int | None:
     """llama.cpp's -s: an unsigned 32-bit seed; -1 (= 4294967295) asks for a random one (None)."""
     from saem_gguf.engine import SEED_RANDOM
 
-    v = _int_at_least(-1, " (-1 = a random seed)")(text)
+    v = _int_at_least(-1, " (-1 = a random seed)", maximum=2**64)(text)
     if v in (-1, SEED_RANDOM):
         return None
     if v > SEED_RANDOM:
@@ -346,7 +353,8 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
     g.add_argument("--temp", "--temperature", dest="temp", type=_temperature, default=0.0, metavar="N",
                    help="temperature (default 0 = greedy; llama.cpp's default is 0.8; below 0 is 0, as "
                         "llama.cpp reads it)")
-    g.add_argument("--top-k", type=int, default=40, metavar="N", help="top-k sampling (40, 0 = disabled)")
+    g.add_argument("--top-k", type=_int_at_least(INT32_MIN), default=40, metavar="N",
+                   help="top-k sampling (40, 0 = disabled)")
     g.add_argument("--top-p", type=finite_float, default=0.95, metavar="N",
                    help="top-p sampling (0.95, 1.0 = disabled)")
     g.add_argument("--min-p", type=finite_float, default=0.05, metavar="N",
