@@ -401,7 +401,7 @@ def test_a_responses_request_is_a_chat():
                       "instructions": "Sys.", "max_output_tokens": 9, "temperature": 0.5, "store": False,
                       "reasoning": {"effort": "none"},
                       "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}})
-    assert body["messages"] == [{"role": "system", "content": "Sys."}, {"role": "system", "content": "Be brief."},
+    assert body["messages"] == [{"role": "system", "content": "Sys."}, {"role": "developer", "content": "Be brief."},
                                 {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "xy"},
                                 {"role": "user", "content": "c"}]
     assert body["max_tokens"] == 9 and body["temperature"] == 0.5 and "store" not in body
@@ -409,6 +409,9 @@ def test_a_responses_request_is_a_chat():
     req = parse_request(json.dumps(body).encode(), ChatRequest)
     assert req.max_tokens == 9 and len(req.messages) == 5
     assert req.template_kwargs() == {"enable_thinking": False}  # reasoning.effort "none"
+    # a developer message is a system one, but for GPT-OSS's template (llama.cpp's mapping)
+    assert req.message_dicts()[1] == {"role": "system", "content": "Be brief."}
+    assert req.message_dicts("...<|channel|>...")[1] == {"role": "developer", "content": "Be brief."}
 
 
 @pytest.mark.parametrize("body, words", [

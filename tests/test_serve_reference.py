@@ -364,6 +364,16 @@ def test_chat_splits_thinking_as_llama_server(pair, fields):
         assert stock[1]  # the split happened
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "developer", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+], ids=["first", "between"])
+def test_a_developer_message_is_a_system_one_as_in_llama_server(pair, messages):
+    """OpenAI's developer role (a 400 here before): a system message, as llama.cpp maps it."""
+    stock, ours = (_message(_chat(url, messages=messages, max_tokens=100)) for url in pair)
+    assert ours == stock
+
+
 @pytest.mark.parametrize("fields", [
     {"repeat_penalty": 4.0, "frequency_penalty": 2.0},
     {"dry_multiplier": 1.0, "dry_allowed_length": 1, "temperature": 0.8, "seed": 3},

@@ -135,7 +135,7 @@ def create_app(state: ServerState) -> Starlette:
         req = parse_request(await _body(request), ApplyTemplateRequest)
         try:
             prompt = await run_in_threadpool(state.scheduler.tokenize_chat,
-                                             _with_system(req.message_dicts(), state.cfg.system),
+                                             _with_system(req.message_dicts(state.cfg.chat_template), state.cfg.system),
                                              req.chat_template_kwargs)
         except SaemError as e:  # the chat template failed on these messages
             raise ApiError(400, str(e), param="messages") from None
@@ -195,7 +195,8 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
     sched = state.scheduler
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
-            p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(), state.cfg.system),
+            p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(state.cfg.chat_template),
+                                                                          state.cfg.system),
                                         req.template_kwargs())
             return p.tokens, tuple(p.stop), p.text
     else:

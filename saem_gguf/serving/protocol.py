@@ -94,7 +94,8 @@ def _is_text_part(part: object) -> bool:
 
 
 class Message(_Strict):
-    role: Literal["system", "user", "assistant", "tool"]
+    # developer: OpenAI's newer name for system instructions (message_dicts)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # a string, a list of text parts, or null (an assistant turn); checked below, so that the error
     # names what is allowed rather than each alternative of a union
     content: Any = None
@@ -123,9 +124,13 @@ class Message(_Strict):
         return "\n".join(p["text"] for p in self.content)
 
 
-def message_dicts(messages: list[Message]) -> list[dict]:
-    """The messages as a chat template takes them (content one string)."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def message_dicts(messages: list[Message], template: str = "") -> list[dict]:
+    """The messages as a chat template takes them (content one string), a ``developer`` message
+    as a ``system`` one unless ``template`` is GPT-OSS's (llama.cpp's map_developer_role_to_system:
+    templates other than GPT-OSS's, which has a developer role, know no such role)."""
+    keep = "<|channel|>" in template
+    return [{"role": "system" if m.role == "developer" and not keep else m.role, "content": m.text()}
+            for m in messages]
 
 
 class _Common(_Strict):
@@ -400,8 +405,8 @@ class ChatRequest(_Common):
             raise ValueError(f"{info.field_name} (function calling) is not supported")
         return v
 
-    def message_dicts(self) -> list[dict]:
-        return message_dicts(self.messages)
+    def message_dicts(self, template: str = "") -> list[dict]:
+        return message_dicts(self.messages, template)
 
     def top_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -433,8 +438,8 @@ class ApplyTemplateRequest(_Strict):
     messages: list[Message] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def message_dicts(self) -> list[dict]:
-        return message_dicts(self.messages)
+    def message_dicts(self, template: str = "") -> list[dict]:
+        return message_dicts(self.messages, template)
 
 
 def piece_json(piece: bytes) -> str | list[int]:

@@ -6,8 +6,6 @@ the answer is told in the Responses shapes (server-task.cpp ``to_json_oaicompat_
 
 What differs from llama-server, on purpose:
 
-* ``developer`` messages are ``system`` ones (llama-server hands the template a role it rarely
-  knows);
 * an answer cut by ``max_output_tokens`` has ``status`` ``incomplete`` and
   ``incomplete_details.reason`` ``max_output_tokens``, as OpenAI's; llama-server says
   ``completed``;
@@ -79,7 +77,7 @@ def _add_item(messages: list[dict], item: object, where: str) -> None:
     if kind == "reasoning":
         return  # earlier thinking: the chat templates drop it from earlier turns
     if role in ("user", "system", "developer"):
-        messages.append({"role": "system" if role == "developer" else role, "content": _texts(content, where)})
+        messages.append({"role": role, "content": _texts(content, where)})
     elif role == "assistant":
         text = _texts(content, where, ("output_text", "input_text"))
         if messages and messages[-1]["role"] == "assistant":  # llama-server merges them
