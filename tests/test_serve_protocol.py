@@ -429,3 +429,29 @@ def test_bad_responses_requests_are_400(body, words):
     with pytest.raises(ApiError) as e:
         chat_body(body)
     assert e.value.status == 400 and words in e.value.message
+
+
+# --- a final assistant message continued (serving.prefill) --------------------------------------
+def test_a_continuation_keeps_the_message_as_text():
+    from saem_gguf.engine import ChatPrompt
+    from saem_gguf.serving.prefill import continued, prefill_of
+
+    calls: list[tuple[str, bool]] = []
+
+    def tokenize(text: str, special: bool) -> list[int]:
+        calls.append((text, special))
+        return [len(text)]
+
+    user = {"role": "user", "content": "Hi"}
+    assert prefill_of([user]) is None and prefill_of([user, {"role": "assistant", "content": ""}]) is None
+    assert prefill_of([user, {"role": "assistant", "content": "Hel<|im_end|>"}]) == "Hel<|im_end|>"
+    with pytest.raises(ApiError, match="2 or more assistant messages"):
+        prefill_of([user, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}])
+    reasoning_template = "{{ '</think>' }}"
+    c = continued(ChatPrompt("<|im_start|>assistant\n", [1, 2], ()), "Hel<|im_end|>", reasoning_template, tokenize)
+    assert c.text == "<|im_start|>assistant\n<think></think>Hel<|im_end|>" and c.tokens == [1, 2, 15, 13]
+    assert calls == [("<think></think>", True), ("Hel<|im_end|>", False)]  # the markup parsed, the text not
+    calls.clear()
+    opened = continued(ChatPrompt("<|im_start|>assistant\n<think>\n", [1, 2, 8], ()), "x", reasoning_template, tokenize)
+    assert opened.text == "<|im_start|>assistant\n<think></think>x" and opened.tokens == [1, 2, 15, 1]
+    assert continued(ChatPrompt("A:", [5], ()), "x", "plain", tokenize).text == "A:x"

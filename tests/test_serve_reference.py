@@ -459,6 +459,33 @@ def test_a_json_answer_without_a_reasoning_template_as_in_llama_server(tmp_path)
         assert ours.stop() == 0, ours.stderr()
 
 
+PREFILLED = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 7?"},
+              {"role": "assistant", "content": "The sum is"}]]
+
+
+@pytest.mark.parametrize("messages", PREFILLED, ids=["greeting", "answer"])
+def test_a_final_assistant_message_is_continued_as_in_llama_server(pair, messages):
+    """llama-server's assistant prefill: the prompt ends with the message's text after a closed
+    thinking block, and the answer's content starts with it (a new turn here before)."""
+    assert _both(pair, "/apply-template", {"messages": messages})[1]["prompt"] == \
+        _both(pair, "/apply-template", {"messages": messages})[0]["prompt"]
+    stock, ours = (_message(_chat(url, messages=messages, max_tokens=24)) for url in pair)
+    assert ours == stock and stock[0].startswith(messages[-1]["content"])
+
+
+def test_a_streamed_continuation_as_llama_server(pair):
+    stock, ours = (_streamed_message(url, messages=PREFILLED[0], max_tokens=24) for url in pair)
+    assert ours == stock and stock[0].startswith("Hello")
+
+
+def test_two_assistant_messages_at_the_end_are_refused_as_by_llama_server(pair):
+    messages = [*PREFILLED[0], {"role": "assistant", "content": "again"}]
+    for url in pair:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, timeout=300)
+        assert r.status_code == 400 and "2 or more assistant messages" in r.json()["error"]["message"], r.text
+
+
 @pytest.fixture(scope="module")
 def forced_pair(tmp_path_factory):
     tpl = tmp_path_factory.mktemp("forced") / "forced-open.jinja"
@@ -509,6 +536,14 @@ def test_thinking_opened_by_the_template_that_splits_into_nothing_is_the_text_as
 def test_a_json_answer_after_thinking_the_template_opened_as_llama_server(forced_pair, fields):
     stock, ours = (_message(_chat(url, max_tokens=600, **fields)) for url in forced_pair)
     assert ours == stock and stock[1]
+
+
+@pytest.mark.parametrize("messages", PREFILLED[:2], ids=["greeting", "answer"])
+def test_a_continuation_closes_the_block_the_template_opened_as_llama_server(forced_pair, messages):
+    assert _both(forced_pair, "/apply-template", {"messages": messages})[1]["prompt"] == \
+        _both(forced_pair, "/apply-template", {"messages": messages})[0]["prompt"]
+    stock, ours = (_message(_chat(url, messages=messages, max_tokens=24)) for url in forced_pair)
+    assert ours == stock
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from starlette.types import Receive
 
 from saem_gguf import __version__
 from saem_gguf.build.source import LLAMA_CPP_PYTHON_VERSION
-from saem_gguf.engine import SamplingConfig
+from saem_gguf.engine import ChatPrompt, SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.serving.auth import ApiKeyMiddleware
 from saem_gguf.serving.batch import (
@@ -41,6 +41,7 @@ from saem_gguf.serving.protocol import (
     stop_type,
 )
 from saem_gguf.serving.output_format import JsonAnswer, answer_grammar, json_answer_text, thinking_of
+from saem_gguf.serving.prefill import continued, prefill_of
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
 from saem_gguf.serving.responses import ResponsesReply, chat_body, sse_event
 from saem_gguf.thinking import THINK_OPEN, forced_open_prefix, template_reasons
@@ -134,9 +135,8 @@ def create_app(state: ServerState) -> Starlette:
     async def apply_template(request: Request) -> Response:
         req = parse_request(await _body(request), ApplyTemplateRequest)
         try:
-            prompt = await run_in_threadpool(state.scheduler.tokenize_chat,
-                                             _with_system(req.message_dicts(state.cfg.chat_template), state.cfg.system),
-                                             req.chat_template_kwargs)
+            prompt = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
+                                             req.chat_template_kwargs, prefill_of(req.message_dicts()))
         except SaemError as e:  # the chat template failed on these messages
             raise ApiError(400, str(e), param="messages") from None
         return JSONResponse({"prompt": prompt.text})
@@ -193,11 +193,12 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
     else:
         req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     sched = state.scheduler
+    # a final assistant message is continued (serving.prefill): the answer's content starts with it
+    prefill = prefill_of(req.message_dicts()) if chat else None
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
-            p = await run_in_threadpool(sched.tokenize_chat, _with_system(req.message_dicts(state.cfg.chat_template),
-                                                                          state.cfg.system),
-                                        req.template_kwargs())
+            p = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
+                                        req.template_kwargs(), prefill)
             return p.tokens, tuple(p.stop), p.text
     else:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
@@ -228,6 +229,8 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
             reply.finish_reason, reply.usage = ev.finish_reason, _usage(ev)
             reply.timings = _timings(ev)
 
+    pending = [prefill or ""]  # the continued message's text, sent with the first piece as llama-server does
+
     def chunks(ev: TokenEvent) -> list[bytes]:
         nonlocal offset, lead
         out = []
@@ -237,6 +240,8 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
             reasoning, piece = thinking.add(piece, final=ev.finish_reason is not None)
         elif lead and (piece or ev.finish_reason is not None):
             piece, lead = lead + piece, ""
+        if pending[0] and (piece or ev.finish_reason is not None):
+            piece, pending[0] = pending[0] + piece, ""
         if json_answer is not None:
             piece = json_answer.add(piece, final=ev.finish_reason is not None)
         if told is not None:
@@ -273,6 +278,8 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
         reply.reasoning, reply.text = split_reasoning(reply.text, thinking.prefix)
     if json_answer is not None:
         reply.text = json_answer_text(reply.text)
+    if prefill is not None:  # as llama-server's answer
+        reply.text = prefill + reply.text
     if told is not None:
         told.reasoning, told.text = reply.reasoning or "", reply.text
         return JSONResponse(told.response(reply.finish_reason, reply.usage, reply.timings))
@@ -443,6 +450,18 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     if system is None or any(m["role"] == "system" for m in messages):
         return messages
     return [{"role": "system", "content": system}, *messages]
+
+
+def _chat_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None,
+                 prefill: str | None) -> ChatPrompt:
+    """A chat's prompt (``-sys`` added where it brings no system message), continuing its final
+    assistant message where ``prefill`` is that message's text (serving.prefill)."""
+    sched = state.scheduler
+    if prefill is None:
+        return sched.tokenize_chat(_with_system(messages, state.cfg.system), template_kwargs)
+    p = sched.tokenize_chat(_with_system(messages[:-1], state.cfg.system), template_kwargs)
+    c = continued(p, prefill, state.cfg.chat_template, lambda text, special: sched.tokenize_mixed(text, False, special))
+    return ChatPrompt(c.text, c.tokens, p.stop)
 
 
 def _usage(ev: TokenEvent) -> tuple[int, int, int]:
