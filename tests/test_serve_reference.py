@@ -479,6 +479,18 @@ def test_a_streamed_continuation_as_llama_server(pair):
     assert ours == stock and stock[0].startswith("Hello")
 
 
+def test_no_prefill_assistant_answers_anew_as_llama_server():
+    """--no-prefill-assistant: a final assistant message is one more turn, answered after it."""
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048", "--no-prefill-assistant")
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--no-prefill-assistant"]).start()
+    try:
+        s, o = (_message(_chat(url, messages=PREFILLED[0], max_tokens=24)) for url in (stock.url, ours.url))
+        assert o == s and not (s[0] or "").startswith("Hello")
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+
+
 def test_two_assistant_messages_at_the_end_are_refused_as_by_llama_server(pair):
     messages = [*PREFILLED[0], {"role": "assistant", "content": "again"}]
     for url in pair:

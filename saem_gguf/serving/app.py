@@ -65,6 +65,7 @@ class ServeConfig:
     n_batch: int = 2048  # -b, which /infill's prompt layout budgets from as llama-server's does
     spm_infill: bool = False  # --spm-infill: /infill puts the suffix before the prefix
     cache_prompt: bool = True  # --cache-prompt / --no-cache-prompt: a request's cache_prompt by default
+    prefill_assistant: bool = True  # --no-prefill-assistant: a final assistant message is not continued
 
 
 @dataclass
@@ -136,7 +137,8 @@ def create_app(state: ServerState) -> Starlette:
         req = parse_request(await _body(request), ApplyTemplateRequest)
         try:
             prompt = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
-                                             req.chat_template_kwargs, prefill_of(req.message_dicts()))
+                                             req.chat_template_kwargs,
+                                             prefill_of(req.message_dicts()) if state.cfg.prefill_assistant else None)
         except SaemError as e:  # the chat template failed on these messages
             raise ApiError(400, str(e), param="messages") from None
         return JSONResponse({"prompt": prompt.text})
@@ -194,7 +196,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
         req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     sched = state.scheduler
     # a final assistant message is continued (serving.prefill): the answer's content starts with it
-    prefill = prefill_of(req.message_dicts()) if chat else None
+    prefill = prefill_of(req.message_dicts()) if chat and state.cfg.prefill_assistant else None
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
             p = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
