@@ -610,3 +610,18 @@ def test_responses_through_the_client(client):
         elif event.type == "response.completed":
             done = event.response
     assert "".join(deltas) == r.output_text == done.output_text
+
+
+def test_slots_show_the_busy_one(server):
+    """GET /slots while a streamed answer runs: its slot is processing, the others idle."""
+    with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 6000,
+                                                                     "temperature": 0, "ignore_eos": True,
+                                                                     "stream": True}, timeout=120) as r:
+        lines = r.iter_lines()
+        for _ in range(3):  # tokens are coming: the request holds a slot
+            next(lines)
+        slots = httpx.get(server.url + "/slots", timeout=60).json()
+        stats = httpx.get(server.url + "/v1/saem/stats", timeout=60).json()
+    assert [s["id"] for s in slots] == [0, 1, 2, 3], slots
+    assert sum(s["is_processing"] for s in slots) == 1, (slots, stats)
+    assert all(s["n_ctx"] == 8192 and s["speculative"] is False for s in slots)

@@ -146,6 +146,33 @@ def test_streamed_completion_chunks_as_llama_server(pair, fields):
     assert ours == stock and len(stock) > 2
 
 
+def test_models_and_slots_answer_as_llama_server(pair):
+    """GET /v1/models: OpenAI's list with the model's shape in meta, and Ollama's models list
+    (the model's name and owner aside); GET /slots: each slot, idle here."""
+    stock, ours = (httpx.get(url + "/v1/models", timeout=60).json() for url in pair)
+    assert set(ours) == set(stock) and set(ours["data"][0]) == set(stock["data"][0])
+    assert ours["data"][0]["meta"] == stock["data"][0]["meta"]
+    same = lambda m: {k: v for k, v in m.items() if k not in ("name", "model")}  # noqa: E731
+    assert [same(m) for m in ours["models"]] == [same(m) for m in stock["models"]]
+    stock, ours = (httpx.get(url + "/slots", timeout=60) for url in pair)
+    assert ours.status_code == stock.status_code == 200 and ours.json() == stock.json()
+    for url in pair:  # a slot is free: fail_on_no_slot has nothing to fail on
+        assert httpx.get(url + "/slots?fail_on_no_slot=1", timeout=60).status_code == 200
+
+
+def test_no_slots_endpoint_as_llama_server():
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048", "--no-slots")
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--no-slots"]).start()
+    try:
+        s, o = (httpx.get(url + "/slots", timeout=60) for url in (stock.url, ours.url))
+        assert o.status_code == s.status_code == 501
+        assert o.json()["error"]["message"] == s.json()["error"]["message"]
+        assert o.json()["error"]["type"] == s.json()["error"]["type"] == "not_supported_error"
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+
+
 def test_a_chat_prompt_sent_raw_ends_at_eos_as_in_llama_server(pair):
     """With --parse-special the template's markup in a raw prompt is its tokens, as llama-server
     reads it; the answer ends at the end-of-turn token, which llama-server counts."""

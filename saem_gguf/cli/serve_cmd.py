@@ -172,6 +172,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--cache-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="llama-server's prompt cache for requests that do not say (cache_prompt): a request starts "
                         "from the cells a slot kept of an earlier one, as far as their prompts agree (default: on)")
+    g.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="llama-server's GET /slots: each slot and whether it is busy (default: on)")
     g.add_argument("--prefill-assistant", action=argparse.BooleanOptionalAction, default=True,
                    help="a chat whose last message is the assistant's continues it, as llama-server's assistant "
                         "prefill (default: on; --no-prefill-assistant: a new answer after it)")
@@ -227,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                               reasoning_format=args.reasoning_format, chat_template=eng.chat_template_source(),
                               parse_special=args.parse_special, n_batch=args.n_batch,
                               spm_infill=args.spm_infill, cache_prompt=args.cache_prompt,
-                              prefill_assistant=args.prefill_assistant)
+                              prefill_assistant=args.prefill_assistant, endpoint_slots=args.slots)
             state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,
                                 metrics=ServerMetrics(scheduler.stats))
             scheduler.start(warm_up=scheduler.tokenize_prompt(WARM_UP_PROMPT) if args.warmup else None)

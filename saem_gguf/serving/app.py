@@ -66,6 +66,7 @@ class ServeConfig:
     spm_infill: bool = False  # --spm-infill: /infill puts the suffix before the prefix
     cache_prompt: bool = True  # --cache-prompt / --no-cache-prompt: a request's cache_prompt by default
     prefill_assistant: bool = True  # --no-prefill-assistant: a final assistant message is not continued
+    endpoint_slots: bool = True  # --no-slots: GET /slots answers 501, as llama-server's
 
 
 @dataclass
@@ -97,9 +98,17 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.cfg.model_id, "object": "model", "created": state.started, "owned_by": "saem_gguf",
-             "meta": {"n_ctx": state.cfg.n_ctx_per_sequence}}]})
+        return JSONResponse(_models(state))
+
+    async def slots(request: Request) -> Response:
+        if not state.cfg.endpoint_slots:
+            raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                           "not_supported_error")
+        busy = state.scheduler.slots_busy()
+        if request.query_params.get("fail_on_no_slot") and all(busy):
+            raise ApiError(503, "no slot available", "unavailable_error")
+        return JSONResponse([{"id": i, "n_ctx": state.cfg.n_ctx_per_sequence, "speculative": False,
+                              "is_processing": b} for i, b in enumerate(busy)])
 
     async def metrics(_: Request) -> Response:
         return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE)
@@ -165,6 +174,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/health", counted("/health", health)),
         Route("/v1/models", counted("/v1/models", models)),
         Route("/models", counted("/v1/models", models)),
+        Route("/slots", counted("/slots", slots)),
         Route("/metrics", counted("/metrics", metrics)),
         Route("/v1/saem/stats", counted("/v1/saem/stats", stats)),
         Route("/v1/chat/completions", counted("/v1/chat/completions", chat), methods=["POST"]),
@@ -452,6 +462,24 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     if system is None or any(m["role"] == "system" for m in messages):
         return messages
     return [{"role": "system", "content": system}, *messages]
+
+
+def _models(state: ServerState) -> dict:
+    """GET /v1/models as llama-server answers it: OpenAI's list (with the model's shape in
+    ``meta``) and Ollama's ``models`` list, which some clients read instead."""
+    llm = state.scheduler.engine.llm
+    model = llm._model
+    meta = {"vocab_type": model.vocab_type(), "n_vocab": model.n_vocab(), "n_ctx": state.cfg.n_ctx_per_sequence,
+            "n_ctx_train": model.n_ctx_train(), "n_embd": model.n_embd(), "n_params": model.n_params(),
+            "size": model.size(), "ftype": model.desc().split(" ", 2)[-1]}
+    name = state.cfg.model_id
+    ollama = {"name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
+              "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+              "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                          "parameter_size": "", "quantization_level": ""}}
+    return {"models": [ollama], "object": "list",
+            "data": [{"id": name, "aliases": [name], "tags": [], "object": "model", "created": state.started,
+                      "owned_by": "saem_gguf", "meta": meta}]}
 
 
 def _chat_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None,

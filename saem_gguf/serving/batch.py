@@ -457,6 +457,11 @@ class Scheduler:
         if batch is not None:
             self._lc.llama_batch_free(batch)
 
+    def slots_busy(self) -> list[bool]:
+        """Whether each slot holds a sequence now (llama-server's /slots ``is_processing``)."""
+        with self._lock:
+            return [s is not None for s in self._slots]
+
     def stats(self) -> dict:
         """The engine's placement figures (Engine.stats(): hit rate, bytes moved, boundaries,
         placement updates) and the serving counters: requests accepted, tokens generated, their
