@@ -146,8 +146,7 @@ def create_app(state: ServerState) -> Starlette:
         req = parse_request(await _body(request), ApplyTemplateRequest)
         try:
             prompt = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
-                                             req.chat_template_kwargs,
-                                             prefill_of(req.message_dicts()) if state.cfg.prefill_assistant else None)
+                                             req.chat_template_kwargs, _prefill(state, req))
         except SaemError as e:  # the chat template failed on these messages
             raise ApiError(400, str(e), param="messages") from None
         return JSONResponse({"prompt": prompt.text})
@@ -206,7 +205,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
         req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     sched = state.scheduler
     # a final assistant message is continued (serving.prefill): the answer's content starts with it
-    prefill = prefill_of(req.message_dicts()) if chat and state.cfg.prefill_assistant else None
+    prefill = _prefill(state, req) if chat else None
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
             p = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
@@ -482,6 +481,12 @@ def _models(state: ServerState) -> dict:
                       "owned_by": "saem_gguf", "meta": meta}]}
 
 
+def _prefill(state: ServerState, req: ChatRequest | ApplyTemplateRequest) -> str | None:
+    """The final assistant message's text a chat continues (serving.prefill), unless
+    --no-prefill-assistant."""
+    return prefill_of(req.message_dicts()) if state.cfg.prefill_assistant else None
+
+
 def _chat_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None,
                  prefill: str | None) -> ChatPrompt:
     """A chat's prompt (``-sys`` added where it brings no system message), continuing its final
@@ -503,9 +508,8 @@ def _usage(ev: TokenEvent) -> tuple[int, int, int]:
 
 def _timings(ev: TokenEvent) -> dict:
     """llama-server's timings of a final event (its end-of-generation token counted, as there)."""
-    n_prompt, n_gen = ev.usage or (0, 0)
-    eos = stop_type(ev.finish_reason, ev.stop_word) == "eos"
-    return llama_timings(n_prompt, ev.cached, n_gen + eos, *(ev.timings or (0.0, 0.0)))
+    n_prompt, n_gen, cached = _usage(ev)
+    return llama_timings(n_prompt, cached, n_gen, *(ev.timings or (0.0, 0.0)))
 
 
 def _n_probs(top_n: int | None) -> int:
