@@ -612,6 +612,30 @@ def test_responses_through_the_client(client):
     assert "".join(deltas) == r.output_text == done.output_text
 
 
+def test_messages_through_the_anthropic_client(server):
+    """Anthropic's Messages API as the official `anthropic` client reads it (what Claude Code
+    speaks): the text, the counts and the stop reason, whole and streamed, and the token count of
+    count_tokens; the answer is the chat completion's."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": QUESTION}]
+    greedy = {"temperature": 0}  # the client's newer releases take no temperature argument
+    m = client.messages.create(model="any", max_tokens=N, messages=messages, extra_body=greedy)
+    chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": N,
+                                                                 "temperature": 0}, timeout=120).json()
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat["choices"][0]["message"]["content"]
+    # Anthropic's input_tokens leave out the prompt the cache served (an earlier test's)
+    assert (m.stop_reason, m.usage.output_tokens, m.usage.input_tokens + m.usage.cache_read_input_tokens) == (
+        "max_tokens", N, chat["usage"]["prompt_tokens"])
+    with client.messages.stream(model="any", max_tokens=N, messages=messages, extra_body=greedy) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == m.content[0].text and final.content[0].text == streamed and final.stop_reason == "max_tokens"
+    counted = client.messages.count_tokens(model="any", messages=messages)
+    assert counted.input_tokens == chat["usage"]["prompt_tokens"]
+
+
 def test_slots_show_the_busy_one(server):
     """GET /slots while a streamed answer runs: its slot is processing, the others idle."""
     with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 6000,

@@ -431,6 +431,103 @@ def test_bad_responses_requests_are_400(body, words):
     assert e.value.status == 400 and words in e.value.message
 
 
+# --- Anthropic's /v1/messages read as a chat (serving.anthropic) --------------------------------
+def test_a_messages_request_is_a_chat_as_llama_server_makes_it():
+    """llama-server's conversion (server_chat_convert_anthropic_to_oai): system blocks joined with
+    nothing between, text blocks kept as parts, a turn of thinking alone kept empty, a turn of
+    nothing left out, stop_sequences as stop, the passed fields and no others, the budget."""
+    from saem_gguf.serving.anthropic import DEFAULT_MAX_TOKENS, chat_body
+
+    body = chat_body({"model": "claude-x", "system": [{"type": "text", "text": "A."}, {"type": "text", "text": "B."}],
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}},
+                                                                {"type": "text", "text": "b"}]},
+                                   {"role": "assistant", "content": [{"type": "thinking", "thinking": "t",
+                                                                      "signature": ""}]},
+                                   {"role": "user", "content": []},
+                                   {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]},
+                                   {"role": "user", "content": "c"}],
+                      "stop_sequences": ["END"], "temperature": 0.5, "top_k": 3, "seed": 7, "metadata": {"user_id": "u"},
+                      "thinking": {"type": "enabled"}})
+    assert body["messages"] == [{"role": "system", "content": "A.B."},
+                                {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}},
+                                                             {"type": "text", "text": "b"}]},
+                                {"role": "assistant", "content": ""}, {"role": "user", "content": "c"}]
+    assert body["stop"] == ["END"] and body["max_tokens"] == DEFAULT_MAX_TOKENS == 4096
+    assert body["temperature"] == 0.5 and body["top_k"] == 3 and "seed" not in body and "model" not in body
+    assert body["thinking_budget_tokens"] == 10000
+    req = parse_request(json.dumps(body).encode(), ChatRequest)
+    assert [m["content"] for m in req.message_dicts()] == ["A.B.", "a\nb", "", "c"]
+    assert chat_body({"messages": [], "max_tokens": 5, "thinking": {"type": "disabled"}}) == \
+        {"messages": [], "max_tokens": 5}
+
+
+@pytest.mark.parametrize("system, unstamped", [
+    ("x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=a5145;You are Claude Code.",
+     "x-anthropic-billing-header: cc_version=2.1.101.e51; cc_entrypoint=cli; cch=fffff;You are Claude Code."),
+    ("x-anthropic-billing-header: cch=a514;x", None),  # not five characters then ";": as it came
+    ("x-anthropic-billing-header: cch=a5145;", "x-anthropic-billing-header: cch=fffff;"),
+    ("x-anthropic-billing-header: cch=a5145", None),  # the text ends before the ";"
+    ("You are Claude Code. cch=a5145;", None),  # no header
+])
+def test_claude_codes_request_stamp_is_blanked_as_by_llama_server(system, unstamped):
+    """Claude Code stamps each request in its system prompt; llama-server writes the stamp as
+    fffff so that the prompt cache gets past it (normalize_anthropic_billing_header)."""
+    from saem_gguf.serving.anthropic import chat_body
+
+    for given in (system, [{"type": "text", "text": system}]):
+        assert chat_body({"system": given, "messages": []})["messages"][0]["content"] == (unstamped or system)
+
+
+@pytest.mark.parametrize("body, words", [
+    ({}, "'messages' is required"), ([1], "JSON object"), ({"messages": "x"}, "array of messages"),
+    ({"messages": [7]}, "must be an object"),
+    ({"messages": [], "tools": [{"name": "f", "input_schema": {}}]}, "function calling"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "1", "name": "f", "input": {}}]}]},
+     "function calling"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "1", "content": "2"}]}]},
+     "function calling"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]},
+     "image blocks are not supported"),
+])
+def test_bad_messages_requests_are_400(body, words):
+    from saem_gguf.serving.anthropic import chat_body
+
+    with pytest.raises(ApiError) as e:
+        chat_body(body)
+    assert e.value.status == 400 and words in e.value.message
+
+
+def test_a_messages_answer_in_anthropics_shapes():
+    """The whole answer and its events as llama-server writes them (to_json_anthropic*): thinking
+    first with an empty signature, then text; the stop reason (stop_sequence where a stop string
+    ended it, as Anthropic's API says), the counts with the cached prompt apart."""
+    from saem_gguf.serving.anthropic import MessagesReply
+
+    told = MessagesReply("m")
+    events = told.opening(10, 4) + told.events("th", "") + told.events("ink", "an") + told.events("", "swer")
+    events += told.closing("stop", "END", (10, 5, 4))
+    names = [n for n, _ in events]
+    assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_start", "content_block_delta", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "content_block_stop", "message_delta", "message_stop"]
+    assert all(d["type"] == n for n, d in events)
+    assert events[0][1]["message"]["usage"] == {"cache_read_input_tokens": 4, "input_tokens": 6, "output_tokens": 0}
+    assert [(d["index"], d["delta"]) for n, d in events if n == "content_block_delta"] == [
+        (0, {"type": "thinking_delta", "thinking": "th"}), (0, {"type": "thinking_delta", "thinking": "ink"}),
+        (1, {"type": "text_delta", "text": "an"}), (1, {"type": "text_delta", "text": "swer"}),
+        (0, {"type": "signature_delta", "signature": ""})]
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert events[-2][1]["usage"] == {"output_tokens": 5}
+    whole = told.whole("length", None, (10, 5, 4))
+    assert whole["content"] == [{"type": "thinking", "thinking": "think", "signature": ""},
+                                {"type": "text", "text": "answer"}]
+    assert (whole["stop_reason"], whole["stop_sequence"]) == ("max_tokens", None)
+    assert whole["usage"] == {"cache_read_input_tokens": 4, "input_tokens": 6, "output_tokens": 5}
+    plain = MessagesReply("m")
+    assert [d["index"] for _, d in plain.events("", "x") if "index" in d] == [0, 0]  # no thinking: text is block 0
+    assert plain.whole("stop", None, (1, 1, 0))["stop_reason"] == "end_turn"
+
+
 # --- a final assistant message continued (serving.prefill) --------------------------------------
 def test_a_continuation_keeps_the_message_as_text():
     from saem_gguf.engine import ChatPrompt

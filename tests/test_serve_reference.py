@@ -729,3 +729,93 @@ def test_streamed_responses_as_llama_server(pair):
 
     assert shape(ours) == shape(stock) and stock[0][0] == "response.created"
     assert _told(ours[-1][1]["response"]) == _told(stock[-1][1]["response"])
+
+
+# --- Anthropic's Messages API (/v1/messages) ------------------------------------------------------
+def _msg(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/v1/messages", json={"temperature": 0, **body}, timeout=300)
+    assert r.status_code == 200, (url, r.text[:500])
+    return r.json()
+
+
+def _said(answer: dict) -> tuple:
+    """What a Messages answer says: each content block, the stop, the counts."""
+    return answer["content"], answer["stop_reason"], answer["stop_sequence"], answer["usage"]
+
+
+MESSAGES = [
+    {"messages": CHAT, "max_tokens": 600},
+    {"messages": CHAT, "max_tokens": 20},
+    {"messages": CHAT, "system": [{"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}],
+     "max_tokens": 600},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is 3 + 4?"}]},
+                  {"role": "assistant", "content": [{"type": "thinking", "thinking": "3 and 4.", "signature": ""},
+                                                    {"type": "text", "text": "7"}]},
+                  {"role": "user", "content": "And 12 + 7?"}], "max_tokens": 600},
+    {"messages": CHAT, "max_tokens": 600, "stop_sequences": ["so"], "top_k": 1, "seed": 5},
+]
+MESSAGES_IDS = ["text", "cut", "system", "turns", "stop"]
+
+
+@pytest.mark.parametrize("body", MESSAGES, ids=MESSAGES_IDS)
+def test_messages_answer_as_llama_server(pair, body):
+    """The request read as llama-server reads it (a chat), the answer in its shapes: a thinking
+    block, a text block, the stop and the counts; a stop sequence's end is stop_reason
+    stop_sequence, as Anthropic's API says (llama-server: end_turn)."""
+    stock, ours = (_msg(url, body) for url in pair)
+    if stock["stop_sequence"] is not None:
+        assert stock["stop_reason"] == "end_turn" and ours["stop_reason"] == "stop_sequence"
+        stock["stop_reason"] = "stop_sequence"
+    assert _said(ours) == _said(stock)
+    assert {k for k in stock} == set(ours) and ours["type"] == "message" and ours["role"] == "assistant"
+
+
+def _msg_events(url: str, body: dict) -> list[tuple[str, dict]]:
+    with httpx.stream("POST", url + "/v1/messages", json={"temperature": 0, "stream": True, **body},
+                      timeout=300) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln and not ln.startswith(":")]
+    names = [ln[7:] for ln in lines if ln.startswith("event: ")]
+    data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+    assert len(names) == len(data) and all(d["type"] == n for n, d in zip(names, data)), lines[:6]
+    return list(zip(names, data))
+
+
+@pytest.mark.parametrize("body", [MESSAGES[0], MESSAGES[1], MESSAGES[4]], ids=["text", "cut", "stop"])
+def test_streamed_messages_as_llama_server(pair, body):
+    """The same events in the same order (message_start, each block's start, deltas and stop, the
+    message's delta and stop), the same deltas, counts and stop."""
+    stock, ours = (_msg_events(url, body) for url in pair)
+
+    def shape(events):  # consecutive deltas of one block merged: where a piece is cut may differ
+        out = []
+        for name, data in events:
+            if name == "content_block_delta" and out and out[-1][0] == name and out[-1][1] == data["index"] \
+                    and out[-1][2]["type"] == data["delta"]["type"] != "signature_delta":
+                key = "thinking" if data["delta"]["type"] == "thinking_delta" else "text"
+                out[-1][2][key] += data["delta"][key]
+            elif name == "message_start":
+                out.append((name, None, data["message"]["usage"]))
+            else:
+                out.append((name, data.get("index"), dict(data.get("delta") or data.get("content_block") or {})))
+        return out
+
+    if body.get("stop_sequences"):
+        assert stock[-2][1]["delta"]["stop_reason"] == "end_turn" and ours[-2][1]["delta"]["stop_reason"] == "stop_sequence"
+        stock[-2][1]["delta"]["stop_reason"] = "stop_sequence"
+    assert shape(ours) == shape(stock) and stock[0][0] == "message_start" and stock[-1][0] == "message_stop"
+    assert ours[-2][1]["usage"] == stock[-2][1]["usage"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages/count_tokens", {"messages": CHAT, "system": "Answer briefly."}),
+    ("/v1/messages/count_tokens", MESSAGES[3]),
+    ("/v1/chat/completions/input_tokens", {"messages": CHAT}),
+    ("/v1/chat/completions/input_tokens", {"messages": [*CHAT, {"role": "assistant", "content": "The sum"}]}),
+    ("/v1/responses/input_tokens", {"input": "What is 12 + 7?", "instructions": "Answer briefly."}),
+], ids=["messages", "messages-turns", "chat", "chat-prefill", "responses"])
+def test_prompt_tokens_counted_as_llama_server(pair, path, body):
+    """The prompt a chat would evaluate, counted as llama-server counts it (a continued
+    assistant message included)."""
+    stock, ours = _both(pair, path, body)
+    assert ours == stock and stock["input_tokens"] > 10

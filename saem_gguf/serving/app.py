@@ -43,12 +43,27 @@ from saem_gguf.serving.protocol import (
 from saem_gguf.serving.output_format import JsonAnswer, answer_grammar, json_answer_text, thinking_of
 from saem_gguf.serving.prefill import continued, prefill_of
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
-from saem_gguf.serving.responses import ResponsesReply, chat_body, sse_event
+from saem_gguf.serving import anthropic, responses
+from saem_gguf.serving.anthropic import MessagesReply
+from saem_gguf.serving.responses import ResponsesReply, sse_event
 from saem_gguf.thinking import THINK_OPEN, forced_open_prefix, template_reasons
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
 QUEUE_FULL_CODE = "queue_full"
 MAX_BODY_BYTES = 32 << 20  # far above any prompt a context holds; a larger body is refused unread
+
+
+@dataclass(frozen=True)
+class ChatApi:
+    """An API whose request is a chat completion in other words and whose answer has its own
+    shapes (OpenAI's Responses, Anthropic's Messages)."""
+
+    chat_body: Callable[[object], dict]  # its request as a /v1/chat/completions body
+    reply: Callable[[str], ResponsesReply | MessagesReply]  # an answer's shapes, for the model's id
+
+
+RESPONSES = ChatApi(responses.chat_body, ResponsesReply)
+MESSAGES = ChatApi(anthropic.chat_body, MessagesReply)
 
 
 @dataclass(frozen=True)
@@ -151,6 +166,24 @@ def create_app(state: ServerState) -> Starlette:
             raise ApiError(400, str(e), param="messages") from None
         return JSONResponse({"prompt": prompt.text})
 
+    def input_tokens(api: ChatApi | None) -> Callable[[Request], Awaitable[Response]]:
+        """llama-server's token count of a chat's prompt (/v1/chat/completions/input_tokens, and
+        the same for /v1/responses and Anthropic's /v1/messages/count_tokens): the prompt its
+        generation would evaluate, the continued assistant message included."""
+        async def count(request: Request) -> Response:
+            body = await _body(request)
+            if api is not None:
+                body = json.dumps(api.chat_body(parse_json(body))).encode()
+            req = parse_request(body, ChatRequest)
+            try:
+                prompt = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
+                                                 req.template_kwargs(), _prefill(state, req))
+            except SaemError as e:  # the chat template failed on these messages
+                raise ApiError(400, str(e), param="messages") from None
+            answer: dict = {"input_tokens": len(prompt.tokens)}
+            return JSONResponse(answer if api is MESSAGES else {**answer, "object": "response.input_tokens"})
+        return count
+
     async def props(_: Request) -> Response:
         return JSONResponse(await run_in_threadpool(_props, state))
 
@@ -161,7 +194,10 @@ def create_app(state: ServerState) -> Starlette:
         return await _complete(state, request, chat=False)
 
     async def responses(request: Request) -> Response:
-        return await _complete(state, request, chat=True, responses=True)
+        return await _complete(state, request, chat=True, api=RESPONSES)
+
+    async def messages(request: Request) -> Response:
+        return await _complete(state, request, chat=True, api=MESSAGES)
 
     async def not_found(request: Request, exc: HTTPException) -> Response:
         err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
@@ -181,6 +217,17 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
         Route("/v1/responses", counted("/v1/responses", responses), methods=["POST"]),
         Route("/responses", counted("/v1/responses", responses), methods=["POST"]),
+        Route("/v1/messages", counted("/v1/messages", messages), methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", counted("/v1/chat/completions/input_tokens", input_tokens(None)),
+              methods=["POST"]),
+        Route("/chat/completions/input_tokens", counted("/v1/chat/completions/input_tokens", input_tokens(None)),
+              methods=["POST"]),
+        Route("/v1/responses/input_tokens", counted("/v1/responses/input_tokens", input_tokens(RESPONSES)),
+              methods=["POST"]),
+        Route("/responses/input_tokens", counted("/v1/responses/input_tokens", input_tokens(RESPONSES)),
+              methods=["POST"]),
+        Route("/v1/messages/count_tokens", counted("/v1/messages/count_tokens", input_tokens(MESSAGES)),
+              methods=["POST"]),
         # llama-server's own
         Route("/completion", counted("/completion", native), methods=["POST"]),
         Route("/completions", counted("/completion", native), methods=["POST"]),
@@ -194,13 +241,13 @@ def create_app(state: ServerState) -> Starlette:
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
 
 
-async def _complete(state: ServerState, request: Request, chat: bool, responses: bool = False) -> Response:
-    """/v1/chat/completions and /v1/completions: OpenAI's shapes; ``responses``: /v1/responses, a
-    chat told in the Responses API's shapes (serving.responses)."""
+async def _complete(state: ServerState, request: Request, chat: bool, api: ChatApi | None = None) -> Response:
+    """/v1/chat/completions and /v1/completions: OpenAI's shapes; with ``api`` (/v1/responses,
+    /v1/messages), a chat told in that API's shapes (serving.responses, serving.anthropic)."""
     if state.stopping:
         raise SHUTTING_DOWN
-    if responses:
-        req = parse_request(json.dumps(chat_body(parse_json(await _body(request)))).encode(), ChatRequest)
+    if api is not None:
+        req = parse_request(json.dumps(api.chat_body(parse_json(await _body(request)))).encode(), ChatRequest)
     else:
         req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     sched = state.scheduler
@@ -216,7 +263,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
             return await run_in_threadpool(sched.tokenize_prompt, req.prompt_text(), state.cfg.parse_special), (), None
     handle, gen = await _submit(state, req, prompt, "messages" if chat else "prompt")
     reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
-    told = ResponsesReply(state.cfg.model_id) if responses else None  # the Responses shapes
+    told = api.reply(state.cfg.model_id) if api is not None else None  # the other API's shapes
     offset = 0  # characters of text streamed so far (completions' text_offset)
     text = bytearray()  # decoded whole at the end: an event may end inside a character
     thinking: Reasoning | None = None  # the answer's thinking apart (llama-server's reasoning format)
@@ -231,6 +278,8 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
         opened = forced_open_prefix(chat_text)
         lead = "" if opened is None else THINK_OPEN + opened
 
+    stop_word: list[str | None] = [None]  # the stop string that ended the answer, if one did
+
     def add(ev: TokenEvent) -> None:
         text.extend(ev.text)
         tokens = _token_logprobs(ev, reply.top_n, state.piece)
@@ -239,8 +288,10 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
         if ev.finish_reason is not None:
             reply.finish_reason, reply.usage = ev.finish_reason, _usage(ev)
             reply.timings = _timings(ev)
+            stop_word[0] = ev.stop_word
 
     pending = [prefill or ""]  # the continued message's text, sent with the first piece as llama-server does
+    began: list[bool] = []  # the other API's opening events sent (with the first piece, as llama-server)
 
     def chunks(ev: TokenEvent) -> list[bytes]:
         nonlocal offset, lead
@@ -256,11 +307,12 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
         if json_answer is not None:
             piece = json_answer.add(piece, final=ev.finish_reason is not None)
         if told is not None:
-            out = [sse_event(*e) for e in told.events(reasoning, piece)]
+            events = told.opening(len(handle.request.prompt_tokens), ev.cached) if not began else []
+            began.append(True)
+            events += told.events(reasoning, piece)
             if ev.finish_reason is not None:
-                usage = _usage(ev)
-                out += [sse_event(*e) for e in told.closing(ev.finish_reason, usage, _timings(ev))]
-            return out
+                events += told.closing(ev.finish_reason, ev.stop_word, _usage(ev), _timings(ev))
+            return [sse_event(*e) for e in events]
         tokens = _token_logprobs(ev, reply.top_n, state.piece)
         if piece or reasoning or tokens:
             out.append(sse(reply.chunk(piece, tokens, text_offset=offset, reasoning=reasoning)))
@@ -276,10 +328,8 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
         return out
 
     if req.stream:
-        if told is not None:
-            opening = [sse_event(*e) for e in told.opening()]
-        else:  # OpenAI's first chunk names the role
-            opening = [sse(reply.chunk(text="", role=True))] if chat else []
+        # OpenAI's first chunk names the role; the other APIs open with the first piece (chunks)
+        opening = [sse(reply.chunk(text="", role=True))] if chat and told is None else []
         return _event_stream(_stream(handle, opening, chunks))
     gone = await _collect(handle, request.receive, add)
     if gone:
@@ -293,7 +343,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, responses:
         reply.text = prefill + reply.text
     if told is not None:
         told.reasoning, told.text = reply.reasoning or "", reply.text
-        return JSONResponse(told.response(reply.finish_reason, reply.usage, reply.timings))
+        return JSONResponse(told.whole(reply.finish_reason, stop_word[0], reply.usage, reply.timings))
     return JSONResponse(reply.response())
 
 

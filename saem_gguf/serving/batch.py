@@ -141,7 +141,7 @@ class TokenEvent:
     finish_reason: str | None  # None, then on the last event: stop | length | cancelled | error
     error: str | None = None  # one line, when finish_reason == "error"
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) on the last event
-    cached: int = 0  # on the last event: prompt tokens whose cells an earlier request left (not evaluated)
+    cached: int = 0  # prompt tokens whose cells an earlier request left (not evaluated)
     stop_word: str | None = None  # on the last event: the stop string that ended the text, if one did
     # on the last event: (seconds from admission to the first sampled token, from there to the end)
     timings: tuple[float, float] | None = None
@@ -785,7 +785,7 @@ class Scheduler:
             self._finish(seq, "stop" if stopped and not limited else "length", piece, (tok,), logprobs, keep=keep)
             return
         seq.next_token = tok
-        seq.handle._push(TokenEvent(piece, (tok,), logprobs, None), self._step_wakes)
+        seq.handle._push(TokenEvent(piece, (tok,), logprobs, None, cached=seq.n_cached), self._step_wakes)
 
     def _logprobs(self, batch_index: int, tok: int, n_probs: int) -> tuple | None:
         """(chosen token's logprob, its n_probs best alternatives, best first), from the raw

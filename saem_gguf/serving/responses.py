@@ -141,8 +141,10 @@ class ResponsesReply:
         return ([self._reasoning_item(True)] if self.reasoning else []) + \
             ([self._message_item(True)] if self.text else [])
 
-    def response(self, finish_reason: str | None, usage: tuple[int, int, int], timings: dict | None = None) -> dict:
-        """The whole answer (``reasoning`` and ``text`` set)."""
+    def whole(self, finish_reason: str | None, stop_word: str | None, usage: tuple[int, int, int],
+              timings: dict | None = None) -> dict:
+        """The whole answer (``reasoning`` and ``text`` set); ``usage`` (prompt, completion,
+        cached prompt tokens)."""
         n_prompt, n_gen, cached = usage
         body = {"completed_at": int(time.time()), "created_at": self.created, "id": self.id, "model": self.model,
                 "object": "response", "output": self._output(), "status": "completed",
@@ -152,7 +154,8 @@ class ResponsesReply:
             body.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
         return body if timings is None else {**body, "timings": timings}
 
-    def opening(self) -> list[tuple[str, dict]]:
+    def opening(self, n_prompt: int, cached: int) -> list[tuple[str, dict]]:
+        """Sent with the first piece, as llama-server does."""
         state = {"id": self.id, "object": "response", "status": "in_progress"}
         return [("response.created", {"type": "response.created", "response": state}),
                 ("response.in_progress", {"type": "response.in_progress", "response": state})]
@@ -181,7 +184,8 @@ class ResponsesReply:
                                                        "item_id": self.message_id, "delta": text}))
         return out
 
-    def closing(self, finish_reason: str | None, usage: tuple[int, int, int], timings: dict | None) -> list[tuple[str, dict]]:
+    def closing(self, finish_reason: str | None, stop_word: str | None, usage: tuple[int, int, int],
+                timings: dict | None) -> list[tuple[str, dict]]:
         """The events after the last piece: each item done, then the whole response."""
         out = []
         if self.reasoning:
@@ -194,7 +198,7 @@ class ResponsesReply:
                                                     "item_id": self.message_id, "part": self._part()}),
                     ("response.output_item.done", {"type": "response.output_item.done",
                                                    "item": self._message_item(True)})]
-        whole = self.response(finish_reason, usage)
+        whole = self.whole(finish_reason, stop_word, usage)
         whole.pop("completed_at")
         done = {"type": "response.completed", "response": whole}
         if timings is not None:
