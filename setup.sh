@@ -20,7 +20,7 @@ if [ ! -x "$PY" ]; then
 fi
 PIP=("$PY" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" numpy gguf numba psutil tqdm matplotlib pytest hypothesis \
-    starlette uvicorn prometheus-client pydantic openai httpx2 \
+    starlette uvicorn prometheus-client pydantic openai anthropic httpx2 \
     "typing-extensions>=4.5.0" "diskcache>=5.6.1" "jinja2>=2.11.3" setuptools wheel
 
 if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('llama_cpp_python') != '$LCP')" 2>/dev/null; then
