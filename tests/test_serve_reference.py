@@ -228,6 +228,29 @@ def test_no_cache_prompt_flag_as_llama_server():
         assert ours.stop() == 0, ours.stderr()
 
 
+def test_an_empty_prompt_starts_from_bos_as_in_llama_server(pair):
+    """An empty prompt is BOS alone where the model adds one, and the answer starts from there, as
+    llama-server's; where it adds none (the embedded model), llama-server answers nothing and this
+    server says why (a 400 naming the prompt)."""
+    bos = "tokenizer.ggml.add_bos_token=bool:true"
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "2048", "--override-kv", bos)
+    ours = ServerProcess(["-np", "1", "-c", "2048", "--no-warmup", "--override-kv", bos]).start()
+    try:
+        s, o = _both((stock.url, ours.url), "/completion", {"prompt": "", "n_predict": 8, "temperature": 0,
+                                                            "return_tokens": True})
+        assert [o[k] for k in COUNTS] == [s[k] for k in COUNTS] and s["tokens_evaluated"] == 1 and s["content"]
+        s, o = _both((stock.url, ours.url), "/v1/completions", {"prompt": "", "max_tokens": 8, "temperature": 0})
+        assert o["choices"][0]["text"] == s["choices"][0]["text"] and o["usage"] == s["usage"]
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+    stock_nothing = httpx.post(pair[0] + "/completion", json={"prompt": "", "n_predict": 8}, timeout=60).json()
+    assert stock_nothing["content"] == "" and stock_nothing["tokens_evaluated"] == 0
+    ours_refused = httpx.post(pair[1] + "/completion", json={"prompt": "", "n_predict": 8}, timeout=60)
+    assert ours_refused.status_code == 400 and ours_refused.json()["error"]["param"] == "prompt"
+    assert "adds no BOS token" in ours_refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("samplers", [["top_k", "top_p", "min_p", "temperature"], ["temperature", "top_k"], "kt",
                                       ["temp"], [], ["penalties", "top_k", "temperature"],
                                       ["top-k", "Nucleus", "typ", "minp", "temperature", "dry", "xtc", "bogus"]])

@@ -30,7 +30,7 @@ from saem_gguf.engine import ChatPrompt, SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.serving.auth import ApiKeyMiddleware
 from saem_gguf.serving.batch import (
-    BatchRequest, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
+    BatchRequest, EmptyPrompt, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
 )
 from saem_gguf.serving.infill import FimTokens, InfillLimits, infill_tokens
 from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
@@ -457,7 +457,9 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
         raise ApiError(503, str(e), "unavailable_error", QUEUE_FULL_CODE) from None
     except PromptTooLong as e:
         raise ApiError(400, str(e), "invalid_request_error", "context_length_exceeded", prompt_field) from None
-    except SaemError as e:  # the chat template failed on these messages, an empty prompt, ...
+    except EmptyPrompt as e:
+        raise ApiError(400, str(e), param=prompt_field) from None
+    except SaemError as e:  # the chat template failed on these messages, ...
         raise ApiError(400, str(e)) from None
     return handle, gen
 

@@ -161,6 +161,11 @@ class SchedulerStopped(QueueFull):
     """The scheduler no longer accepts requests (it is stopping, or its decode thread failed)."""
 
 
+class EmptyPrompt(SaemError):
+    """The prompt has no tokens (HTTP 400): an empty text where the model adds no BOS token.
+    llama-server answers an empty completion there; a 400 says why nothing was generated."""
+
+
 class PromptTooLong(SaemError):
     """The prompt leaves no room for a token in one sequence's context (HTTP 400)."""
 
@@ -361,10 +366,10 @@ class Scheduler:
 
     def submit(self, req: BatchRequest) -> SequenceHandle:
         """Queue ``req``; its handle yields the events. Raises PromptTooLong, QueueFull (already
-        ``n_parallel + queue_max`` requests in the slots or waiting), SchedulerStopped, or
-        SaemError for a token outside the vocabulary, a bad seed or ``n_probs``."""
+        ``n_parallel + queue_max`` requests in the slots or waiting), SchedulerStopped, EmptyPrompt,
+        or SaemError for a token outside the vocabulary, a bad seed or ``n_probs``."""
         if not req.prompt_tokens:
-            raise SaemError("empty prompt")
+            raise EmptyPrompt("empty prompt (and the model adds no BOS token to start from)")
         check_token_ids(req.prompt_tokens, self._n_vocab, "prompt token")
         if len(req.prompt_tokens) + 1 > self._n_ctx_seq:
             raise PromptTooLong(f"the prompt ({len(req.prompt_tokens)} tokens) does not fit the context "

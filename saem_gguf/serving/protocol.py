@@ -300,13 +300,6 @@ class NativeCompletionRequest(_Common):
                 out[path] = node
         return out
 
-    @field_validator("prompt")
-    @classmethod
-    def _some_prompt(cls, v):
-        if not v:
-            raise ValueError("empty prompt")
-        return v
-
     def top_n(self) -> int | None:
         return self.n_probs if self.n_probs is not None and self.n_probs > 0 else None
 
@@ -330,11 +323,6 @@ class InfillRequest(NativeCompletionRequest):
     input_prefix: str | list[str | int]
     input_suffix: str | list[str | int]
     input_extra: list[InfillChunk] = []
-
-    @field_validator("prompt")
-    @classmethod
-    def _some_prompt(cls, v):  # replaces /completion's check: the prompt may be empty here
-        return v
 
 
 class JsonSchemaFormat(_Strict):
