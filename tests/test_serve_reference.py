@@ -228,6 +228,27 @@ def test_no_cache_prompt_flag_as_llama_server():
         assert ours.stop() == 0, ours.stderr()
 
 
+@pytest.mark.parametrize("form", ["one-string", "one-token-list", "one-mixed"])
+def test_an_array_of_one_prompt_as_in_llama_server(pair, form):
+    """An array without a token id is a list of prompts to llama-server; with one element it is
+    that prompt (a string, token ids, or both mixed)."""
+    ids = httpx.post(pair[0] + "/tokenize", json={"content": PROMPT}, timeout=60).json()["tokens"]
+    prompt = {"one-string": [PROMPT], "one-token-list": [ids], "one-mixed": [[ids[0], " capital of France is"]]}[form]
+    stock, ours = _both(pair, "/completion", {"prompt": prompt, "n_predict": 6, "temperature": 0})
+    assert [ours[k] for k in COUNTS] == [stock[k] for k in COUNTS]
+
+
+def test_several_prompts_are_refused_not_joined(pair):
+    """llama-server answers each of several prompts ([\"a\", \"b\"]: a list of answers); this
+    server refuses them with a 400 rather than read them as one text (what it did before)."""
+    body = {"prompt": ["The capital", " of France is"], "n_predict": 4, "temperature": 0}
+    stock = httpx.post(pair[0] + "/completion", json=body, timeout=60)
+    assert stock.status_code == 200 and isinstance(stock.json(), list) and len(stock.json()) == 2
+    ours = httpx.post(pair[1] + "/completion", json=body, timeout=60)
+    assert ours.status_code == 400 and "2 prompts in one request" in ours.json()["error"]["message"]
+    assert httpx.post(pair[1] + "/completion", json={**body, "prompt": []}, timeout=60).status_code == 400
+
+
 def test_an_empty_prompt_starts_from_bos_as_in_llama_server(pair):
     """An empty prompt is BOS alone where the model adds one, and the answer starts from there, as
     llama-server's; where it adds none (the embedded model), llama-server answers nothing and this

@@ -267,6 +267,20 @@ class NativeCompletionRequest(_Common):
 
     prompt: str | list[str | int]
     n_predict: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        # llama-server reads an array without a token id as several prompts (tokenize_input_prompts:
+        # strings, token lists), one answer each; an array with one is one prompt, text and ids mixed
+        if isinstance(v, list) and not any(isinstance(e, int) and not isinstance(e, bool) for e in v):
+            if not v:
+                raise ValueError("must not be empty")
+            if len(v) > 1:
+                raise ValueError(f"{len(v)} prompts in one request are not supported (an array of strings or of "
+                                 f"token lists is several prompts, as llama-server reads it): send one request each")
+            return v[0]
+        return v
     repeat_last_n: Count | None = None
     return_tokens: bool = False
     # llama-server's limits for code completion (batch.LineLimits): each new line's least
