@@ -1060,12 +1060,15 @@ class Engine:
         return head + (llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=parse_special)
                        if prompt else [])
 
-    def chat_prompt(self, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+    def chat_prompt(self, messages: list[dict], template_kwargs: dict[str, Any] | None = None,
+                    add_generation_prompt: bool = True) -> ChatPrompt:
         """``messages`` as llama-cpp-python's ``create_chat_completion`` would prompt the model:
         the chat format it picks (the GGUF's template, a known format it recognises, or
         ``--chat-template``), the real BOS/EOS texts, BOS added only when the format does not write
         it; message contents stay literal text (saem_gguf.tokenization). ``template_kwargs``:
-        more template variables, over the engine's (``chat_template_kwargs``)."""
+        more template variables, over the engine's (``chat_template_kwargs``).
+        ``add_generation_prompt`` False: without the assistant's header the template adds last
+        (``generation_prompt``)."""
         import jinja2
 
         llm = self.llm
@@ -1095,8 +1098,46 @@ class Engine:
             raise SaemError(f"the chat template failed: {e}") from None
         finally:
             llm._saem_capture = False
-        return ChatPrompt(llm.detokenize(tokens, special=True).decode("utf-8", errors="replace"),
-                          tokens, stop)
+        prompt = ChatPrompt(llm.detokenize(tokens, special=True).decode("utf-8", errors="replace"), tokens, stop)
+        return prompt if add_generation_prompt else self._without_generation_prompt(prompt, messages, variables)
+
+    def generation_prompt(self, messages: list[dict], variables: dict[str, Any]) -> str:
+        """The text the chat template adds for ``add_generation_prompt`` (the assistant's header):
+        llama.cpp's ``common_chat_template_generation_prompt``, the template rendered with it past
+        where the rendering without it ends."""
+        import jinja2
+        from llama_cpp import llama_chat_format as lcf
+
+        source = self.chat_template_source()
+        if not source:
+            raise SaemError(f"the chat format {self.llm.chat_format!r} is not a Jinja template: its prompt always "
+                            "ends with the assistant's header (add_generation_prompt false needs a template)")
+        llm = self.llm
+        eos, bos = llm.token_eos(), llm.token_bos()
+        formatter = lcf.Jinja2ChatFormatter(template=source,
+                                            eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+                                            bos_token=llm._model.token_get_text(bos) if bos != -1 else "")
+        rendered = []
+        for header in (False, True):
+            formatter.add_generation_prompt = header
+            try:
+                rendered.append(formatter(messages=messages, **variables).prompt)
+            except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+                raise SaemError(f"the chat template failed: {e}") from None
+        without, with_header = rendered
+        common = len(os.path.commonprefix([without, with_header]))
+        return with_header[common:]
+
+    def _without_generation_prompt(self, prompt: ChatPrompt, messages: list[dict],
+                                   variables: dict[str, Any]) -> ChatPrompt:
+        header = self.generation_prompt(messages, variables)
+        if not header:
+            return prompt
+        tail = self.llm.tokenize(header.encode("utf-8"), add_bos=False, special=True)
+        if not prompt.text.endswith(header) or prompt.tokens[-len(tail):] != tail:
+            raise SaemError("the chat template's generation prompt could not be cut from the prompt "
+                            "(add_generation_prompt false)")
+        return ChatPrompt(prompt.text[:-len(header)], prompt.tokens[:-len(tail)], prompt.stop)
 
     def chat_template_source(self) -> str:
         """The Jinja text chats are rendered with (llama-server's /props ``chat_template``): a

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from saem_gguf.errors import SaemError
 
@@ -53,19 +54,29 @@ class SpecialTokens:
         return next((t for t in self.texts if t in text), None)
 
 
-def content_strings(messages: Sequence[dict]) -> list[str]:
-    """The user-supplied text of chat messages, in order: string contents and text parts."""
+class MessageText(NamedTuple):
+    text: str
+    may_be_left_out: bool = False  # a template may leave it out (an earlier turn's reasoning)
+
+
+def content_strings(messages: Sequence[dict]) -> list[MessageText]:
+    """The user-supplied text of chat messages, in order: an assistant turn's ``reasoning_content``
+    (templates that show it put it before the content), string contents and text parts."""
     out = []
     for m in messages:
-        c = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict):
+            continue
+        if isinstance(m.get("reasoning_content"), str) and m["reasoning_content"]:
+            out.append(MessageText(m["reasoning_content"], True))
+        c = m.get("content")
         if isinstance(c, str):
-            out.append(c)
+            out.append(MessageText(c))
         elif isinstance(c, list):
-            out += [p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            out += [MessageText(p["text"]) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)]
     return out
 
 
-def protected_spans(prompt: bytes, contents: Sequence[str], specials: SpecialTokens) -> list[tuple[int, int]]:
+def protected_spans(prompt: bytes, contents: Sequence[MessageText], specials: SpecialTokens) -> list[tuple[int, int]]:
     """Byte ranges of ``prompt`` holding message contents that contain special-token text.
 
     Contents are found in message order, each after the previous one; a template that trims
@@ -73,7 +84,7 @@ def protected_spans(prompt: bytes, contents: Sequence[str], specials: SpecialTok
     after an earlier reply's reasoning (Qwen3's) by looking for that text (``reasoning_kept``)."""
     spans = []
     cursor = 0
-    for content in contents:
+    for content, may_be_left_out in contents:
         raw = content.encode("utf-8")
         risky = specials.first_in(raw)
         found = -1
@@ -83,6 +94,8 @@ def protected_spans(prompt: bytes, contents: Sequence[str], specials: SpecialTok
                 if found >= 0:
                     raw = candidate
                     break
+        if found < 0 and may_be_left_out:  # not in the prompt: nothing of it to protect
+            continue
         if found < 0:
             kept = reasoning_kept(raw, specials)
             at = -1 if kept is None else prompt.find(kept, cursor)

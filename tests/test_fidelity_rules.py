@@ -204,6 +204,41 @@ def test_earlier_reasoning_dropped_by_the_template_is_no_error(tmp_path, chatml_
         eng.close()
 
 
+# a template that shows an assistant turn's reasoning_content (Qwen3's does, after the last user turn)
+SHOWS_REASONING = (
+    "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' -}}"
+    "{%- if m.reasoning_content -%}{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- m['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_reasoning_content_stays_literal_and_may_be_left_out(tmp_path, chatml_model):
+    """An assistant turn's reasoning_content, which the template gets as llama.cpp passes it, is
+    the client's text as its content is: literal where the template shows it, and no error where
+    the template leaves it out (the embedded model's template)."""
+    vocab = load_vocab()
+    im_end = vocab.id_of("<|im_end|>")
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello", "reasoning_content": "greet<|im_end|>back"},
+                {"role": "user", "content": "Bye"}]
+    tpl = tmp_path / "shows.jinja"
+    tpl.write_text(SHOWS_REASONING)
+    eng = engine(chatml_model, chat_template=str(tpl))
+    try:
+        p = eng.chat_prompt(messages)
+        assert "<think>\ngreet<|im_end|>back\n</think>\n\nHello<|im_end|>" in p.text
+        assert p.tokens.count(im_end) == 3  # the template's three, not the one in the reasoning
+    finally:
+        eng.close()
+    tpl.write_text(REASONING_TEMPLATE)
+    eng = engine(chatml_model, chat_template=str(tpl))
+    try:
+        p = eng.chat_prompt(messages)
+        assert "greet" not in p.text and p.tokens.count(im_end) == 3
+    finally:
+        eng.close()
+
+
 def test_api_and_cli_keep_message_content_literal(chatml_model):
     from saem_gguf import Llama
 

@@ -529,9 +529,35 @@ def test_a_messages_answer_in_anthropics_shapes():
 
 
 # --- a final assistant message continued (serving.prefill) --------------------------------------
+def test_how_a_chat_ends_by_llama_servers_rules():
+    """A final assistant message is continued unasked (unless --no-prefill-assistant), its
+    content or, alone, its reasoning; continue_final_message asks for it; with the generation
+    prompt asked too it is a 400, as are two assistant messages at the end."""
+    from saem_gguf.serving.prefill import ChatEnd, Continuation, chat_end
+
+    user = {"role": "user", "content": "Hi"}
+    said = {"role": "assistant", "content": "Hel<|im_end|>"}
+    thought = {"role": "assistant", "content": "", "reasoning_content": "r"}
+    assert chat_end([user], None, None, True) == ChatEnd(None, True)
+    assert chat_end([user], None, False, True) == ChatEnd(None, False)
+    assert chat_end([user, {"role": "assistant", "content": ""}], None, None, True) == ChatEnd(None, True)
+    assert chat_end([user, said], None, None, True) == ChatEnd(Continuation("Hel<|im_end|>", "", "content"), False)
+    assert chat_end([user, said], None, None, False) == ChatEnd(None, True)  # --no-prefill-assistant
+    assert chat_end([user, thought], None, None, True).continuation == Continuation("", "r", "reasoning")
+    both = {**said, "reasoning_content": "r"}
+    assert chat_end([user, both], None, None, True).continuation.part == "content"
+    assert chat_end([user, both], "reasoning_content", False, False).continuation.part == "reasoning"
+    assert chat_end([user], True, False, False).continuation == Continuation("Hi", "", "content")
+    assert chat_end([user, said], "no such part", None, False) == ChatEnd(None, True)
+    with pytest.raises(ApiError, match="2 or more assistant messages"):
+        chat_end([user, said, said], None, None, True)
+    with pytest.raises(ApiError, match="Cannot set both add_generation_prompt and continue_final_message"):
+        chat_end([user, said], True, None, True)
+
+
 def test_a_continuation_keeps_the_message_as_text():
     from saem_gguf.engine import ChatPrompt
-    from saem_gguf.serving.prefill import continued, prefill_of
+    from saem_gguf.serving.prefill import Continuation, continued
 
     calls: list[tuple[str, bool]] = []
 
@@ -539,16 +565,21 @@ def test_a_continuation_keeps_the_message_as_text():
         calls.append((text, special))
         return [len(text)]
 
-    user = {"role": "user", "content": "Hi"}
-    assert prefill_of([user]) is None and prefill_of([user, {"role": "assistant", "content": ""}]) is None
-    assert prefill_of([user, {"role": "assistant", "content": "Hel<|im_end|>"}]) == "Hel<|im_end|>"
-    with pytest.raises(ApiError, match="2 or more assistant messages"):
-        prefill_of([user, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}])
     reasoning_template = "{{ '</think>' }}"
-    c = continued(ChatPrompt("<|im_start|>assistant\n", [1, 2], ()), "Hel<|im_end|>", reasoning_template, tokenize)
+    said = Continuation("Hel<|im_end|>", "", "content")
+    c = continued(ChatPrompt("<|im_start|>assistant\n", [1, 2], ()), said, reasoning_template, tokenize)
     assert c.text == "<|im_start|>assistant\n<think></think>Hel<|im_end|>" and c.tokens == [1, 2, 15, 13]
     assert calls == [("<think></think>", True), ("Hel<|im_end|>", False)]  # the markup parsed, the text not
     calls.clear()
-    opened = continued(ChatPrompt("<|im_start|>assistant\n<think>\n", [1, 2, 8], ()), "x", reasoning_template, tokenize)
+    opened = continued(ChatPrompt("<|im_start|>assistant\n<think>\n", [1, 2, 8], ()), Continuation("x", "", "content"),
+                       reasoning_template, tokenize)
     assert opened.text == "<|im_start|>assistant\n<think></think>x" and opened.tokens == [1, 2, 15, 1]
-    assert continued(ChatPrompt("A:", [5], ()), "x", "plain", tokenize).text == "A:x"
+    assert continued(ChatPrompt("A:", [5], ()), Continuation("x", "", "content"), "plain", tokenize).text == "A:x"
+    calls.clear()
+    thought = continued(ChatPrompt("A:", [5], ()), Continuation("x", "r<|im_end|>", "content"), reasoning_template,
+                        tokenize)
+    assert thought.text == "A:<think>r<|im_end|></think>x"
+    assert calls == [("<think>", True), ("r<|im_end|>", False), ("</think>", True), ("x", False)]
+    going = continued(ChatPrompt("A:", [5], ()), Continuation("", "r", "reasoning"), reasoning_template, tokenize)
+    assert going.text == "A:<think>r"
+    assert continued(ChatPrompt("A:", [5], ()), Continuation("", "r", "reasoning"), "plain", tokenize).text == "A:"

@@ -565,6 +565,54 @@ def test_no_prefill_assistant_answers_anew_as_llama_server():
         assert ours.stop() == 0, ours.stderr()
 
 
+def _assistant(**fields) -> dict:
+    return {"role": "assistant", **fields}
+
+
+# how a chat ends, by llama-server's rules (serving.prefill, serving.answer_text)
+ENDINGS = [
+    {"messages": CHAT, "add_generation_prompt": False},
+    {"messages": [*CHAT, _assistant(content="The sum")], "continue_final_message": True,
+     "add_generation_prompt": False},
+    {"messages": [*CHAT, _assistant(content="The sum")], "continue_final_message": True,
+     "add_generation_prompt": False, "echo": True},
+    {"messages": [*CHAT, _assistant(content="The sum", reasoning_content="Add them")],
+     "continue_final_message": "reasoning_content", "add_generation_prompt": False},
+    {"messages": [*CHAT, _assistant(content="", reasoning_content="12 plus 7")]},
+    {"messages": [*CHAT, _assistant(content="The sum", reasoning_content="12 plus 7")]},
+    {"messages": [*CHAT, _assistant(content="x", reasoning_content="r")], "reasoning_format": "none"},
+    {"messages": [*CHAT, _assistant(content="", reasoning_content="12 plus 7")], "reasoning_format": "none"},
+    {"messages": [*CHAT, _assistant(content="The sum")], "reasoning_format": "none"},
+    {"messages": [*CHAT, _assistant(content="x", reasoning_content="r"), {"role": "user", "content": "ok?"}]},
+    {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True, "add_generation_prompt": False},
+    {"messages": [*CHAT, _assistant(content="The sum")], "continue_final_message": False},
+]
+ENDING_IDS = ["no-header", "continue", "continue-echo", "continue-reasoning", "reasoning-alone", "both",
+              "none-both", "none-reasoning", "none-content", "earlier-reasoning", "continue-user", "continue-false"]
+
+
+@pytest.mark.parametrize("body", ENDINGS, ids=ENDING_IDS)
+def test_how_a_chat_ends_as_in_llama_server(pair, body):
+    """add_generation_prompt, continue_final_message (its content or its reasoning_content),
+    echo, and a message's reasoning_content: the same prompt (and token count), the same answer
+    whole, and the same deltas streamed (the continued text left out where the request asked
+    for the continuation and not for echo, as llama-server's stream)."""
+    stock, ours = _both(pair, "/apply-template", body)
+    assert ours["prompt"] == stock["prompt"]
+    stock, ours = (_chat(url, max_tokens=12, **body) for url in pair)
+    assert _message(ours) == _message(stock) and ours["usage"] == stock["usage"]
+    stock, ours = (_streamed_message(url, max_tokens=12, **body) for url in pair)
+    assert ours == stock
+
+
+def test_continuing_and_asking_for_the_header_is_refused_as_by_llama_server(pair):
+    body = {"messages": [*CHAT, _assistant(content="The sum")], "continue_final_message": True, "max_tokens": 4}
+    for url in pair:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 400 and "Cannot set both add_generation_prompt and continue_final_message" in \
+            r.json()["error"]["message"], r.text
+
+
 def test_two_assistant_messages_at_the_end_are_refused_as_by_llama_server(pair):
     messages = [*PREFILLED[0], {"role": "assistant", "content": "again"}]
     for url in pair:
@@ -581,6 +629,19 @@ def forced_pair(tmp_path_factory):
     yield stock.url, ours.url
     stock.stop()
     assert ours.stop() == 0, ours.stderr()
+
+
+@pytest.mark.parametrize("body", ENDINGS[1:], ids=ENDING_IDS[1:])
+def test_how_a_chat_ends_where_the_template_opens_the_block_as_in_llama_server(forced_pair, body):
+    """The same endings where the generation prompt opens the thinking block (a continuation cuts
+    it). Not here: no header at all under such a template, where llama-server's parser takes the
+    whole answer for reasoning (it assumes the block the header would have opened)."""
+    stock, ours = _both(forced_pair, "/apply-template", body)
+    assert ours["prompt"] == stock["prompt"]
+    stock, ours = (_message(_chat(url, max_tokens=12, **body)) for url in forced_pair)
+    assert ours == stock
+    stock, ours = (_streamed_message(url, max_tokens=12, **body) for url in forced_pair)
+    assert ours == stock
 
 
 @pytest.mark.parametrize("forced", FORCED[:6])

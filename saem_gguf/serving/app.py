@@ -40,13 +40,14 @@ from saem_gguf.serving.protocol import (
     llama_timings, native_probs, native_settings, parse_json, parse_request, piece_json, request_logit_bias, sse,
     stop_type,
 )
-from saem_gguf.serving.output_format import JsonAnswer, answer_grammar, json_answer_text, thinking_of
-from saem_gguf.serving.prefill import continued, prefill_of
-from saem_gguf.serving.reasoning import Reasoning, split_reasoning, splits
+from saem_gguf.serving.answer_text import ChatText
+from saem_gguf.serving.output_format import answer_grammar, thinking_of
+from saem_gguf.serving.prefill import ChatEnd, asks_continuation, chat_end, continued, opened_reasoning
+from saem_gguf.serving.reasoning import splits
 from saem_gguf.serving import anthropic, responses
 from saem_gguf.serving.anthropic import MessagesReply
 from saem_gguf.serving.responses import ResponsesReply, sse_event
-from saem_gguf.thinking import THINK_OPEN, forced_open_prefix, template_reasons
+from saem_gguf.thinking import template_reasons
 
 SHUTTING_DOWN = ApiError(503, "the server is shutting down", "unavailable_error", "shutting_down")
 QUEUE_FULL_CODE = "queue_full"
@@ -161,7 +162,7 @@ def create_app(state: ServerState) -> Starlette:
         req = parse_request(await _body(request), ApplyTemplateRequest)
         try:
             prompt = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
-                                             req.chat_template_kwargs, _prefill(state, req))
+                                             req.chat_template_kwargs, _chat_end(state, req))
         except SaemError as e:  # the chat template failed on these messages
             raise ApiError(400, str(e), param="messages") from None
         return JSONResponse({"prompt": prompt.text})
@@ -177,7 +178,7 @@ def create_app(state: ServerState) -> Starlette:
             req = parse_request(body, ChatRequest)
             try:
                 prompt = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
-                                                 req.template_kwargs(), _prefill(state, req))
+                                                 req.template_kwargs(), _chat_end(state, req))
             except SaemError as e:  # the chat template failed on these messages
                 raise ApiError(400, str(e), param="messages") from None
             answer: dict = {"input_tokens": len(prompt.tokens)}
@@ -251,12 +252,12 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
     else:
         req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
     sched = state.scheduler
-    # a final assistant message is continued (serving.prefill): the answer's content starts with it
-    prefill = _prefill(state, req) if chat else None
+    # a continued final message (serving.prefill): the answer's content or reasoning starts with it
+    end = _chat_end(state, req) if chat else ChatEnd(None, True)
     if chat:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
             p = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
-                                        req.template_kwargs(), prefill)
+                                        req.template_kwargs(), end)
             return p.tokens, tuple(p.stop), p.text
     else:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
@@ -266,17 +267,15 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
     told = api.reply(state.cfg.model_id) if api is not None else None  # the other API's shapes
     offset = 0  # characters of text streamed so far (completions' text_offset)
     text = bytearray()  # decoded whole at the end: an event may end inside a character
-    thinking: Reasoning | None = None  # the answer's thinking apart (llama-server's reasoning format)
-    lead = ""  # unsplit, llama-server's content starts with the thinking block the prompt opened
-    # the chat prompt's text (None for a raw prompt): where a thinking block may already be open
-    chat_text = handle.request.chat_text
-    # a schema's answer: the JSON alone, as llama-server's parser captures it
-    json_answer = JsonAnswer() if gen.json_answer else None
-    if chat and splits(req.reasoning_format or state.cfg.reasoning_format, state.cfg.chat_template):
-        thinking = Reasoning(forced_open_prefix(chat_text))
-    elif chat and template_reasons(state.cfg.chat_template):
-        opened = forced_open_prefix(chat_text)
-        lead = "" if opened is None else THINK_OPEN + opened
+    # a chat's text as llama-server's parser tells it: the thinking apart, a continued message, a
+    # schema's JSON alone (serving.answer_text); a raw completion's as generated
+    told_text = None
+    if chat:
+        template, more = state.cfg.chat_template, end.continuation
+        told_text = ChatText(splits(req.reasoning_format or state.cfg.reasoning_format, template),
+                             template_reasons(template), opened_reasoning(handle.request.chat_text, more, template),
+                             more, asks_continuation(req.continue_final_message) and not req.echo,
+                             gen.json_answer)
 
     stop_word: list[str | None] = [None]  # the stop string that ended the answer, if one did
 
@@ -290,22 +289,15 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
             reply.timings = _timings(ev)
             stop_word[0] = ev.stop_word
 
-    pending = [prefill or ""]  # the continued message's text, sent with the first piece as llama-server does
     began: list[bool] = []  # the other API's opening events sent (with the first piece, as llama-server)
 
     def chunks(ev: TokenEvent) -> list[bytes]:
-        nonlocal offset, lead
+        nonlocal offset
         out = []
         piece = ev.text.decode("utf-8", errors="ignore")
         reasoning = ""
-        if thinking is not None:
-            reasoning, piece = thinking.add(piece, final=ev.finish_reason is not None)
-        elif lead and (piece or ev.finish_reason is not None):
-            piece, lead = lead + piece, ""
-        if pending[0] and (piece or ev.finish_reason is not None):
-            piece, pending[0] = pending[0] + piece, ""
-        if json_answer is not None:
-            piece = json_answer.add(piece, final=ev.finish_reason is not None)
+        if told_text is not None:
+            reasoning, piece = told_text.add(piece, final=ev.finish_reason is not None)
         if told is not None:
             events = told.opening(len(handle.request.prompt_tokens), ev.cached) if not began else []
             began.append(True)
@@ -334,13 +326,9 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
     gone = await _collect(handle, request.receive, add)
     if gone:
         return gone
-    reply.text = lead + text.decode("utf-8", errors="ignore")
-    if thinking is not None:
-        reply.reasoning, reply.text = split_reasoning(reply.text, thinking.prefix)
-    if json_answer is not None:
-        reply.text = json_answer_text(reply.text)
-    if prefill is not None:  # as llama-server's answer
-        reply.text = prefill + reply.text
+    reply.text = text.decode("utf-8", errors="ignore")
+    if told_text is not None:
+        reply.reasoning, reply.text = told_text.whole(reply.text)
     if told is not None:
         told.reasoning, told.text = reply.reasoning or "", reply.text
         return JSONResponse(told.whole(reply.finish_reason, stop_word[0], reply.usage, reply.timings))
@@ -533,21 +521,22 @@ def _models(state: ServerState) -> dict:
                       "owned_by": "saem_gguf", "meta": meta}]}
 
 
-def _prefill(state: ServerState, req: ChatRequest | ApplyTemplateRequest) -> str | None:
-    """The final assistant message's text a chat continues (serving.prefill), unless
-    --no-prefill-assistant."""
-    return prefill_of(req.message_dicts()) if state.cfg.prefill_assistant else None
+def _chat_end(state: ServerState, req: ChatRequest | ApplyTemplateRequest) -> ChatEnd:
+    """How the chat's prompt ends (serving.prefill): the final message continued (a final
+    assistant message unasked, unless --no-prefill-assistant), or with the generation prompt or not."""
+    return chat_end(req.message_dicts(), req.continue_final_message, req.add_generation_prompt,
+                    state.cfg.prefill_assistant)
 
 
-def _chat_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None,
-                 prefill: str | None) -> ChatPrompt:
-    """A chat's prompt (``-sys`` added where it brings no system message), continuing its final
-    assistant message where ``prefill`` is that message's text (serving.prefill)."""
+def _chat_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None, end: ChatEnd) -> ChatPrompt:
+    """A chat's prompt (``-sys`` added where it brings no system message), ended as ``end`` says
+    (serving.prefill)."""
     sched = state.scheduler
-    if prefill is None:
-        return sched.tokenize_chat(_with_system(messages, state.cfg.system), template_kwargs)
+    if end.continuation is None:
+        return sched.tokenize_chat(_with_system(messages, state.cfg.system), template_kwargs, end.generation_prompt)
     p = sched.tokenize_chat(_with_system(messages[:-1], state.cfg.system), template_kwargs)
-    c = continued(p, prefill, state.cfg.chat_template, lambda text, special: sched.tokenize_mixed(text, False, special))
+    c = continued(p, end.continuation, state.cfg.chat_template,
+                  lambda text, special: sched.tokenize_mixed(text, False, special))
     return ChatPrompt(c.text, c.tokens, p.stop)
 
 

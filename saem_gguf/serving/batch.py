@@ -359,10 +359,11 @@ class Scheduler:
         with self._tokenize_lock:
             return self.engine.prompt_tokens(prompt, parse_special)
 
-    def tokenize_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> ChatPrompt:
+    def tokenize_chat(self, messages: list[dict], template_kwargs: dict | None = None,
+                      add_generation_prompt: bool = True) -> ChatPrompt:
         """A chat's prompt by ``Engine.chat_prompt``'s rules (thread-safe)."""
         with self._tokenize_lock:
-            return self.engine.chat_prompt(messages, template_kwargs)
+            return self.engine.chat_prompt(messages, template_kwargs, add_generation_prompt)
 
     def submit(self, req: BatchRequest) -> SequenceHandle:
         """Queue ``req``; its handle yields the events. Raises PromptTooLong, QueueFull (already

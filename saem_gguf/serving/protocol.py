@@ -99,6 +99,9 @@ class Message(_Strict):
     # a string, a list of text parts, or null (an assistant turn); checked below, so that the error
     # names what is allowed rather than each alternative of a union
     content: Any = None
+    # an assistant turn's thinking, apart (llama-server's): the chat template gets it, and a
+    # continued final message (serving.prefill) has its thinking block
+    reasoning_content: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -129,7 +132,9 @@ def message_dicts(messages: list[Message], template: str = "") -> list[dict]:
     as a ``system`` one unless ``template`` is GPT-OSS's (llama.cpp's map_developer_role_to_system:
     templates other than GPT-OSS's, which has a developer role, know no such role)."""
     keep = "<|channel|>" in template
-    return [{"role": "system" if m.role == "developer" and not keep else m.role, "content": m.text()}
+    return [{"role": "system" if m.role == "developer" and not keep else m.role, "content": m.text(),
+             # where given, as llama.cpp's render_message_to_json
+             **({"reasoning_content": m.reasoning_content} if m.reasoning_content else {})}
             for m in messages]
 
 
@@ -384,6 +389,12 @@ class ChatRequest(_Common):
     reasoning_budget_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
     thinking_budget_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
     reasoning_budget_message: str | None = None
+    # llama-server's: end the prompt with the assistant's header (or not), continue the final
+    # message (true, "content" or "reasoning_content"; serving.prefill), and with it asked, a stream
+    # that sends the continued text too (serving.answer_text)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | str | None = None
+    echo: bool = False
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -439,6 +450,10 @@ class ApplyTemplateRequest(_Strict):
 
     messages: list[Message] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    # llama-server's: end the prompt with the assistant's header (or not), continue the final
+    # message (true, "content" or "reasoning_content"; serving.prefill)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | str | None = None
 
     def message_dicts(self, template: str = "") -> list[dict]:
         return message_dicts(self.messages, template)
