@@ -10,6 +10,7 @@ the stream), a non-streamed one by a watcher on the connection.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable
@@ -36,9 +37,9 @@ from saem_gguf.serving.infill import FimTokens, InfillLimits, infill_tokens
 from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
     SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Generation,
-    InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation,
-    llama_timings, native_probs, native_settings, parse_json, parse_request, piece_json, request_logit_bias, sse,
-    stop_type,
+    InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, bad_request,
+    generation, llama_timings, native_probs, native_settings, parse_json, parse_request, piece_json,
+    request_logit_bias, sse, stop_type, usage,
 )
 from saem_gguf.serving.answer_text import ChatText
 from saem_gguf.serving.output_format import answer_grammar, thinking_of
@@ -105,6 +106,11 @@ def create_app(state: ServerState) -> Starlette:
                 response = await handler(request)
             except ApiError as e:
                 response = JSONResponse(e.body(), status_code=e.status)
+            except Exception as e:  # a defect here: one line, and an answer the client can read
+                print(f"[saem] {request.method} {request.url.path}: internal error: {type(e).__name__}: {e}",
+                      file=sys.stderr)
+                err = ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+                response = JSONResponse(err.body(), status_code=err.status)
             state.metrics.count(route, response.status_code)
             return response
 
@@ -133,7 +139,13 @@ def create_app(state: ServerState) -> Starlette:
         return JSONResponse(await run_in_threadpool(state.scheduler.stats))
 
     async def native(request: Request) -> Response:
-        return await _complete_native(state, request, infill=False)
+        if state.stopping:
+            raise SHUTTING_DOWN
+        req = parse_request(await _body(request), NativeCompletionRequest)
+        if len(req.prompts()) > 1:
+            return await _complete_many(request, req, lambda one, receive: _complete_native(
+                state, request, infill=False, parsed=one, receive=receive))
+        return await _complete_native(state, request, infill=False, parsed=req)
 
     async def infill(request: Request) -> Response:
         return await _complete_native(state, request, infill=True)
@@ -192,7 +204,13 @@ def create_app(state: ServerState) -> Starlette:
         return await _complete(state, request, chat=True)
 
     async def completions(request: Request) -> Response:
-        return await _complete(state, request, chat=False)
+        if state.stopping:
+            raise SHUTTING_DOWN
+        req = parse_request(await _body(request), CompletionRequest)
+        if len(req.prompts()) > 1:
+            return await _complete_many(request, req, lambda one, receive: _complete(
+                state, request, chat=False, parsed=one, receive=receive))
+        return await _complete(state, request, chat=False, parsed=req)
 
     async def responses(request: Request) -> Response:
         return await _complete(state, request, chat=True, api=RESPONSES)
@@ -242,16 +260,20 @@ def create_app(state: ServerState) -> Starlette:
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
 
 
-async def _complete(state: ServerState, request: Request, chat: bool, api: ChatApi | None = None) -> Response:
+async def _complete(state: ServerState, request: Request, chat: bool, api: ChatApi | None = None,
+                    parsed: CompletionRequest | None = None, receive: Receive | None = None) -> Response:
     """/v1/chat/completions and /v1/completions: OpenAI's shapes; with ``api`` (/v1/responses,
-    /v1/messages), a chat told in that API's shapes (serving.responses, serving.anthropic)."""
+    /v1/messages), a chat told in that API's shapes (serving.responses, serving.anthropic).
+    ``parsed``: the request already read (one prompt of a completion's several); ``receive``: where
+    the client's disconnect is told, if not the request's own."""
     if state.stopping:
         raise SHUTTING_DOWN
-    if api is not None:
+    if parsed is not None:
+        req = parsed
+    elif api is not None:
         req = parse_request(json.dumps(api.chat_body(parse_json(await _body(request)))).encode(), ChatRequest)
     else:
         req = parse_request(await _body(request), ChatRequest if chat else CompletionRequest)
-    sched = state.scheduler
     # a continued final message (serving.prefill): the answer's content or reasoning starts with it
     end = _chat_end(state, req) if chat else ChatEnd(None, True)
     if chat:
@@ -261,7 +283,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
             return p.tokens, tuple(p.stop), p.text
     else:
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
-            return await run_in_threadpool(sched.tokenize_prompt, req.prompt_text(), state.cfg.parse_special), (), None
+            return await run_in_threadpool(_raw_prompt, state, req.prompts()[0]), (), None
     handle, gen = await _submit(state, req, prompt, "messages" if chat else "prompt")
     reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
     told = api.reply(state.cfg.model_id) if api is not None else None  # the other API's shapes
@@ -323,7 +345,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
         # OpenAI's first chunk names the role; the other APIs open with the first piece (chunks)
         opening = [sse(reply.chunk(text="", role=True))] if chat and told is None else []
         return _event_stream(_stream(handle, opening, chunks))
-    gone = await _collect(handle, request.receive, add)
+    gone = await _collect(handle, receive or request.receive, add)
     if gone:
         return gone
     reply.text = text.decode("utf-8", errors="ignore")
@@ -335,7 +357,8 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
     return JSONResponse(reply.response())
 
 
-async def _complete_native(state: ServerState, request: Request, infill: bool) -> Response:
+async def _complete_native(state: ServerState, request: Request, infill: bool,
+                           parsed: NativeCompletionRequest | None = None, receive: Receive | None = None) -> Response:
     """/completion and /completions, and /infill (``infill``: its prompt laid out in the model's
     fill-in-the-middle tokens, serving.infill): llama-server's own shape (content, stop_type,
     timings, ...)."""
@@ -345,14 +368,12 @@ async def _complete_native(state: ServerState, request: Request, infill: bool) -
     fim = sched.fim_tokens() if infill else None
     if fim is not None and fim.missing():  # before the body, as llama-server checks
         raise ApiError(501, f"Infill is not supported by this model: {fim.missing()}", "not_supported_error")
-    req = parse_request(await _body(request), InfillRequest if infill else NativeCompletionRequest)
+    req = parsed or parse_request(await _body(request), InfillRequest if infill else NativeCompletionRequest)
 
     async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
         if fim is not None:
             return await run_in_threadpool(_infill_prompt, state, fim, req), (), None
-        if isinstance(req.prompt, str):  # as /v1/completions: BOS as the GGUF says
-            return await run_in_threadpool(sched.tokenize_prompt, req.prompt, state.cfg.parse_special), (), None
-        return await run_in_threadpool(sched.tokenize_mixed, req.prompt, True, state.cfg.parse_special), (), None
+        return await run_in_threadpool(_raw_prompt, state, req.prompts()[0]), (), None
 
     handle, gen = await _submit(state, req, prompt, "prompt")
     try:  # the prompt's text for the answer; the sequence must not outlive a failure here
@@ -395,8 +416,72 @@ async def _complete_native(state: ServerState, request: Request, infill: bool) -
 
     if req.stream:
         return _event_stream(_stream(handle, [], chunks))
-    gone = await _collect(handle, request.receive, add)
+    gone = await _collect(handle, receive or request.receive, add)
     return gone or JSONResponse(final)
+
+
+def _raw_prompt(state: ServerState, prompt: str | list[str | int]) -> list[int]:
+    """One raw prompt's tokens: a text with BOS as the GGUF says, or token ids with texts mixed in
+    (BOS before a leading text only, llama-server's tokenize_mixed)."""
+    sched = state.scheduler
+    if isinstance(prompt, str):
+        return sched.tokenize_prompt(prompt, state.cfg.parse_special)
+    return sched.tokenize_mixed(prompt, True, state.cfg.parse_special)
+
+
+async def _complete_many(request: Request, req: CompletionRequest | NativeCompletionRequest,
+                         answer: Callable[[CompletionRequest | NativeCompletionRequest, Receive],
+                                          Awaitable[Response]]) -> Response:
+    """A completion of several prompts (serving.protocol.split_prompts): each answered as a
+    request of its own, all together, as llama-server's tasks of one request; ``answer(one,
+    receive)`` answers one. /completion gives llama-server's list of answers (each its ``index``),
+    /v1/completions one answer with a choice per prompt and the usage of all (llama-server's gives
+    one prompt's). One failure fails the request and cancels the others; so does the client leaving.
+    Not streamed here (llama-server interleaves the answers' chunks)."""
+    if req.stream:
+        raise bad_request("several prompts are answered only whole here (\"stream\": false), or send one "
+                          "request each", "prompt")
+    left = anyio.Event()
+
+    async def watch() -> None:  # one watcher of the connection for every prompt's collector
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        left.set()
+
+    async def told_of_leaving() -> dict:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    answers: list[Response | None] = [None] * len(req.prompts())
+
+    async def one(i: int, prompt: str | list[str | int]) -> None:
+        answers[i] = await answer(req.model_copy(update={"prompt": prompt}), told_of_leaving)
+
+    try:
+        async with anyio.create_task_group() as watching:
+            watching.start_soon(watch)
+            async with anyio.create_task_group() as answering:
+                for i, prompt in enumerate(req.prompts()):
+                    answering.start_soon(one, i, prompt)
+            watching.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the first failure is the request's
+        raise _first(group) from None
+    if left.is_set() or any(a is None or a.status_code != 200 for a in answers):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    bodies = [json.loads(a.body) for a in answers]
+    if isinstance(req, NativeCompletionRequest):
+        return JSONResponse([{**b, "index": i} for i, b in enumerate(bodies)])
+    merged = bodies[0]
+    merged["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    merged["usage"] = usage(*(sum(x) for x in zip(*((b["usage"]["prompt_tokens"], b["usage"]["completion_tokens"],
+                                                       b["usage"]["prompt_tokens_details"]["cached_tokens"])
+                                                      for b in bodies))))
+    return JSONResponse(merged)
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    first = group.exceptions[0]
+    return _first(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _infill_prompt(state: ServerState, fim: FimTokens, req: InfillRequest) -> list[int]:

@@ -93,6 +93,33 @@ def _is_text_part(part: object) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
+def _is_id(e: object) -> bool:
+    return isinstance(e, int) and not isinstance(e, bool)
+
+
+def _one_prompt_form(p: object) -> bool:
+    """A prompt: a string, or token ids with strings mixed in (``tokenize_input_subprompt``)."""
+    return isinstance(p, str) or (isinstance(p, list) and all(_is_id(e) or isinstance(e, str) for e in p)
+                                  and (not p or any(map(_is_id, p))))
+
+
+def split_prompts(v: object) -> list[str | list[str | int]]:
+    """The prompts of a completion request's ``prompt``, as llama-server's tokenize_input_prompts
+    reads it: an array without a token id is several prompts (strings, token lists, both mixed),
+    anything else one. ValueError for another shape."""
+    if isinstance(v, list) and v and not any(map(_is_id, v)):
+        prompts = v
+    elif isinstance(v, list) and not v:
+        raise ValueError("must not be empty")
+    else:
+        prompts = [v]
+    for p in prompts:
+        if not _one_prompt_form(p):
+            raise ValueError("must be a string, token ids (with strings mixed in), or an array of those "
+                             "(several prompts)")
+    return prompts
+
+
 class Message(_Strict):
     # developer: OpenAI's newer name for system instructions (message_dicts)
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -227,7 +254,7 @@ class _Common(_Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: Any  # a string or a list of one string; checked below
+    prompt: Any  # one prompt or several (split_prompts)
     logprobs: Whole | None = None  # < 0: none (llama-server's n_probs); 0: the chosen token's alone (OpenAI's)
     echo: bool = False
     best_of: int | None = None
@@ -235,11 +262,12 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, str) or (isinstance(v, list) and len(v) == 1 and isinstance(v[0], str)):
-            return v
-        raise ValueError("must be a string or a list of one string (one prompt per request; "
-                         "token-id prompts are not supported)")
+    def _prompts(cls, v):
+        split_prompts(v)
+        return v
+
+    def prompts(self) -> list[str | list[str | int]]:
+        return split_prompts(self.prompt)
 
     @field_validator("echo")
     @classmethod
@@ -255,9 +283,6 @@ class CompletionRequest(_Common):
             raise ValueError(f"unsupported parameter: {info.field_name}")
         return v
 
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-
     def top_n(self) -> int | None:
         """Alternatives per token to return, None for no log-probs at all."""
         if self.logprobs is not None:
@@ -270,22 +295,8 @@ class NativeCompletionRequest(_Common):
     token ids mixed (``tokenize_mixed``), ``n_predict`` (``max_tokens`` its alias),
     ``repeat_last_n``, ``n_probs``, ``return_tokens``; the sampling fields are the OpenAI routes'."""
 
-    prompt: str | list[str | int]
+    prompt: Any  # one prompt or several (split_prompts)
     n_predict: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, v):
-        # llama-server reads an array without a token id as several prompts (tokenize_input_prompts:
-        # strings, token lists), one answer each; an array with one is one prompt, text and ids mixed
-        if isinstance(v, list) and not any(isinstance(e, int) and not isinstance(e, bool) for e in v):
-            if not v:
-                raise ValueError("must not be empty")
-            if len(v) > 1:
-                raise ValueError(f"{len(v)} prompts in one request are not supported (an array of strings or of "
-                                 f"token lists is several prompts, as llama-server reads it): send one request each")
-            return v[0]
-        return v
     repeat_last_n: Count | None = None
     return_tokens: bool = False
     # llama-server's limits for code completion (batch.LineLimits): each new line's least
@@ -295,6 +306,15 @@ class NativeCompletionRequest(_Common):
     # llama-server's: only these fields of the last object, a path with slashes naming a nested
     # one (e.g. "timings/predicted_n", kept under that name); absent ones left out
     response_fields: list[str] = []
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v):
+        split_prompts(v)
+        return v
+
+    def prompts(self) -> list[str | list[str | int]]:
+        return split_prompts(self.prompt)
 
     def line_limits(self) -> LineLimits | None:
         if self.n_indent <= 0 and self.t_max_predict_ms <= 0:
