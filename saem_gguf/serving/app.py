@@ -138,14 +138,20 @@ def create_app(state: ServerState) -> Starlette:
     async def stats(_: Request) -> Response:
         return JSONResponse(await run_in_threadpool(state.scheduler.stats))
 
-    async def native(request: Request) -> Response:
+    async def raw(request: Request, kind: type[CompletionRequest | NativeCompletionRequest],
+                  answer: Callable[[CompletionRequest | NativeCompletionRequest, Receive | None], Awaitable[Response]]
+                  ) -> Response:
+        """A raw completion (/v1/completions, /completion): its prompt answered, or its several."""
         if state.stopping:
             raise SHUTTING_DOWN
-        req = parse_request(await _body(request), NativeCompletionRequest)
+        req = parse_request(await _body(request), kind)
         if len(req.prompts()) > 1:
-            return await _complete_many(request, req, lambda one, receive: _complete_native(
-                state, request, infill=False, parsed=one, receive=receive))
-        return await _complete_native(state, request, infill=False, parsed=req)
+            return await _complete_many(request, req, answer)
+        return await answer(req, None)
+
+    async def native(request: Request) -> Response:
+        return await raw(request, NativeCompletionRequest, lambda one, receive: _complete_native(
+            state, request, infill=False, parsed=one, receive=receive))
 
     async def infill(request: Request) -> Response:
         return await _complete_native(state, request, infill=True)
@@ -204,13 +210,8 @@ def create_app(state: ServerState) -> Starlette:
         return await _complete(state, request, chat=True)
 
     async def completions(request: Request) -> Response:
-        if state.stopping:
-            raise SHUTTING_DOWN
-        req = parse_request(await _body(request), CompletionRequest)
-        if len(req.prompts()) > 1:
-            return await _complete_many(request, req, lambda one, receive: _complete(
-                state, request, chat=False, parsed=one, receive=receive))
-        return await _complete(state, request, chat=False, parsed=req)
+        return await raw(request, CompletionRequest, lambda one, receive: _complete(
+            state, request, chat=False, parsed=one, receive=receive))
 
     async def responses(request: Request) -> Response:
         return await _complete(state, request, chat=True, api=RESPONSES)

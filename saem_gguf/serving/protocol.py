@@ -253,12 +253,10 @@ class _Common(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-class CompletionRequest(_Common):
-    prompt: Any  # one prompt or several (split_prompts)
-    logprobs: Whole | None = None  # < 0: none (llama-server's n_probs); 0: the chosen token's alone (OpenAI's)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+class _RawPrompt(_Common):
+    """A request with a raw prompt: one, or several (split_prompts)."""
+
+    prompt: Any
 
     @field_validator("prompt")
     @classmethod
@@ -268,6 +266,13 @@ class CompletionRequest(_Common):
 
     def prompts(self) -> list[str | list[str | int]]:
         return split_prompts(self.prompt)
+
+
+class CompletionRequest(_RawPrompt):
+    logprobs: Whole | None = None  # < 0: none (llama-server's n_probs); 0: the chosen token's alone (OpenAI's)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("echo")
     @classmethod
@@ -290,12 +295,11 @@ class CompletionRequest(_Common):
         return self.n_probs if self.n_probs is not None and self.n_probs > 0 else None
 
 
-class NativeCompletionRequest(_Common):
+class NativeCompletionRequest(_RawPrompt):
     """llama-server's own POST /completion (and /completions): ``prompt`` a string, or strings and
     token ids mixed (``tokenize_mixed``), ``n_predict`` (``max_tokens`` its alias),
     ``repeat_last_n``, ``n_probs``, ``return_tokens``; the sampling fields are the OpenAI routes'."""
 
-    prompt: Any  # one prompt or several (split_prompts)
     n_predict: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
     repeat_last_n: Count | None = None
     return_tokens: bool = False
@@ -306,15 +310,6 @@ class NativeCompletionRequest(_Common):
     # llama-server's: only these fields of the last object, a path with slashes naming a nested
     # one (e.g. "timings/predicted_n", kept under that name); absent ones left out
     response_fields: list[str] = []
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompts(cls, v):
-        split_prompts(v)
-        return v
-
-    def prompts(self) -> list[str | list[str | int]]:
-        return split_prompts(self.prompt)
 
     def line_limits(self) -> LineLimits | None:
         if self.n_indent <= 0 and self.t_max_predict_ms <= 0:
