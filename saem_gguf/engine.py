@@ -85,6 +85,49 @@ MAX_PARALLEL = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h)
 AMX_TILE_TYPES = frozenset(("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"))
 
 
+ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # llama.cpp's --rope-scaling names, LLAMA_ROPE_SCALING_TYPE_*
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """llama.cpp's RoPE and YaRN context flags, for a context longer than the model was trained
+    on (Qwen3's 32k stretched to 128k: ``--rope-scaling yarn --rope-scale 4 --yarn-orig-ctx
+    32768``). Each left at None is llama-cpp-python's default (the model's own RoPE)."""
+
+    scaling: str | None = None  # --rope-scaling none|linear|yarn
+    freq_base: float | None = None  # --rope-freq-base
+    freq_scale: float | None = None  # --rope-freq-scale, or 1 / --rope-scale
+    yarn_orig_ctx: int | None = None  # --yarn-orig-ctx
+    yarn_ext_factor: float | None = None  # --yarn-ext-factor (negative: from the scaling type)
+    yarn_attn_factor: float | None = None  # --yarn-attn-factor
+    yarn_beta_slow: float | None = None  # --yarn-beta-slow
+    yarn_beta_fast: float | None = None  # --yarn-beta-fast
+
+    def __post_init__(self) -> None:
+        if self.scaling is not None and self.scaling not in ROPE_SCALING:
+            raise SaemError(f"rope scaling must be one of {', '.join(ROPE_SCALING)}, got {self.scaling!r}")
+        for name in ("freq_base", "freq_scale", "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_slow",
+                     "yarn_beta_fast"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise SaemError(f"rope {name} must be a finite number, got {v}")
+        if self.freq_base is not None and self.freq_base < 0 or self.freq_scale is not None and self.freq_scale < 0:
+            raise SaemError("--rope-freq-base and --rope-freq-scale must be >= 0 (0: the model's)")
+        if self.yarn_orig_ctx is not None and self.yarn_orig_ctx < 0:
+            raise SaemError(f"--yarn-orig-ctx must be >= 0 (0: the model's training context), got {self.yarn_orig_ctx}")
+
+    def llama_kwargs(self) -> dict:
+        """As llama-cpp-python's ``Llama`` keyword arguments (those given only)."""
+        out = {"rope_scaling_type": ROPE_SCALING[self.scaling]} if self.scaling is not None else {}
+        for name, kw in (("freq_base", "rope_freq_base"), ("freq_scale", "rope_freq_scale"),
+                         ("yarn_orig_ctx", "yarn_orig_ctx"), ("yarn_ext_factor", "yarn_ext_factor"),
+                         ("yarn_attn_factor", "yarn_attn_factor"), ("yarn_beta_slow", "yarn_beta_slow"),
+                         ("yarn_beta_fast", "yarn_beta_fast")):
+            if getattr(self, name) is not None:
+                out[kw] = getattr(self, name)
+        return out
+
+
 @dataclass
 class EngineConfig:
     model: Path | None = None  # None: the embedded default model
@@ -110,6 +153,8 @@ class EngineConfig:
     # weights; with a GPU (or the RAM tier) not for the experts, which stay as the file has them
     use_extra_bufts: bool = True
     use_mlock: bool = False  # --mlock
+    offload_kqv: bool = True  # -nkvo/--no-kv-offload clears it: the KV cache stays in host memory
+    rope: RopeConfig = field(default_factory=lambda: RopeConfig())  # --rope-*, --yarn-*
     tensor_overrides: tuple = ()  # -ot: tensor_overrides.TensorOverride, in order
     kv_overrides: tuple = ()  # --override-kv: (key, value) pairs, saem_gguf.kv_overrides
     numa: str | None = None  # llama.cpp's --numa strategy: distribute | isolate | numactl
@@ -806,6 +851,7 @@ class Engine:
             flash_attn=cfg.flash_attn == "on", saem_flash_attn_auto=cfg.flash_attn == "auto",
             type_k=kv_type[cfg.cache_type_k], type_v=kv_type[cfg.cache_type_v],
             use_mmap=use_mmap, use_mlock=cfg.use_mlock, saem_no_repack=no_repack,
+            offload_kqv=cfg.offload_kqv, **cfg.rope.llama_kwargs(),
             saem_experts_on_host=experts_on_host, saem_experts_pinned=pinned,
             saem_tensor_overrides=resolve(llama_cpp, overrides),
             **({"kv_overrides": merged(cfg.kv_overrides)} if cfg.kv_overrides else {}))

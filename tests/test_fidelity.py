@@ -247,6 +247,36 @@ def test_kv_overrides_answer_as_stock_with_them(llama_cpp, stock_lib, overrides)
         eng.close()
 
 
+def test_rope_scaling_flags_answer_as_stock_with_them(llama_cpp, stock_lib):
+    """--rope-scaling yarn --rope-scale 4 --yarn-orig-ctx N (a context stretched past training, as
+    for Qwen3 at 128k): llama.cpp builds the context with them, as stock llama-cpp-python's
+    Llama(rope_scaling_type=..., rope_freq_scale=..., yarn_orig_ctx=...); -nkvo keeps the KV cache
+    in host memory (a CPU build has it there anyway: the setting is checked on the context)."""
+    from saem_gguf.engine import RopeConfig
+
+    from saem_gguf.default_model import default_model_path
+
+    model = default_model_path()  # trained: the random test models answer alike under any scaling
+    stretched = {"rope_scaling_type": 2, "rope_freq_scale": 0.25, "yarn_orig_ctx": 64}
+    cases = [{"kind": "completion", "prompt": PROMPT, "max_tokens": 16, "model": stretched},
+             {"kind": "completion", "prompt": PROMPT, "max_tokens": 16}]
+    ref = reference(stock_lib, model, cases)
+    assert ref[0][0] != ref[1][0]  # the scaling changes the answer (else this proves nothing)
+    eng = engine(model, "lru", rope=RopeConfig("yarn", None, 0.25, 64), offload_kqv=False)
+    try:
+        assert eng.llm.context_params.offload_kqv is False
+        same(result_row(eng.generate(PROMPT, 16)), ref[0][0], "yarn x4")
+    finally:
+        eng.close()
+    r = subprocess.run([sys.executable, "-m", "saem_gguf", "generate", "-m", str(model), "-p", PROMPT, "-n", "16",
+                        "--temp", "0", "--json", "--quiet", "--policy", "lru", "--ecr", "25%", "-c", str(N_CTX),
+                        "-fa", "off",  # llama-cpp-python's default, where llama.cpp's CLI says auto
+                        "--rope-scaling", "yarn", "--rope-scale", "4", "--yarn-orig-ctx", "64", "-nkvo"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] == ref[0][0]["text"]
+
+
 def test_no_repack_answers_as_stock_with_no_repack(llama_cpp, stock_lib):
     """``-nr`` (llama.cpp's ``--no-repack``): the weights other than the experts load without
     extra buffer types on both sides. On a CPU with AMX the F16 matrices otherwise go to ggml's

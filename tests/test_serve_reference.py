@@ -242,7 +242,7 @@ def test_an_array_of_one_prompt_as_in_llama_server(pair, form):
 def test_several_prompts_answered_as_by_llama_server(pair, path):
     """An array without a token id is several prompts: each answered as alone, /completion's as
     llama-server's list of answers, /v1/completions' as one answer with a choice each (the usage
-    of all of them, where llama-server gives one prompt's). Streamed, they are a 400 here."""
+    of all of them, where llama-server gives one prompt's)."""
     ids = httpx.post(pair[0] + "/tokenize", json={"content": PROMPT}, timeout=60).json()["tokens"]
     prompts = ["The capital", ids, [ids[0], " capital of France is"]]
     n = "n_predict" if path == "/completion" else "max_tokens"
@@ -258,9 +258,40 @@ def test_several_prompts_answered_as_by_llama_server(pair, path):
                  for p in prompts]
         assert ours["usage"]["completion_tokens"] == sum(u["completion_tokens"] for u in alone) == 15
         assert ours["usage"]["prompt_tokens"] == sum(u["prompt_tokens"] for u in alone)
-    streamed = httpx.post(pair[1] + path, json={"prompt": prompts, n: 5, "stream": True}, timeout=60)
-    assert streamed.status_code == 400 and "answered only whole" in streamed.json()["error"]["message"]
     assert httpx.post(pair[1] + path, json={"prompt": [], n: 2}, timeout=60).status_code == 400
+
+
+def _per_prompt(url: str, path: str, body: dict) -> tuple[dict, int]:
+    """A streamed answer of several prompts: each prompt's text and how it ended, by index, and
+    how many [DONE] lines came."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()[:300]
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    ids = {json.loads(ln[6:])["id"] for ln in lines if ln.startswith("data: {\"choices") or "\"id\":" in ln}
+    assert len(ids) <= 1, ids  # one answer's chunks (llama-server's too)
+    told: dict = {}
+    for ln in lines:
+        if ln in ("data: [DONE]", "data: null"):  # llama-server opens with "data: null"
+            continue
+        event = json.loads(ln[6:])
+        for part in event.get("choices", [event]):
+            text, end = told.get(part["index"], ("", None))
+            if "choices" in event:
+                told[part["index"]] = (text + part["text"], part["finish_reason"] or end)
+            else:
+                told[part["index"]] = (text + part["content"], part.get("stop_type") or end)
+    return told, sum(ln == "data: [DONE]" for ln in lines)
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
+def test_several_prompts_streamed_as_by_llama_server(pair, path):
+    """Streamed, the answers' chunks interleave, each with its prompt's index: every prompt's
+    text and end as llama-server's, one [DONE] on /v1/completions (none on /completion)."""
+    n = "n_predict" if path == "/completion" else "max_tokens"
+    body = {"prompt": ["The capital", " of France is", "What is 12 + 7?"], n: 6, "temperature": 0}
+    (stock, stock_done), (ours, ours_done) = (_per_prompt(url, path, body) for url in pair)
+    assert ours == stock and sorted(ours) == [0, 1, 2]
+    assert ours_done == stock_done == (0 if path == "/completion" else 1)
 
 
 @pytest.mark.parametrize("form", ["token-list", "mixed"])

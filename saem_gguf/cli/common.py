@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from saem_gguf.budget import ECR_HELP, parse_ecr, parse_ecr_list, parse_size, parse_vram_budget
-from saem_gguf.cli.arg_types import finite_float
-from saem_gguf.engine import KV_CACHE_TYPES
+from saem_gguf.cli.arg_types import finite_float, non_negative_float
+from saem_gguf.engine import KV_CACHE_TYPES, ROPE_SCALING, RopeConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.numa import LLAMA_NUMA_STRATEGIES
 
@@ -78,6 +78,21 @@ def _usage(parse: Callable[[str], object]) -> Callable[[str], object]:
 ecr_arg = _usage(parse_ecr)
 ecr_list_arg = _usage(parse_ecr_list)
 _size = _usage(parse_size)
+
+
+def _rope_scale(text: str) -> float:
+    """--rope-scale N: llama.cpp's --rope-freq-scale 1/N."""
+    factor = finite_float(text)
+    if factor <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return 1.0 / factor
+
+
+def rope_config(args: argparse.Namespace) -> RopeConfig:
+    return RopeConfig(scaling=args.rope_scaling, freq_base=args.rope_freq_base, freq_scale=args.rope_freq_scale,
+                      yarn_orig_ctx=args.yarn_orig_ctx, yarn_ext_factor=args.yarn_ext_factor,
+                      yarn_attn_factor=args.yarn_attn_factor, yarn_beta_slow=args.yarn_beta_slow,
+                      yarn_beta_fast=args.yarn_beta_fast)
 
 
 def _n_gpu_layers(text: str) -> int:
@@ -161,6 +176,29 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
                    help="override model metadata by key, as llama.cpp (types int, float, bool, str; e.g. "
                         "qwen3moe.expert_used_count=int:6); repeatable. Checked before the load as the "
                         "file's values are")
+    g.add_argument("-nkvo", "--no-kv-offload", dest="offload_kqv", action="store_false",
+                   help="keep the KV cache in host memory (not on the GPU), as llama.cpp's")
+    g.add_argument("-kvo", "--kv-offload", dest="offload_kqv", action="store_true", default=True,
+                   help="the KV cache on the GPU with the layers (the default)")
+    r = p.add_argument_group("RoPE context scaling (llama.cpp's flags; default: the model's own)")
+    r.add_argument("--rope-scaling", choices=tuple(ROPE_SCALING), default=None,
+                   help="RoPE frequency scaling method (the model's, else linear)")
+    r.add_argument("--rope-scale", dest="rope_freq_scale", type=_rope_scale, default=None, metavar="N",
+                   help="context scaling factor: expands the context N times (--rope-freq-scale 1/N)")
+    r.add_argument("--rope-freq-base", type=non_negative_float, default=None, metavar="N",
+                   help="RoPE base frequency, for NTK-aware scaling (0: the model's)")
+    r.add_argument("--rope-freq-scale", type=non_negative_float, default=None, metavar="N",
+                   help="RoPE frequency scaling factor: expands the context 1/N times (0: the model's)")
+    r.add_argument("--yarn-orig-ctx", type=_non_negative_int, default=None, metavar="N",
+                   help="YaRN: the model's original context size (0: its training context)")
+    r.add_argument("--yarn-ext-factor", type=finite_float, default=None, metavar="N",
+                   help="YaRN: extrapolation mix factor (0: full interpolation; negative: by the method)")
+    r.add_argument("--yarn-attn-factor", type=finite_float, default=None, metavar="N",
+                   help="YaRN: scale sqrt(t) or attention magnitude")
+    r.add_argument("--yarn-beta-slow", type=finite_float, default=None, metavar="N",
+                   help="YaRN: high correction dim or alpha")
+    r.add_argument("--yarn-beta-fast", type=finite_float, default=None, metavar="N",
+                   help="YaRN: low correction dim or beta")
     g.add_argument("--mlock", action="store_true", help="keep the model in RAM (no swapping)")
     g.add_argument("--no-mmap", dest="use_mmap", action="store_false",
                    help="read the model into memory instead of memory-mapping it")
@@ -177,7 +215,8 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
                    help="hardware the placement cost model prices CPU runs and copies with: a preset ("
                         f"{', '.join(HW_PRESETS)}), measure (this machine, measured once and cached), or "
                         "a saved profile (default measure)")
-    g.add_argument("--verbose", action="store_true", help="llama.cpp's log and placement details")
+    g.add_argument("-v", "--verbose", "--log-verbose", dest="verbose", action="store_true",
+                   help="llama.cpp's log and placement details")
     g.add_argument("--quiet", action="store_true", help="no progress bars or notes")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from saem_gguf.cli.common import chat_template_kwargs, placement_policy
+from saem_gguf.cli.common import chat_template_kwargs, placement_policy, rope_config
 from saem_gguf.engine import Engine, EngineConfig
 
 
@@ -17,7 +17,7 @@ def engine_config(args: argparse.Namespace, **over) -> EngineConfig:
               n_threads_batch=args.threads_batch,
               n_gpu_layers=args.n_gpu_layers, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
               flash_attn=args.flash_attn, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-              use_mmap=args.use_mmap, use_mlock=args.mlock,
+              use_mmap=args.use_mmap, use_mlock=args.mlock, offload_kqv=args.offload_kqv, rope=rope_config(args),
               use_extra_bufts=args.use_extra_bufts, tensor_overrides=tuple(args.tensor_overrides),
               kv_overrides=tuple(args.kv_overrides),
               numa=args.numa, pin_gpu_node=args.pin_gpu_node, hw=args.hw,

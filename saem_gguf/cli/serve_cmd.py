@@ -155,6 +155,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="accepted for llama-server's command lines: there is no web UI here")
     g.add_argument("-a", "--alias", default=None, metavar="NAME",
                    help="the model's name in /v1/models and answers (default: the GGUF's file name)")
+    g.add_argument("--no-context-shift", action="store_true",
+                   help="llama-server's default, taken so that its command lines run: a sequence whose "
+                        "context is full ends (finish_reason length); context shift is not supported")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up run (llama-server's flag): by default every slot decodes a few "
                         "tokens before the server says it is ready, so that the first requests do not pay "

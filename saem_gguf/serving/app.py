@@ -9,6 +9,7 @@ the stream), a non-streamed one by a watcher on the connection.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -37,16 +38,16 @@ from saem_gguf.serving.infill import FimTokens, InfillLimits, infill_tokens
 from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
     SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Generation,
-    InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, bad_request,
-    generation, llama_timings, native_probs, native_settings, parse_json, parse_request, piece_json,
-    request_logit_bias, sse, stop_type, usage,
+    InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation,
+    llama_timings, native_probs, native_settings, parse_json, parse_request, piece_json, request_logit_bias, sse,
+    stop_type, usage,
 )
+from saem_gguf.serving import anthropic, responses
+from saem_gguf.serving.anthropic import MessagesReply
 from saem_gguf.serving.answer_text import ChatText
 from saem_gguf.serving.output_format import answer_grammar, thinking_of
 from saem_gguf.serving.prefill import ChatEnd, asks_continuation, chat_end, continued, opened_reasoning
 from saem_gguf.serving.reasoning import splits
-from saem_gguf.serving import anthropic, responses
-from saem_gguf.serving.anthropic import MessagesReply
 from saem_gguf.serving.responses import ResponsesReply, sse_event
 from saem_gguf.thinking import template_reasons
 
@@ -345,7 +346,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
     if req.stream:
         # OpenAI's first chunk names the role; the other APIs open with the first piece (chunks)
         opening = [sse(reply.chunk(text="", role=True))] if chat and told is None else []
-        return _event_stream(_stream(handle, opening, chunks))
+        return _event_stream(_stream(handle, opening, chunks), handle.cancel)
     gone = await _collect(handle, receive or request.receive, add)
     if gone:
         return gone
@@ -416,7 +417,7 @@ async def _complete_native(state: ServerState, request: Request, infill: bool,
         return out
 
     if req.stream:
-        return _event_stream(_stream(handle, [], chunks))
+        return _event_stream(_stream(handle, [], chunks), handle.cancel)
     gone = await _collect(handle, receive or request.receive, add)
     return gone or JSONResponse(final)
 
@@ -438,10 +439,19 @@ async def _complete_many(request: Request, req: CompletionRequest | NativeComple
     receive)`` answers one. /completion gives llama-server's list of answers (each its ``index``),
     /v1/completions one answer with a choice per prompt and the usage of all (llama-server's gives
     one prompt's). One failure fails the request and cancels the others; so does the client leaving.
-    Not streamed here (llama-server interleaves the answers' chunks)."""
+    Streamed, the answers' chunks come as they are made, each with its prompt's ``index``, as
+    llama-server interleaves them."""
     if req.stream:
-        raise bad_request("several prompts are answered only whole here (\"stream\": false), or send one "
-                          "request each", "prompt")
+        streams: list[EventStream] = []
+        try:
+            for prompt in req.prompts():
+                streams.append(await answer(req.model_copy(update={"prompt": prompt}), None))
+        except BaseException:
+            for started in streams:
+                started.cancel()
+            raise
+        return _event_stream(_merged(streams, isinstance(req, NativeCompletionRequest)),
+                             lambda: [s.cancel() for s in streams])
     left = anyio.Event()
 
     async def watch() -> None:  # one watcher of the connection for every prompt's collector
@@ -474,9 +484,9 @@ async def _complete_many(request: Request, req: CompletionRequest | NativeComple
         return JSONResponse([{**b, "index": i} for i, b in enumerate(bodies)])
     merged = bodies[0]
     merged["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
-    merged["usage"] = usage(*(sum(x) for x in zip(*((b["usage"]["prompt_tokens"], b["usage"]["completion_tokens"],
-                                                       b["usage"]["prompt_tokens_details"]["cached_tokens"])
-                                                      for b in bodies))))
+    each = [b["usage"] for b in bodies]
+    merged["usage"] = usage(sum(u["prompt_tokens"] for u in each), sum(u["completion_tokens"] for u in each),
+                            sum(u["prompt_tokens_details"]["cached_tokens"] for u in each))
     return JSONResponse(merged)
 
 
@@ -538,9 +548,60 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
     return handle, gen
 
 
-def _event_stream(chunks: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class EventStream(StreamingResponse):
+    """A streamed answer (server-sent events) that can cancel its sequences before it is sent:
+    where several prompts' answers are merged, one failing to start cancels the others."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], cancel: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.cancel = cancel
+
+
+def _event_stream(chunks: AsyncIterator[bytes], cancel: Callable[[], None]) -> EventStream:
+    return EventStream(chunks, cancel)
+
+
+async def _merged(streams: list[EventStream], native: bool) -> AsyncIterator[bytes]:
+    """Several prompts' streams as one, chunks as they come (llama-server's interleaving), each
+    chunk's answer numbered (``index``; OpenAI's choices' ``index``, under one ``id``), one
+    ``[DONE]`` at the end. A client that leaves closes every stream, which cancels its sequence."""
+    iterators = [s.body_iterator for s in streams]
+    ids: list[str] = []  # the id of the first OpenAI chunk, which every chunk then carries
+    waiting = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iterators)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = waiting.pop(future)
+                try:
+                    chunk = future.result()
+                except StopAsyncIteration:
+                    continue
+                waiting[asyncio.ensure_future(iterators[i].__anext__())] = i
+                if chunk != SSE_DONE:
+                    yield _numbered(chunk, i, native, ids)
+        if not native:
+            yield SSE_DONE
+    finally:  # shielded: Starlette cancels this generator when the client leaves
+        with anyio.CancelScope(shield=True):
+            for future in waiting:
+                future.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+            for it in iterators:
+                await it.aclose()
+
+
+def _numbered(chunk: bytes, index: int, native: bool, ids: list[str]) -> bytes:
+    """An event of one prompt's stream with that prompt's ``index`` (and the request's one id)."""
+    event = json.loads(chunk.removeprefix(b"data: "))
+    if native and "error" not in event:
+        event["index"] = index
+    elif event.get("choices"):
+        event["choices"] = [{**c, "index": index} for c in event["choices"]]
+        ids[:] = ids or [event["id"]]
+        event["id"] = ids[0]
+    return sse(event)
 
 
 def _props(state: ServerState) -> dict:
