@@ -191,14 +191,12 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
                    help="RoPE frequency scaling factor: expands the context 1/N times (0: the model's)")
     r.add_argument("--yarn-orig-ctx", type=_non_negative_int, default=None, metavar="N",
                    help="YaRN: the model's original context size (0: its training context)")
-    r.add_argument("--yarn-ext-factor", type=finite_float, default=None, metavar="N",
-                   help="YaRN: extrapolation mix factor (0: full interpolation; negative: by the method)")
-    r.add_argument("--yarn-attn-factor", type=finite_float, default=None, metavar="N",
-                   help="YaRN: scale sqrt(t) or attention magnitude")
-    r.add_argument("--yarn-beta-slow", type=finite_float, default=None, metavar="N",
-                   help="YaRN: high correction dim or alpha")
-    r.add_argument("--yarn-beta-fast", type=finite_float, default=None, metavar="N",
-                   help="YaRN: low correction dim or beta")
+    for flag, meaning in (("--yarn-ext-factor", "extrapolation mix factor (0: full interpolation; negative: by "
+                                                "the method)"),
+                          ("--yarn-attn-factor", "scale sqrt(t) or attention magnitude"),
+                          ("--yarn-beta-slow", "high correction dim or alpha"),
+                          ("--yarn-beta-fast", "low correction dim or beta")):
+        r.add_argument(flag, type=finite_float, default=None, metavar="N", help=f"YaRN: {meaning}")
     g.add_argument("--mlock", action="store_true", help="keep the model in RAM (no swapping)")
     g.add_argument("--no-mmap", dest="use_mmap", action="store_false",
                    help="read the model into memory instead of memory-mapping it")
