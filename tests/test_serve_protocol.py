@@ -404,7 +404,8 @@ def test_a_responses_request_is_a_chat():
                       "reasoning": {"effort": "none"},
                       "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}})
     assert body["messages"] == [{"role": "system", "content": "Sys."}, {"role": "developer", "content": "Be brief."},
-                                {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "xy"},
+                                {"role": "user", "content": "a\nb"},
+                                {"role": "assistant", "content": "xy", "reasoning_content": "t"},  # merged, as there
                                 {"role": "user", "content": "c"}]
     assert body["max_tokens"] == 9 and body["temperature"] == 0.5 and "store" not in body
     assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
@@ -424,6 +425,7 @@ def test_a_responses_request_is_a_chat():
      "not images or files"),
     ({"input": [{"content": "x"}]}, "cannot tell what this input item is"),
     ({"input": [7]}, "must be an object"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": []}]}, "needs its text"),
 ])
 def test_bad_responses_requests_are_400(body, words):
     from saem_gguf.serving.responses import chat_body
@@ -436,8 +438,9 @@ def test_bad_responses_requests_are_400(body, words):
 # --- Anthropic's /v1/messages read as a chat (serving.anthropic) --------------------------------
 def test_a_messages_request_is_a_chat_as_llama_server_makes_it():
     """llama-server's conversion (server_chat_convert_anthropic_to_oai): system blocks joined with
-    nothing between, text blocks kept as parts, a turn of thinking alone kept empty, a turn of
-    nothing left out, stop_sequences as stop, the passed fields and no others, the budget."""
+    nothing between, text blocks kept as parts, thinking blocks as reasoning_content (a turn of
+    thinking alone kept, its content empty), a turn of nothing left out, stop_sequences as stop,
+    the passed fields and no others, the budget."""
     from saem_gguf.serving.anthropic import DEFAULT_MAX_TOKENS, chat_body
 
     body = chat_body({"model": "claude-x", "system": [{"type": "text", "text": "A."}, {"type": "text", "text": "B."}],
@@ -453,7 +456,8 @@ def test_a_messages_request_is_a_chat_as_llama_server_makes_it():
     assert body["messages"] == [{"role": "system", "content": "A.B."},
                                 {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}},
                                                              {"type": "text", "text": "b"}]},
-                                {"role": "assistant", "content": ""}, {"role": "user", "content": "c"}]
+                                {"role": "assistant", "content": "", "reasoning_content": "t"},
+                                {"role": "user", "content": "c"}]
     assert body["stop"] == ["END"] and body["max_tokens"] == DEFAULT_MAX_TOKENS == 4096
     assert body["temperature"] == 0.5 and body["top_k"] == 3 and "seed" not in body and "model" not in body
     assert body["thinking_budget_tokens"] == 10000

@@ -830,7 +830,11 @@ def _told(answer: dict) -> tuple:
                {"role": "assistant", "type": "message", "content": [{"type": "output_text", "text": "7"}]},
                {"role": "user", "content": "And 12 + 7?"}], "max_output_tokens": 600},
     {"input": "What is 12 + 7?", "max_output_tokens": 600, "reasoning_format": "none"},
-], ids=["text", "instructions", "items", "format-none"])
+    # a reasoning item: the thinking of the assistant turn it begins, continued here
+    {"input": [{"role": "user", "content": "What is 12 + 7?"},
+               {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "12 plus 7"}]}],
+     "max_output_tokens": 600},
+], ids=["text", "instructions", "items", "format-none", "reasoning-item"])
 def test_responses_answer_as_llama_server(pair, body):
     """The request read as llama-server reads it (a chat), the answer in its shapes: a reasoning
     item for the thinking, a message item for the answer, the token counts."""
@@ -913,8 +917,13 @@ MESSAGES = [
                                                     {"type": "text", "text": "7"}]},
                   {"role": "user", "content": "And 12 + 7?"}], "max_tokens": 600},
     {"messages": CHAT, "max_tokens": 600, "stop_sequences": ["so"], "top_k": 1, "seed": 5},
+    # a final turn continued: its thinking alone (the thinking goes on), its thinking and its text
+    {"messages": [*CHAT, {"role": "assistant", "content": [{"type": "thinking", "thinking": "12 plus 7",
+                                                            "signature": ""}]}], "max_tokens": 40},
+    {"messages": [*CHAT, {"role": "assistant", "content": [{"type": "thinking", "thinking": "12 plus 7"},
+                                                           {"type": "text", "text": "The sum"}]}], "max_tokens": 40},
 ]
-MESSAGES_IDS = ["text", "cut", "system", "turns", "stop"]
+MESSAGES_IDS = ["text", "cut", "system", "turns", "stop", "continue-thinking", "continue-both"]
 
 
 @pytest.mark.parametrize("body", MESSAGES, ids=MESSAGES_IDS)

@@ -12,8 +12,9 @@ between) becomes a system message, with Claude Code's per-request ``cch=`` stamp
 it; ``stop_sequences`` is ``stop``; ``max_tokens`` defaults to 4096; ``temperature``, ``top_p``,
 ``top_k``, ``stream`` and ``chat_template_kwargs`` pass through and every other field is ignored
 (``seed`` too, as there); ``thinking: {"type": "enabled", "budget_tokens": N}`` is the reasoning
-budget (10,000 by default), and ``"disabled"`` is ignored, as there. A ``thinking`` block of an
-earlier assistant turn is dropped, as this server's chat templates take no ``reasoning_content``.
+budget (10,000 by default), and ``"disabled"`` is ignored, as there. A turn's ``thinking`` blocks
+are its ``reasoning_content`` (their texts joined), which the template gets and a continued final
+turn continues (serving.prefill).
 
 What differs from llama-server, on purpose:
 
@@ -91,23 +92,22 @@ def _add_message(messages: list[dict], msg: object, where: str) -> None:
         if content is not None or msg.get("role") != "assistant":
             messages.append(msg)
         return
-    parts, thought = [], False
+    parts, thinking = [], ""
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             parts.append(block)
-        elif kind == "thinking":
-            thought = thought or bool(block.get("thinking")) and isinstance(block["thinking"], str)
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            thinking += block["thinking"]
         elif kind in ("tool_use", "tool_result"):
             raise bad_request(f"{where}.content.{j}: {kind} blocks (function calling) are not supported",
                               f"{where}.content.{j}")
         elif kind == "image":
             raise bad_request(f"{where}.content.{j}: image blocks are not supported (this server reads text)",
                               f"{where}.content.{j}")
-    if parts:
-        messages.append({"role": msg.get("role"), "content": parts})
-    elif thought:  # llama-server keeps the turn, its content empty and the thinking apart
-        messages.append({"role": msg.get("role"), "content": ""})
+    if parts or thinking:  # a turn of thinking alone is kept, its content empty (as there)
+        messages.append({"role": msg.get("role"), "content": parts or "",
+                         **({"reasoning_content": thinking} if thinking else {})})
     # else (no text and no thinking) the message is left out, as there
 
 
@@ -119,7 +119,7 @@ def stop_reason(finish_reason: str | None, stop_word: str | None) -> str:
 
 @dataclass
 class MessagesReply:
-    """One answer in the Messages shapes, whole (``message``) or as events (``opening``,
+    """One answer in the Messages shapes, whole (``whole``) or as events (``opening``,
     ``events``, ``closing``)."""
 
     model: str

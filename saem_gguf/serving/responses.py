@@ -74,8 +74,9 @@ def _add_item(messages: list[dict], item: object, where: str) -> None:
     role, kind, content = item.get("role"), item.get("type"), item.get("content")
     if kind in ("function_call", "function_call_output") or item.get("call_id") is not None:
         raise bad_request(f"{where}: function calling is not supported", where)
-    if kind == "reasoning":
-        return  # earlier thinking: the chat templates drop it from earlier turns
+    if kind == "reasoning":  # the thinking of the assistant turn it begins or follows, as llama-server reads it
+        _add_reasoning(messages, item, where)
+        return
     if role in ("user", "system", "developer"):
         messages.append({"role": role, "content": _texts(content, where)})
     elif role == "assistant":
@@ -87,6 +88,19 @@ def _add_item(messages: list[dict], item: object, where: str) -> None:
     else:
         raise bad_request(f"{where}: cannot tell what this input item is (a message needs a role: user, "
                           f"system, developer or assistant)", where)
+
+
+def _add_reasoning(messages: list[dict], item: dict, where: str) -> None:
+    """A reasoning item: its first content part's text is the ``reasoning_content`` of the
+    assistant turn before it, or of a new one (content empty) that a message item may then fill."""
+    content = item.get("content")
+    if not isinstance(content, list) or not content or not isinstance(content[0], dict) \
+            or not isinstance(content[0].get("text"), str):
+        raise bad_request(f"{where}.content: a reasoning item needs its text in content[0].text", f"{where}.content")
+    if messages and messages[-1]["role"] == "assistant":
+        messages[-1]["reasoning_content"] = content[0]["text"]
+    else:
+        messages.append({"role": "assistant", "content": "", "reasoning_content": content[0]["text"]})
 
 
 def _texts(content: object, where: str, kinds: tuple[str, ...] = ("input_text",)) -> str:
@@ -112,7 +126,7 @@ def _id(prefix: str) -> str:
 
 @dataclass
 class ResponsesReply:
-    """One answer in the Responses shapes, whole (``response``) or as events (``opening``,
+    """One answer in the Responses shapes, whole (``whole``) or as events (``opening``,
     ``events``, ``closing``)."""
 
     model: str
