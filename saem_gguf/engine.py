@@ -1152,17 +1152,12 @@ class Engine:
         llama.cpp's ``common_chat_template_generation_prompt``, the template rendered with it past
         where the rendering without it ends."""
         import jinja2
-        from llama_cpp import llama_chat_format as lcf
 
         source = self.chat_template_source()
         if not source:
             raise SaemError(f"the chat format {self.llm.chat_format!r} is not a Jinja template: its prompt always "
                             "ends with the assistant's header (add_generation_prompt false needs a template)")
-        llm = self.llm
-        eos, bos = llm.token_eos(), llm.token_bos()
-        formatter = lcf.Jinja2ChatFormatter(template=source,
-                                            eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
-                                            bos_token=llm._model.token_get_text(bos) if bos != -1 else "")
+        formatter = self._jinja_formatter(source)
         rendered = []
         for header in (False, True):
             formatter.add_generation_prompt = header
@@ -1173,6 +1168,18 @@ class Engine:
         without, with_header = rendered
         common = len(os.path.commonprefix([without, with_header]))
         return with_header[common:]
+
+    def _jinja_formatter(self, source: str):
+        """llama-cpp-python's formatter of a Jinja chat template, made as its ``Llama`` makes one of
+        a GGUF's template: the model's real BOS/EOS texts, generation stopped at EOS."""
+        from llama_cpp import llama_chat_format as lcf
+
+        llm = self.llm
+        eos, bos = llm.token_eos(), llm.token_bos()
+        return lcf.Jinja2ChatFormatter(template=source,
+                                       eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+                                       bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+                                       stop_token_ids=[eos])
 
     def _without_generation_prompt(self, prompt: ChatPrompt, messages: list[dict],
                                    variables: dict[str, Any]) -> ChatPrompt:
@@ -1199,14 +1206,9 @@ class Engine:
         llm = self.llm
         path = Path(template)
         if path.is_file():
-            eos, bos = llm.token_eos(), llm.token_bos()
             try:
                 source = path.read_text(encoding="utf-8")
-                handler = lcf.Jinja2ChatFormatter(
-                    template=source,
-                    eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
-                    bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
-                    stop_token_ids=[eos]).to_chat_handler()
+                handler = self._jinja_formatter(source).to_chat_handler()
             except jinja2.TemplateSyntaxError as e:
                 raise SaemError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
             except (OSError, UnicodeDecodeError) as e:

@@ -179,11 +179,7 @@ def create_app(state: ServerState) -> Starlette:
 
     async def apply_template(request: Request) -> Response:
         req = parse_request(await _body(request), ApplyTemplateRequest)
-        try:
-            prompt = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
-                                             req.chat_template_kwargs, _chat_end(state, req))
-        except SaemError as e:  # the chat template failed on these messages
-            raise ApiError(400, str(e), param="messages") from None
+        prompt = await _rendered(state, req, req.chat_template_kwargs)
         return JSONResponse({"prompt": prompt.text})
 
     def input_tokens(api: ChatApi | None) -> Callable[[Request], Awaitable[Response]]:
@@ -195,11 +191,7 @@ def create_app(state: ServerState) -> Starlette:
             if api is not None:
                 body = json.dumps(api.chat_body(parse_json(body))).encode()
             req = parse_request(body, ChatRequest)
-            try:
-                prompt = await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
-                                                 req.template_kwargs(), _chat_end(state, req))
-            except SaemError as e:  # the chat template failed on these messages
-                raise ApiError(400, str(e), param="messages") from None
+            prompt = await _rendered(state, req, req.template_kwargs())
             answer: dict = {"input_tokens": len(prompt.tokens)}
             return JSONResponse(answer if api is MESSAGES else {**answer, "object": "response.input_tokens"})
         return count
@@ -346,7 +338,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
     if req.stream:
         # OpenAI's first chunk names the role; the other APIs open with the first piece (chunks)
         opening = [sse(reply.chunk(text="", role=True))] if chat and told is None else []
-        return _event_stream(_stream(handle, opening, chunks), handle.cancel)
+        return EventStream(_stream(handle, opening, chunks), handle.cancel)
     gone = await _collect(handle, receive or request.receive, add)
     if gone:
         return gone
@@ -417,7 +409,7 @@ async def _complete_native(state: ServerState, request: Request, infill: bool,
         return out
 
     if req.stream:
-        return _event_stream(_stream(handle, [], chunks), handle.cancel)
+        return EventStream(_stream(handle, [], chunks), handle.cancel)
     gone = await _collect(handle, receive or request.receive, add)
     return gone or JSONResponse(final)
 
@@ -441,16 +433,17 @@ async def _complete_many(request: Request, req: CompletionRequest | NativeComple
     one prompt's). One failure fails the request and cancels the others; so does the client leaving.
     Streamed, the answers' chunks come as they are made, each with its prompt's ``index``, as
     llama-server interleaves them."""
+    prompts = req.prompts()
     if req.stream:
         streams: list[EventStream] = []
         try:
-            for prompt in req.prompts():
+            for prompt in prompts:
                 streams.append(await answer(req.model_copy(update={"prompt": prompt}), None))
         except BaseException:
             for started in streams:
                 started.cancel()
             raise
-        return _event_stream(_merged(streams, isinstance(req, NativeCompletionRequest)),
+        return EventStream(_merged(streams, isinstance(req, NativeCompletionRequest)),
                              lambda: [s.cancel() for s in streams])
     left = anyio.Event()
 
@@ -463,7 +456,7 @@ async def _complete_many(request: Request, req: CompletionRequest | NativeComple
         await left.wait()
         return {"type": "http.disconnect"}
 
-    answers: list[Response | None] = [None] * len(req.prompts())
+    answers: list[Response | None] = [None] * len(prompts)
 
     async def one(i: int, prompt: str | list[str | int]) -> None:
         answers[i] = await answer(req.model_copy(update={"prompt": prompt}), told_of_leaving)
@@ -472,7 +465,7 @@ async def _complete_many(request: Request, req: CompletionRequest | NativeComple
         async with anyio.create_task_group() as watching:
             watching.start_soon(watch)
             async with anyio.create_task_group() as answering:
-                for i, prompt in enumerate(req.prompts()):
+                for i, prompt in enumerate(prompts):
                     answering.start_soon(one, i, prompt)
             watching.cancel_scope.cancel()
     except BaseExceptionGroup as group:  # the first failure is the request's
@@ -556,10 +549,6 @@ class EventStream(StreamingResponse):
         super().__init__(chunks, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.cancel = cancel
-
-
-def _event_stream(chunks: AsyncIterator[bytes], cancel: Callable[[], None]) -> EventStream:
-    return EventStream(chunks, cancel)
 
 
 async def _merged(streams: list[EventStream], native: bool) -> AsyncIterator[bytes]:
@@ -673,6 +662,17 @@ def _chat_end(state: ServerState, req: ChatRequest | ApplyTemplateRequest) -> Ch
     assistant message unasked, unless --no-prefill-assistant), or with the generation prompt or not."""
     return chat_end(req.message_dicts(), req.continue_final_message, req.add_generation_prompt,
                     state.cfg.prefill_assistant)
+
+
+async def _rendered(state: ServerState, req: ChatRequest | ApplyTemplateRequest,
+                    template_kwargs: dict | None) -> ChatPrompt:
+    """The prompt a chat request's messages become, without generating; a 400 where the chat
+    template fails on them."""
+    try:
+        return await run_in_threadpool(_chat_prompt, state, req.message_dicts(state.cfg.chat_template),
+                                       template_kwargs, _chat_end(state, req))
+    except SaemError as e:
+        raise ApiError(400, str(e), param="messages") from None
 
 
 def _chat_prompt(state: ServerState, messages: list[dict], template_kwargs: dict | None, end: ChatEnd) -> ChatPrompt:

@@ -384,8 +384,22 @@ class ResponseFormat(_Strict):
         return self
 
 
-class ChatRequest(_Common):
+class _Messages(_Strict):
+    """A chat's messages and how its prompt ends (llama-server's fields; serving.prefill)."""
+
     messages: list[Message] = Field(min_length=1)
+    # llama-server's: more chat-template variables, over the server's --chat-template-kwargs
+    chat_template_kwargs: dict[str, Any] | None = None
+    # llama-server's: end the prompt with the assistant's header (or not), continue the final
+    # message (true, "content" or "reasoning_content")
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | str | None = None
+
+    def message_dicts(self, template: str = "") -> list[dict]:
+        return message_dicts(self.messages, template)
+
+
+class ChatRequest(_Common, _Messages):
     max_completion_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: Whole | None = Field(default=None, ge=0)  # absent with logprobs: 20, as llama-server
@@ -393,9 +407,8 @@ class ChatRequest(_Common):
     tools: list | None = None
     tool_choice: Any = None
     functions: list | None = None
-    # llama-server's: more chat-template variables, over the server's --chat-template-kwargs;
-    # OpenAI's reasoning_effort ("none": enable_thinking false; else the variable reasoning_effort)
-    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning_effort ("none": enable_thinking false; else the chat-template variable
+    # reasoning_effort, over chat_template_kwargs)
     reasoning_effort: str | None = None
     # llama-server's: the thinking apart (reasoning_content) or not, over the server's --reasoning-format
     reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] | None = None
@@ -404,11 +417,8 @@ class ChatRequest(_Common):
     reasoning_budget_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
     thinking_budget_tokens: Whole | None = Field(default=None, ge=-1, le=INT32_MAX)
     reasoning_budget_message: str | None = None
-    # llama-server's: end the prompt with the assistant's header (or not), continue the final
-    # message (true, "content" or "reasoning_content"; serving.prefill), and with it asked, a stream
-    # that sends the continued text too (serving.answer_text)
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | str | None = None
+    # llama-server's: with continue_final_message asked, a stream that sends the continued text
+    # too (serving.answer_text)
     echo: bool = False
 
     @field_validator("chat_template_kwargs")
@@ -432,9 +442,6 @@ class ChatRequest(_Common):
         if v:
             raise ValueError(f"{info.field_name} (function calling) is not supported")
         return v
-
-    def message_dicts(self, template: str = "") -> list[dict]:
-        return message_dicts(self.messages, template)
 
     def top_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -460,18 +467,8 @@ class DetokenizeRequest(_Strict):
     tokens: list[int] = []
 
 
-class ApplyTemplateRequest(_Strict):
+class ApplyTemplateRequest(_Messages):
     """llama-server's POST /apply-template: the prompt a chat's messages become."""
-
-    messages: list[Message] = Field(min_length=1)
-    chat_template_kwargs: dict[str, Any] | None = None
-    # llama-server's: end the prompt with the assistant's header (or not), continue the final
-    # message (true, "content" or "reasoning_content"; serving.prefill)
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | str | None = None
-
-    def message_dicts(self, template: str = "") -> list[dict]:
-        return message_dicts(self.messages, template)
 
 
 def piece_json(piece: bytes) -> str | list[int]:
