@@ -594,6 +594,31 @@ def test_taken_port_is_one_error_line():
     assert r.stderr.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: the address is already in use"]
 
 
+def test_health_is_503_loading_model_until_the_model_is_loaded():
+    """As llama-server: the port answers at once, 503 "Loading model" while the model loads (the
+    embedded model's load and layout replay take about a second), then 200."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "saem_gguf", "serve", "--port", str(port)], cwd=REPO,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        answers = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and 200 not in answers:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+            except httpx.ConnectError:  # not bound yet
+                time.sleep(0.01)
+                continue
+            answers.append(r.status_code)
+            if r.status_code == 503:
+                assert r.json()["error"]["message"] == "Loading model"
+        assert answers[-1] == 200 and 503 in answers and set(answers) == {503, 200}, answers
+    finally:
+        p.terminate()
+        p.wait(60)
+
+
 def test_responses_through_the_client(client):
     """OpenAI's Responses API as the official client reads it: output_text, usage, and a stream
     whose text deltas make the answer."""

@@ -389,6 +389,35 @@ def test_bind_reports_a_taken_port_and_a_bad_host_in_one_line():
         bind("no.such.host.invalid", 0)
 
 
+def test_while_the_model_loads_every_request_is_answered_503_loading_model():
+    """llama-server answers every route, /health included, 503 "Loading model" until its model is
+    loaded (server-http.cpp, middleware_server_state); a bound socket nobody accepts on would
+    leave the client hanging for the whole load. Stopped, the answerer leaves the socket listening
+    for the real server."""
+    import httpx2
+
+    from saem_gguf.serving.server import LoadingAnswers, bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        loading = LoadingAnswers(sock).start()
+        try:
+            for r in (httpx2.get(url + "/health", timeout=10),
+                      httpx2.post(url + "/v1/chat/completions", json={"messages": []}, timeout=10)):
+                assert r.status_code == 503 and r.headers["connection"] == "close"
+                assert r.json() == {"error": {"message": "Loading model", "type": "unavailable_error",
+                                              "code": "loading_model"}}
+        finally:
+            loading.stop()
+        loading.stop()  # a second stop does nothing
+        with socket.create_connection(sock.getsockname(), timeout=5):
+            conn, _ = sock.accept()  # the real server's socket still listens
+            conn.close()
+    finally:
+        sock.close()
+
+
 # --- /v1/responses read as a chat (serving.responses) -------------------------------------------
 def test_a_responses_request_is_a_chat():
     from saem_gguf.serving.responses import chat_body

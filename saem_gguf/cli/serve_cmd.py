@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     from saem_gguf.serving.app import ServeConfig, ServerState, create_app
     from saem_gguf.serving.batch import Scheduler
     from saem_gguf.serving.metrics import ServerMetrics
-    from saem_gguf.serving.server import ListenConfig, bind, serve, url_of
+    from saem_gguf.serving.server import ListenConfig, LoadingAnswers, bind, serve, url_of
     from saem_gguf.serving.threads import serve_threads, usable_cpus
 
     # -s is the seed of a request without one (None: a random one per request)
@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     listen = ListenConfig(host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                           verbose=args.verbose)
     sock = bind(listen.host, listen.port)  # before the model loads: a taken port fails at once
+    loading = LoadingAnswers(sock).start()  # 503 "Loading model" until then, as llama-server
     try:
         threads = serve_threads(usable_cpus(), args.threads, args.threads_batch)
         eng = open_engine(args, n_parallel=args.n_parallel, n_threads=threads.n_threads,
@@ -236,13 +237,16 @@ def run(args: argparse.Namespace) -> int:
             state = ServerState(scheduler=scheduler, piece=eng.piece, cfg=cfg,
                                 metrics=ServerMetrics(scheduler.stats))
             scheduler.start(warm_up=scheduler.tokenize_prompt(WARM_UP_PROMPT) if args.warmup else None)
+            app = create_app(state)
+            loading.stop()  # first: a client told the URL below gets the model's answers
             if not args.quiet:
                 print(f"[saem] serving {cfg.model_id} at {url_of(sock)} (-np {args.n_parallel}, "
                       f"-t {threads.n_threads} -tb {threads.n_threads_batch}, policy {eng.stats()['policy']}); "
                       "Ctrl-C stops", file=sys.stderr, flush=True)
-            serve(create_app(state), state, sock, listen)
+            serve(app, state, sock, listen)
         finally:
             eng.close()
     finally:
+        loading.stop()
         sock.close()
     return 0

@@ -1,5 +1,6 @@
 """Listening and stopping: the socket is bound before the model loads (a taken port is one error line
-at once), uvicorn serves the app, and SIGINT/SIGTERM stop the server cleanly with exit status 0.
+at once), every request while the model loads is answered 503 "Loading model" (``LoadingAnswers``),
+uvicorn serves the app, and SIGINT/SIGTERM stop the server cleanly with exit status 0.
 
 On the first signal the listener closes, idle connections close, new requests on open connections
 get a 503, and requests in flight have ``shutdown_timeout`` seconds to finish; then the scheduler
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import signal
 import socket
 import sys
@@ -60,6 +62,49 @@ def bind(host: str, port: int) -> socket.socket:
                errno.EADDRNOTAVAIL: "the address is not one of this machine's"}.get(e.errno, e.strerror)
         raise SaemError(f"cannot listen on {host}:{port}: {why}") from None
     return sock
+
+
+LOADING = {"message": "Loading model", "type": "unavailable_error", "code": "loading_model"}
+
+
+async def _loading_app(scope, receive, send) -> None:
+    """Every HTTP request: 503 "Loading model", and the connection closed, so that no client keeps
+    a connection to this answerer into the real server's time."""
+    if scope["type"] != "http":
+        return
+    body = json.dumps({"error": LOADING}).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class LoadingAnswers:
+    """While the model loads: every request on ``sock`` is answered 503 "Loading model", as
+    llama-server answers every route (/health included) until its model is loaded.
+
+    Why: the socket is bound before the load so that a taken port fails at once, and a bound
+    socket that nobody accepts on leaves a client's connection hanging for the whole load (a
+    health check with a timeout fails, a script polling /health waits without being told why).
+    It runs uvicorn on a duplicate of the socket in a thread of its own; ``stop`` closes only
+    the duplicate, so connections still waiting on the socket go to the real server."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        config = uvicorn.Config(_loading_app, http="h11", loop="asyncio", lifespan="off", log_level="warning",
+                                access_log=False, server_header=False, timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)  # in a thread: it installs no signal handler
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock.dup()]},
+                                        name="saem-loading-answers", daemon=True)
+
+    def start(self) -> LoadingAnswers:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop answering (the requests being answered finish first); a second call does nothing."""
+        if self._thread.is_alive():
+            self._server.should_exit = True
+            self._thread.join()
 
 
 def url_of(sock: socket.socket) -> str:
