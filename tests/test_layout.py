@@ -225,8 +225,8 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     that led the most steps when the policy replayed its calibration routing under the layout it
     chose (the steps each led are a plain replay's, held to that layout), and each candidate's
     score starts at its mean in that replay; a leader named in the options wins; without a
-    replay (uniform layout) or without the barrier it is lrfu-16, temporal-cpu's rule, and the
-    scores start at 0."""
+    replay (uniform layout) or without the barrier it is lrfu-16, temporal-cpu's rule. The scores
+    start at the replay's means with or without the barrier, and at 0 without a replay."""
     from saem_gguf.accounting import Accounting
     from saem_gguf.simulator import replay
 
@@ -260,14 +260,20 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     assert named.leader == "lfu"
     uniform = make_policy("saem", layout="uniform")
     uniform.start(ctx)
-    assert uniform.replay_led == {} and uniform.leader == "lrfu-16"
+    assert uniform.replay_led == {} and uniform.leader == "lrfu-16" and not uniform._score.any()
     plain = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=SMALL,
                           calib_counts=ctx.calib_counts)
     plain.replay_calibration = calibration_pricer(CalibrationReplay(sample), plain)
     no_barrier = make_policy("saem")
     no_barrier.start(plain)
     assert sum(no_barrier.replay_led.values()) > 0 and no_barrier.leader == "lrfu-16"
-    assert not no_barrier._score.any()  # no prior without the barrier
+    # the prior is the replay's, as under the barrier (held to the layout it chose there)
+    held_plain = make_policy("saem", layout=f"resident-{int((no_barrier.state.n_slots == E).sum())}")
+    held_plain.start(PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=SMALL,
+                                   calib_counts=ctx.calib_counts))
+    replay(held_plain, CalibrationReplay(sample).blocks(1), Accounting())
+    np.testing.assert_array_equal(no_barrier._score, held_plain.mean_scores())
+    assert no_barrier._ctl[CTL_SCORED] == 16
 
 
 def test_simulate_gives_saem_its_calibration_sample_to_replay():

@@ -32,9 +32,9 @@ steps); a cache leader's new residents only once a step uses them (its own loads
 they are what the step used), a fixed set's (stage, static) at once. The leader at start is
 ``lrfu-16`` (``DEFAULT_START_LEADER``); under the copy barrier, where a wrong cache start's
 loads hold up the decode, the candidate that led the most steps when the policy replayed its
-calibration routing at load (the replay that chooses the layout), when there was one, and there
-each candidate's score starts at its mean in that replay, worth ``prior_steps`` (16) steps; it
-changes when another candidate's score beats it by more than the copies a switch costs, spread
+calibration routing at load (the replay that chooses the layout), when there was one. Where
+there was one, each candidate's score starts at its mean in that replay, worth ``prior_steps``
+(16) steps, with or without the barrier. The leader changes when another candidate's score beats it by more than the copies a switch costs, spread
 over the horizon, and not in the first ``first_switch`` steps (under the barrier a switch to a
 fixed set copies it in a burst, each copy at its whole transfer; a switch to a cache leader
 copies its entrants as they are used, each at an idle link's price). Under the barrier the lead
@@ -215,12 +215,13 @@ class AdaptiveConfig:
     # another, the whole transfer for the time the clock runs past the step (the next decode
     # waits for it); off: priced by the averaged link load, as without the barrier
     barrier_stalls: bool = True
-    # under the copy barrier, where the calibration replay chose the layout: each candidate's
-    # score starts at its mean net gain per step in that replay, worth this many steps (0: none),
-    # instead of 0 and plain means of the first noisy steps, whose swings switched the real cache
-    # (each switch a burst of copies the next decode waits for) away from what the calibration
-    # routing showed; worth a quarter horizon it led more cells than worth one (docs/POLICIES.md,
-    # "A prior from the calibration replay")
+    # where the calibration replay chose the layout: each candidate's score starts at its mean
+    # net gain per step in that replay, worth this many steps (0: none), instead of 0 and plain
+    # means of the first noisy steps, whose swings switched the real cache away from what the
+    # calibration routing showed (under the copy barrier each switch a burst of copies the next
+    # decode waits for; without it, switches away from the rule that then led the whole run and
+    # back); worth a quarter horizon it led more cells than worth one (docs/POLICIES.md, "A prior
+    # from the calibration replay")
     prior_steps: float = 16.0
     # under the copy barrier, a switch to a cache leader (lfu, lrfu-*) prices each expert the real
     # cache lacks at this many copies on an idle link (copy_cost_in_hits), not at its whole
@@ -855,7 +856,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             self._ctl[CTL_LEAD_KEEP] = 1.0 - 1.0 / self.adaptive.lead_memory_steps  # >= 1: AdaptiveConfig
             self._ctl[CTL_LEAD_PRIOR] = self.adaptive.lead_prior_steps
         self._lead_books = np.zeros(lead_books_size(C, self.adaptive.horizon_steps))
-        if barrier and self.adaptive.prior_steps > 0 and self.replay_score is not None:
+        if self.adaptive.prior_steps > 0 and self.replay_score is not None:
             # the scores start as the calibration replay left them on average, as if that many
             # steps had been scored (the warm start averages the next ones in from there)
             self._score[:] = self.replay_score
