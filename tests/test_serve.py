@@ -610,6 +610,10 @@ def test_health_is_503_loading_model_until_the_model_is_loaded():
             except httpx.ConnectError:  # not bound yet
                 time.sleep(0.01)
                 continue
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                # accepted by the answerer the moment it stopped, before the request was read:
+                # closed unanswered (uvicorn's stop), as a server restarting closes one
+                continue
             answers.append(r.status_code)
             if r.status_code == 503:
                 assert r.json()["error"]["message"] == "Loading model"
