@@ -34,10 +34,11 @@ they are what the step used), a fixed set's (stage, static) at once. The leader 
 loads hold up the decode, the candidate that led the most steps when the policy replayed its
 calibration routing at load (the replay that chooses the layout), when there was one. Where
 there was one, each candidate's score starts at its mean in that replay, worth ``prior_steps``
-(16) steps, with or without the barrier. The leader changes when another candidate's score beats it by more than the copies a switch costs, spread
-over the horizon, and not in the first ``first_switch`` steps (under the barrier a switch to a
-fixed set copies it in a burst, each copy at its whole transfer; a switch to a cache leader
-copies its entrants as they are used, each at an idle link's price). Under the barrier the lead
+(16) steps, with or without the barrier. The leader changes when another candidate's score
+beats it by more than the copies a switch costs, spread over the horizon, and not in the first
+``first_switch`` steps (under the barrier a switch to a fixed set copies it in a burst, each
+copy at its whole transfer; a switch to a cache leader copies its entrants as they are used,
+each at an idle link's price). Under the barrier the lead
 a switch counts on is forecast, not taken as it stands: per pair of candidates, a line fitted
 to how the mean net-gain lead over the horizon after each past step followed the score lead at
 it (``record_leads``, ``lead_forecast``) says how much of a lead lasts. Scores of a few hits a
