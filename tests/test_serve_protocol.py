@@ -418,6 +418,34 @@ def test_while_the_model_loads_every_request_is_answered_503_loading_model():
         sock.close()
 
 
+def test_a_connection_the_loading_answerer_took_just_before_its_stop_is_answered():
+    """The switch to the real server: a client that connected to the answerer just before its
+    stop, and sends its request a moment later, gets the 503, not a closed connection."""
+    import threading
+    import time
+
+    from saem_gguf.serving.server import STOP_GRACE_S, LoadingAnswers, bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        loading = LoadingAnswers(sock).start()
+        with socket.create_connection(sock.getsockname(), timeout=10) as client:
+            deadline = time.monotonic() + 10
+            while not loading._server.server_state.connections and time.monotonic() < deadline:
+                time.sleep(0.005)  # until the answerer has accepted it
+            stopper = threading.Thread(target=loading.stop)
+            stopper.start()
+            time.sleep(STOP_GRACE_S / 2)  # after uvicorn alone would have closed it (its tick: 0.1 s)
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := client.recv(4096):
+                answer += chunk
+            stopper.join()
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"Loading model" in answer, answer
+    finally:
+        sock.close()
+
+
 # --- /v1/responses read as a chat (serving.responses) -------------------------------------------
 def test_a_responses_request_is_a_chat():
     from saem_gguf.serving.responses import chat_body

@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -65,6 +66,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 LOADING = {"message": "Loading model", "type": "unavailable_error", "code": "loading_model"}
+STOP_GRACE_S = 0.25  # LoadingAnswers.stop: how long a connection it accepted has to send its request
 
 
 async def _loading_app(scope, receive, send) -> None:
@@ -101,10 +103,17 @@ class LoadingAnswers:
         return self
 
     def stop(self) -> None:
-        """Stop answering (the requests being answered finish first); a second call does nothing."""
-        if self._thread.is_alive():
-            self._server.should_exit = True
-            self._thread.join()
+        """Stop answering; a second call does nothing. The duplicate stops accepting first, and
+        connections it accepted have ``STOP_GRACE_S`` to send their request and be answered:
+        uvicorn's stop closes a connection whose request has not come yet, which would leave a
+        client that connected just before the switch without an answer."""
+        if not self._thread.is_alive():
+            return
+        for listener in list(self._server.servers):  # empty if uvicorn has not started listening
+            listener.get_loop().call_soon_threadsafe(listener.close)
+        time.sleep(STOP_GRACE_S)
+        self._server.should_exit = True
+        self._thread.join()
 
 
 def url_of(sock: socket.socket) -> str:
