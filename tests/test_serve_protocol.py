@@ -411,6 +411,7 @@ def test_while_the_model_loads_every_request_is_answered_503_loading_model():
         finally:
             loading.stop()
         loading.stop()  # a second stop does nothing
+        LoadingAnswers(sock).start().stop()  # a stop at once, before uvicorn listens (a model that fails at once)
         with socket.create_connection(sock.getsockname(), timeout=5):
             conn, _ = sock.accept()  # the real server's socket still listens
             conn.close()

@@ -109,7 +109,8 @@ class LoadingAnswers:
         client that connected just before the switch without an answer."""
         if not self._thread.is_alive():
             return
-        for listener in list(self._server.servers):  # empty if uvicorn has not started listening
+        # none where uvicorn has not started listening yet (a model that fails at once)
+        for listener in list(getattr(self._server, "servers", ())):
             listener.get_loop().call_soon_threadsafe(listener.close)
         time.sleep(STOP_GRACE_S)
         self._server.should_exit = True
