@@ -444,7 +444,7 @@ async def _complete_many(request: Request, req: CompletionRequest | NativeComple
                 started.cancel()
             raise
         return EventStream(_merged(streams, isinstance(req, NativeCompletionRequest)),
-                             lambda: [s.cancel() for s in streams])
+                           lambda: [s.cancel() for s in streams])
     left = anyio.Event()
 
     async def watch() -> None:  # one watcher of the connection for every prompt's collector

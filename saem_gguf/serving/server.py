@@ -65,7 +65,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-LOADING = {"message": "Loading model", "type": "unavailable_error", "code": "loading_model"}
+LOADING_BODY = json.dumps({"error": {"message": "Loading model", "type": "unavailable_error",
+                                     "code": "loading_model"}}).encode()
 STOP_GRACE_S = 0.25  # LoadingAnswers.stop: how long a connection it accepted has to send its request
 
 
@@ -74,11 +75,10 @@ async def _loading_app(scope, receive, send) -> None:
     a connection to this answerer into the real server's time."""
     if scope["type"] != "http":
         return
-    body = json.dumps({"error": LOADING}).encode()
     await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(LOADING_BODY)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": LOADING_BODY})
 
 
 class LoadingAnswers:
@@ -109,10 +109,13 @@ class LoadingAnswers:
         client that connected just before the switch without an answer."""
         if not self._thread.is_alive():
             return
-        # none where uvicorn has not started listening yet (a model that fails at once)
-        for listener in list(getattr(self._server, "servers", ())):
+        # none where uvicorn has not started listening yet (a model that fails at once): then no
+        # connection was accepted, and there is nothing to wait for
+        listeners = list(getattr(self._server, "servers", ()))
+        for listener in listeners:
             listener.get_loop().call_soon_threadsafe(listener.close)
-        time.sleep(STOP_GRACE_S)
+        if listeners:
+            time.sleep(STOP_GRACE_S)
         self._server.should_exit = True
         self._thread.join()
 
