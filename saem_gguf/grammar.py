@@ -186,6 +186,9 @@ class ChainSampler:
         self._grammar_last = grammar_last and self._grammar_index >= 0
         self.budget = budget  # a thinking.ReasoningBudget, or None
         self._n = lc.llama_sampler_chain_n(self.sampler)
+        # llama-cpp-python's chain at temperature 0 ends in a greedy pick, which sets no probability
+        self._greedy = self._n > 0 and lc.llama_sampler_name(
+            lc.llama_sampler_chain_get(self.sampler, self._n - 1)) == b"greedy"
         self._cur = np.empty(n_vocab, _TOKEN_DATA)
         self._ids = np.arange(n_vocab, dtype=np.int32)  # a step's candidates start in id order
         self._cur_p = lc.llama_token_data_array(
@@ -237,6 +240,23 @@ class ChainSampler:
         if not 0 <= cur_p.selected < cur_p.size:
             raise SaemError(f"the sampler chain selected no token ({cur_p.selected})")
         return int(cur_p.data[cur_p.selected].id)
+
+    def drawn_probabilities(self, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """(the last drawn token's probability, the ``n`` most probable candidates with theirs,
+        most probable first), as the chain left them at that draw: llama-server's
+        ``post_sampling_probs`` (``common_sampler_get_candidates`` sorted by probability, the
+        ones of probability 0 left out). A chain ending in a greedy pick (llama-cpp-python's at
+        temperature 0) gives the drawn token probability 1 and the others 0, as llama.cpp's
+        temperature 0 followed by its draw does."""
+        cur_p = self._cur_p
+        data = np.ctypeslib.as_array(cur_p.data, shape=(cur_p.size,))  # a member may have moved it
+        chosen = int(data["id"][cur_p.selected])
+        if self._greedy:
+            return 1.0, ((chosen, 1.0),)[:n]
+        p = data["p"]
+        best = np.argsort(-p, kind="stable")[:n]
+        best = best[p[best] > 0]
+        return float(p[cur_p.selected]), tuple((int(data["id"][i]), float(p[i])) for i in best)
 
     def _grammar_allows(self, token: int) -> bool:
         """Whether the grammar member leaves ``token`` possible next (llama-server's check of a

@@ -207,6 +207,20 @@ def test_completion_logprobs_zero_asks_for_the_chosen_tokens_only():
     assert gen.top_n == 0
 
 
+def test_post_sampling_probs_is_taken_where_the_answer_has_a_name_for_probabilities():
+    """The native routes and a chat name the chain's probabilities "prob"; /v1/completions' legacy
+    shape has log-probs only, and keeps them."""
+    for kind, base, want in ((NativeCompletionRequest, COMPLETION, True), (ChatRequest, CHAT, True),
+                             (CompletionRequest, COMPLETION, False)):
+        assert _read(kind, base, post_sampling_probs=True).post_sampling is want, kind
+        assert _read(kind, base).post_sampling is False
+    reply = Reply.start(True, "m", 1, post_sampling=True)
+    body = reply.chunk("a", [TokenLogprob(b"a", 0.75, ((b"a", 0.75), (b"b", 0.25)))])
+    (entry,) = body["choices"][0]["logprobs"]["content"]
+    assert entry["prob"] == 0.75 and [t["prob"] for t in entry["top_probs"]] == [0.75, 0.25]
+    assert "logprob" not in entry and "top_logprobs" not in entry
+
+
 def _read(kind, base: dict, **fields):
     return generation(parse_request(_body(base, **fields), kind), SamplingConfig(seed=3), 9)
 

@@ -124,6 +124,48 @@ def test_alternatives_counted_as_llama_server(pair, path, body):
     assert counts(ours) == counts(stock) and len(counts(stock)) == 3 and counts(stock)[0] >= 20
 
 
+@pytest.mark.parametrize("fields", [
+    {"n_predict": 6, "temperature": 0, "n_probs": 5},
+    {"n_predict": 8, "temperature": 0.9, "seed": 7, "n_probs": 10},
+    {"n_predict": 8, "temperature": 0.9, "seed": 7, "n_probs": 10, "top_k": 3},
+    {"n_predict": 8, "temperature": 1.5, "seed": 11, "n_probs": 6, "top_p": 0.8, "min_p": 0.02},
+    {"n_predict": 8, "temperature": 0.9, "seed": 7, "n_probs": 4, "grammar": 'root ::= ("yes" | "no" | " maybe" | " Paris")+'},
+    {"n_predict": 8, "temperature": 0.8, "seed": 5, "n_probs": 5, "samplers": "ktp"},
+    {"n_predict": 8, "temperature": 0, "n_probs": 3, "samplers": ["top_k", "temperature"]},
+], ids=["greedy", "seeded", "top-k-3", "top-p-min-p", "grammar", "named-order", "named-order-greedy"])
+def test_post_sampling_probabilities_as_llama_server(pair, fields):
+    """post_sampling_probs: each token's probability and its most probable candidates as the sampler
+    chain left them (after top-k, top-p, min-p, temperature, the grammar), named "prob" and
+    "top_probs", those of probability 0 left out, at most n_probs; llama-server's figures."""
+    stock, ours = _both(pair, "/completion", {"prompt": PROMPT, "post_sampling_probs": True, **fields})
+    assert {k: ours[k] for k in COUNTS} == {k: stock[k] for k in COUNTS}
+    for key in ("n_probs", "post_sampling_probs"):
+        assert ours["generation_settings"][key] == stock["generation_settings"][key]
+    theirs, mine = stock["completion_probabilities"], ours["completion_probabilities"]
+    assert len(mine) == len(theirs) == fields["n_predict"]
+    for s, o in zip(theirs, mine):
+        assert set(o) == set(s) == {"id", "token", "bytes", "prob", "top_probs"}
+        assert (o["id"], o["token"], o["bytes"]) == (s["id"], s["token"], s["bytes"])
+        assert o["prob"] == pytest.approx(s["prob"], abs=1e-6)
+        assert [(t["id"], t["token"], t["bytes"]) for t in o["top_probs"]] \
+            == [(t["id"], t["token"], t["bytes"]) for t in s["top_probs"]]
+        assert [t["prob"] for t in o["top_probs"]] == pytest.approx([t["prob"] for t in s["top_probs"]], abs=1e-6)
+    assert any(len(t["top_probs"]) > 1 for t in theirs) or fields["temperature"] == 0
+
+
+def test_post_sampling_probabilities_in_a_chat_as_llama_server(pair):
+    body = {"messages": CHAT, "max_tokens": 6, "temperature": 0.9, "seed": 3, "logprobs": True,
+            "top_logprobs": 4, "post_sampling_probs": True}
+    stock, ours = _both(pair, "/v1/chat/completions", body)
+    theirs, mine = stock["choices"][0]["logprobs"]["content"], ours["choices"][0]["logprobs"]["content"]
+    assert len(mine) == len(theirs) == 6
+    for s, o in zip(theirs, mine):
+        assert (o["token"], o["bytes"]) == (s["token"], s["bytes"]) and "logprob" not in o
+        assert o["prob"] == pytest.approx(s["prob"], abs=1e-6)
+        assert [(t["token"], round(t["prob"], 6)) for t in o["top_probs"]] \
+            == [(t["token"], round(t["prob"], 6)) for t in s["top_probs"]]
+
+
 def test_a_repeat_penalty_of_zero_is_refused_as_by_llama_server(pair):
     for url in pair:
         r = httpx.post(url + "/completion", json={"prompt": PROMPT, "repeat_penalty": 0}, timeout=300)

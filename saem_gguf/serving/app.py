@@ -279,7 +279,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
         async def prompt() -> tuple[list[int], tuple[str, ...], str | None]:
             return await run_in_threadpool(_raw_prompt, state, req.prompts()[0]), (), None
     handle, gen = await _submit(state, req, prompt, "messages" if chat else "prompt")
-    reply = Reply.start(chat, state.cfg.model_id, gen.top_n)
+    reply = Reply.start(chat, state.cfg.model_id, gen.top_n, gen.post_sampling)
     told = api.reply(state.cfg.model_id) if api is not None else None  # the other API's shapes
     offset = 0  # characters of text streamed so far (completions' text_offset)
     text = bytearray()  # decoded whole at the end: an event may end inside a character
@@ -375,13 +375,15 @@ async def _complete_native(state: ServerState, request: Request, infill: bool,
     except BaseException:
         handle.cancel()
         raise
-    reply = NativeReply(state.cfg.model_id, native_settings(gen.sampling, gen.max_tokens),
+    settings = native_settings(gen.sampling, gen.max_tokens, req.n_probs or 0, req.post_sampling_probs)
+    reply = NativeReply(state.cfg.model_id, settings,
                         text.decode("utf-8", errors="replace"), req.return_tokens)
     n_predicted = 0
     final: dict = {}
 
     def probs(ev: TokenEvent) -> list[dict] | None:
-        return native_probs(ev.token_ids, ev.logprobs, state.piece) if gen.top_n and ev.logprobs else None
+        return native_probs(ev.token_ids, ev.logprobs, state.piece, gen.post_sampling) \
+            if gen.top_n and ev.logprobs else None
 
     def add(ev: TokenEvent) -> None:
         nonlocal final
@@ -525,6 +527,7 @@ async def _submit(state: ServerState, req: ChatRequest | CompletionRequest | Nat
         native = isinstance(req, NativeCompletionRequest)
         handle = sched.submit(BatchRequest(prompt_tokens=tokens, max_tokens=gen.max_tokens, sampling=gen.sampling,
                                            extra_stops=extra_stops, n_probs=_n_probs(gen.top_n),
+                                           post_sampling_probs=gen.post_sampling,
                                            chat_text=chat_text, lines=req.line_limits() if native else None,
                                            cache_prompt=state.cfg.cache_prompt if req.cache_prompt is None
                                            else req.cache_prompt, infill=isinstance(req, InfillRequest)))

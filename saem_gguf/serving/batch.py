@@ -62,7 +62,7 @@ from saem_gguf.engine import (
     ChatPrompt, Engine, SamplingConfig, StopText, check_logit_bias, check_token_ids, resolve_seed,
 )
 from saem_gguf.errors import SaemError
-from saem_gguf.grammar import GrammarDeadEnd, check_grammar
+from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar
 from saem_gguf.samplers import server_sampler
 from saem_gguf.serving.infill import FimTokens
 from saem_gguf.serving.prompt_cache import PromptCache, common_prefix
@@ -75,6 +75,9 @@ class BatchRequest:
     sampling: SamplingConfig  # seed None: a random one per request
     extra_stops: tuple[str, ...] = ()  # the chat format's stop strings, added to sampling.stop
     n_probs: int = 0  # top log-probs per generated token (0: none; at most the vocabulary's)
+    # llama-server's post_sampling_probs: with n_probs, the probabilities the sampler chain left at
+    # the draw (ChainSampler.drawn_probabilities), at most n_probs of them, in place of log-probs
+    post_sampling_probs: bool = False
     # a chat prompt's text (None: a raw prompt): a chat's reasoning budget counts from the
     # thinking block its generation prompt opens (Engine.reasoning_budget)
     chat_text: str | None = None
@@ -137,7 +140,9 @@ class LineState:
 class TokenEvent:
     text: bytes  # released text (held back while it may begin a stop string)
     token_ids: tuple[int, ...]  # tokens whose text this event releases
-    logprobs: tuple | None  # per token: (chosen logprob, ((token_id, logprob), ...)) when n_probs
+    # per token: (chosen logprob, ((token_id, logprob), ...)) when n_probs; probabilities in
+    # their place under post_sampling_probs
+    logprobs: tuple | None
     finish_reason: str | None  # None, then on the last event: stop | length | cancelled | error
     error: str | None = None  # one line, when finish_reason == "error"
     usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens) on the last event
@@ -602,7 +607,10 @@ class Scheduler:
         stops = tuple(s.encode("utf-8") for s in sampling.stop + req.extra_stops)
         budget = None if req.chat_text is None else \
             self.engine.reasoning_budget(req.prompt_tokens, req.chat_text, sampling)
-        seq = _Sequence(handle, slot, limit, self._make_sampler(sampling, handle.seed, budget), StopText(stops),
+        sampler = self._make_sampler(sampling, handle.seed, budget)
+        if req.post_sampling_probs and req.n_probs > 0 and not isinstance(sampler, ChainSampler):
+            sampler = ChainSampler(self._lc, sampler, self._n_vocab)  # the same draws, its candidates kept
+        seq = _Sequence(handle, slot, limit, sampler, StopText(stops),
                         lines=None if req.lines is None else LineState(req.lines))
         self._accept_prompt(seq.sampler, req.prompt_tokens)
         keep = common_prefix(self._kept[slot], req.prompt_tokens) if req.cache_prompt else 0
@@ -766,12 +774,16 @@ class Scheduler:
         lc = self._lc
         if seq.t_first is None:
             seq.t_first = time.perf_counter()
-        try:  # a LlamaSampler, or a ChainSampler where the request has a grammar or a reasoning budget
+        try:  # a LlamaSampler, or a ChainSampler (a grammar, a reasoning budget or post_sampling_probs)
             tok = seq.sampler.sample(self._llama_ctx, batch_index)
         except GrammarDeadEnd:  # nothing was accepted: the text so far stands
             self._finish(seq, "stop", seq.text.flush())
             return
-        logprobs = self._logprobs(batch_index, tok, seq.handle.request.n_probs)
+        req = seq.handle.request
+        if req.post_sampling_probs and req.n_probs > 0:
+            logprobs = (seq.sampler.drawn_probabilities(min(req.n_probs, self._n_vocab)),)
+        else:
+            logprobs = self._logprobs(batch_index, tok, req.n_probs)
         if lc.llama_vocab_is_eog(self._vocab, tok):
             # llama-server checks the indentation on this token too (its text is empty)
             keep = None if seq.lines is None else seq.lines.indent_cut(seq.text.text)

@@ -186,6 +186,10 @@ class _Common(_Strict):
     n: int | None = None
     ignore_eos: bool = False
     n_probs: Whole | None = None  # <= 0: none
+    # llama-server's: the probabilities the sampler chain left (after top-k, top-p, temperature,
+    # ...) in place of the raw logits' log-probs, as "prob" / "top_probs" (a chat's and the native
+    # routes'; /v1/completions' legacy shape has log-probs only and keeps them)
+    post_sampling_probs: bool = False
     # OpenAI's {"token id": bias}, and llama-server's [[id or text, bias], ...] and text keys (each of
     # the text's tokens); a bias of false bans the token (request_logit_bias)
     logit_bias: dict[str, Any] | list[Any] | None = None
@@ -514,6 +518,7 @@ class Generation:
     max_tokens: int
     sampling: SamplingConfig
     top_n: int | None  # log-prob alternatives per token; None: no log-probs
+    post_sampling: bool = False  # the chain's probabilities instead (post_sampling_probs)
     # a chat answer constrained by a schema (response_format, json_schema): its grammar is the
     # JSON alone, which serving.output_format puts after the thinking, as llama-server does
     json_answer: bool = False
@@ -572,6 +577,7 @@ def generation(req: _Common, defaults: SamplingConfig, default_max_tokens: int) 
     if isinstance(req, NativeCompletionRequest) and req.n_predict is not None:
         max_tokens = req.n_predict
     return Generation(default_max_tokens if max_tokens is None else max_tokens, sampling, req.top_n(),
+                      post_sampling=req.post_sampling_probs and not isinstance(req, CompletionRequest),
                       json_answer=isinstance(req, ChatRequest) and grammar is not None and req.grammar is None)
 
 
@@ -661,10 +667,12 @@ def _text(b: bytes) -> str:
     return b.decode("utf-8", errors="replace")
 
 
-def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
-    return {"content": [{"token": _text(t.token), "logprob": _finite(t.logprob), "bytes": list(t.token),
-                         "top_logprobs": [{"token": _text(b), "logprob": _finite(lp), "bytes": list(b)}
-                                          for b, lp in t.top]}
+def chat_logprobs(tokens: list[TokenLogprob], post_sampling: bool = False) -> dict:
+    """OpenAI's chat shape; under ``post_sampling`` (the tokens carry the chain's probabilities)
+    llama-server's names for them, "prob" and "top_probs"."""
+    value, top = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
+    return {"content": [{"token": _text(t.token), value: _finite(t.logprob), "bytes": list(t.token),
+                         top: [{"token": _text(b), value: _finite(lp), "bytes": list(b)} for b, lp in t.top]}
                         for t in tokens]}
 
 
@@ -709,6 +717,7 @@ class Reply:
     created: int
     chat: bool
     top_n: int | None
+    post_sampling: bool = False  # the tokens carry the chain's probabilities (chat_logprobs)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
@@ -717,14 +726,14 @@ class Reply:
     timings: dict | None = None  # llama-server's timings (llama_timings), once the answer is done
 
     @classmethod
-    def start(cls, chat: bool, model: str, top_n: int | None) -> Reply:
-        return cls(new_id("chatcmpl" if chat else "cmpl"), model, int(time.time()), chat, top_n,
+    def start(cls, chat: bool, model: str, top_n: int | None, post_sampling: bool = False) -> Reply:
+        return cls(new_id("chatcmpl" if chat else "cmpl"), model, int(time.time()), chat, top_n, post_sampling,
                    logprobs=[] if top_n is not None else None)
 
     def _logprobs_json(self, tokens: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
         if tokens is None:
             return None
-        return chat_logprobs(tokens) if self.chat else completion_logprobs(tokens, text_offset)
+        return chat_logprobs(tokens, self.post_sampling) if self.chat else completion_logprobs(tokens, text_offset)
 
     def response(self) -> dict:
         """The non-streamed body."""
@@ -774,20 +783,25 @@ def _valid_utf8(b: bytes) -> str:
         return b[:e.start].decode("utf-8", errors="replace")
 
 
-def native_probs(token_ids: tuple[int, ...], logprobs: tuple, piece: Callable[[int], bytes]) -> list[dict]:
+def native_probs(token_ids: tuple[int, ...], logprobs: tuple, piece: Callable[[int], bytes],
+                 post_sampling: bool = False) -> list[dict]:
     """llama-server's ``completion_probabilities`` for generated tokens: id, token (its text up to
-    an incomplete character), bytes, logprob and the ``top_logprobs`` alternatives alike."""
+    an incomplete character), bytes, logprob and the ``top_logprobs`` alternatives alike; under
+    ``post_sampling`` (``logprobs`` holds the chain's probabilities) "prob" and "top_probs"."""
+    value, top_key = ("prob", "top_probs") if post_sampling else ("logprob", "top_logprobs")
+
     def one(tok: int, lp: float) -> dict:
         b = piece(tok)
-        return {"id": tok, "token": _valid_utf8(b), "bytes": list(b), "logprob": _finite(lp)}
+        return {"id": tok, "token": _valid_utf8(b), "bytes": list(b), value: _finite(lp)}
 
-    return [{**one(tok, chosen), "top_logprobs": [one(t, lp) for t, lp in top]}
+    return [{**one(tok, chosen), top_key: [one(t, lp) for t, lp in top]}
             for tok, (chosen, top) in zip(token_ids, logprobs)]
 
 
-def native_settings(sampling: SamplingConfig, n_predict: int) -> dict:
+def native_settings(sampling: SamplingConfig, n_predict: int, n_probs: int = 0, post_sampling: bool = False) -> dict:
     """The sampling settings under llama-server's names (its ``generation_settings`` and
-    /props ``default_generation_settings.params``)."""
+    /props ``default_generation_settings.params``), with a request's ``n_probs`` and
+    ``post_sampling_probs``."""
     d = sampling
     return {"n_predict": n_predict, "seed": -1 if d.seed is None else d.seed, "temperature": d.temp,
             "dynatemp_range": d.dynatemp_range, "dynatemp_exponent": d.dynatemp_exponent,
@@ -801,7 +815,7 @@ def native_settings(sampling: SamplingConfig, n_predict: int) -> dict:
             "min_keep": d.min_keep, "samplers": list(DEFAULT_ORDER if d.samplers is None else d.samplers),
             "ignore_eos": d.ignore_eos, "stop": list(d.stop),
             "logit_bias": [[t, b if math.isfinite(b) else False] for t, b in d.logit_bias],
-            "grammar": d.grammar or ""}
+            "grammar": d.grammar or "", "n_probs": n_probs, "post_sampling_probs": post_sampling}
 
 
 @dataclass
