@@ -678,3 +678,9 @@ def test_slots_show_the_busy_one(server):
     assert [s["id"] for s in slots] == [0, 1, 2, 3], slots
     assert sum(s["is_processing"] for s in slots) == 1, (slots, stats)
     assert all(s["n_ctx"] == 8192 and s["speculative"] is False for s in slots)
+    # where its generation stands, as llama-server's slot tells it while it runs
+    (busy,) = [s for s in slots if s["is_processing"]]
+    (now,) = busy["next_token"]
+    assert now["has_next_token"] is True and now["n_decoded"] >= 2 and now["n_remain"] == 6000 - now["n_decoded"]
+    assert busy["n_prompt_tokens"] >= busy["n_prompt_tokens_processed"] + busy["n_prompt_tokens_cache"]
+    assert busy["params"]["n_predict"] == 6000 and busy["params"]["ignore_eos"] is True

@@ -198,11 +198,32 @@ def test_models_and_slots_answer_as_llama_server(pair):
     assert [same(m) for m in ours["models"]] == [same(m) for m in stock["models"]]
     stock, ours = (httpx.get(url + "/slots", timeout=60) for url in pair)
     assert ours.status_code == stock.status_code == 200
-    # llama-server also shows a used slot's last task (id_task, params, next_token): not here
     keys = ("id", "n_ctx", "speculative", "is_processing")
     assert [{k: s[k] for k in keys} for s in ours.json()] == [{k: s[k] for k in keys} for s in stock.json()]
     for url in pair:  # a slot is free: fail_on_no_slot has nothing to fail on
         assert httpx.get(url + "/slots?fail_on_no_slot=1", timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("fields", [
+    {"n_predict": 8, "temperature": 0},
+    {"n_predict": 40, "temperature": 0.7, "seed": 3, "top_k": 7, "n_probs": 2, "prompt": "Q: What is 2 + 2?\nA:"},
+    {"n_predict": -1, "temperature": 0, "prompt": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"},
+], ids=["limit", "settings", "eos"])
+def test_a_slot_tells_of_its_last_task_as_llama_server(pair, fields):
+    """After a request, GET /slots shows the slot's last task as llama-server's does: its cells and
+    prompt counts, where its generation stopped (next_token: tokens drawn, the end of generation's
+    included, and left) and its settings (llama-server's ids of tasks aside; it counts others)."""
+    body = {"prompt": PROMPT, "cache_prompt": False, **fields}
+    stock_answer, ours_answer = _both(pair, "/completion", body)
+    assert ours_answer["tokens"] == stock_answer["tokens"]
+    (stock,), (ours,) = (httpx.get(url + "/slots", timeout=60).json() for url in pair)
+    assert set(ours) == set(stock)
+    counts = ("is_processing", "n_prompt_tokens", "n_prompt_tokens_processed", "n_prompt_tokens_cache", "next_token")
+    assert {k: ours[k] for k in counts} == {k: stock[k] for k in counts}
+    assert set(ours["params"]) <= set(stock["params"])
+    for k, v in ours["params"].items():  # llama-server's floats are float32
+        assert v == (pytest.approx(stock["params"][k], rel=1e-6) if isinstance(v, float) else stock["params"][k]), k
+    assert isinstance(ours["id_task"], int)
 
 
 def test_no_slots_endpoint_as_llama_server():

@@ -39,8 +39,8 @@ from saem_gguf.serving.metrics import CONTENT_TYPE, ServerMetrics
 from saem_gguf.serving.protocol import (
     SSE_DONE, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Generation,
     InfillRequest, NativeCompletionRequest, NativeReply, Reply, TokenizeRequest, TokenLogprob, generation,
-    llama_timings, native_probs, native_settings, parse_json, parse_request, piece_json, request_logit_bias, sse,
-    stop_type, usage,
+    llama_timings, native_probs, native_settings, parse_json, parse_request, piece_json, request_logit_bias,
+    slot_json, sse, stop_type, usage,
 )
 from saem_gguf.serving import anthropic, responses
 from saem_gguf.serving.anthropic import MessagesReply
@@ -127,11 +127,10 @@ def create_app(state: ServerState) -> Starlette:
         if not state.cfg.endpoint_slots:
             raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`",
                            "not_supported_error")
-        busy = state.scheduler.slots_busy()
-        if request.query_params.get("fail_on_no_slot") and all(busy):
+        slots = state.scheduler.slot_states()
+        if request.query_params.get("fail_on_no_slot") and all(s.busy for s in slots):
             raise ApiError(503, "no slot available", "unavailable_error")
-        return JSONResponse([{"id": i, "n_ctx": state.cfg.n_ctx_per_sequence, "speculative": False,
-                              "is_processing": b} for i, b in enumerate(busy)])
+        return JSONResponse([slot_json(i, s, state.cfg.n_ctx_per_sequence) for i, s in enumerate(slots)])
 
     async def metrics(_: Request) -> Response:
         return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE)

@@ -254,11 +254,44 @@ class _Sequence:
     t_admitted: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # when its first token was sampled (its prompt done)
     n_cached: int = 0  # prompt tokens whose cells were kept from an earlier request (cache_prompt)
-    lines: LineState | None = None  # llama-server's line limits, where the request sets them
+    lines: LineState | None = None  # llama-server's line limits (none set: zeros, its has_new_line kept)
+    task: int = 0  # the request's number, in order of admission (/slots' id_task)
+    n_sampled: int = 0  # tokens drawn, the end of generation's included (llama-server's n_gen)
+    ended: bool = False  # its final event was pushed
 
     @property
     def n_prompt(self) -> int:
         return len(self.handle.request.prompt_tokens)
+
+
+@dataclass(frozen=True)
+class TaskState:
+    """A slot's current or last request as llama-server's /slots tells of it (server_slot::to_json)."""
+
+    task: int  # its number, in order of admission (id_task)
+    request: BatchRequest
+    n_cells: int  # the slot's KV cells: its prompt and the tokens decoded after it (n_prompt_tokens)
+    n_prompt_processed: int = 0  # prompt tokens evaluated (the rest came from the prompt cache)
+    n_prompt_cached: int = 0
+    n_decoded: int = 0  # tokens drawn, the end of generation's included
+    n_remain: int = -1  # tokens it may still draw (-1: no limit but the context)
+    has_next_token: bool = False  # still generating
+    has_new_line: bool = False  # a newline was released
+
+
+@dataclass(frozen=True)
+class SlotState:
+    busy: bool  # a request is in it (is_processing)
+    task: TaskState | None  # None: no request has been in it yet
+
+
+def _task_state(seq: _Sequence) -> TaskState:
+    req = seq.handle.request
+    return TaskState(task=seq.task, request=req, n_cells=seq.n_past,
+                     n_prompt_processed=max(0, min(seq.n_past, seq.n_prompt) - seq.n_cached),
+                     n_prompt_cached=seq.n_cached, n_decoded=seq.n_sampled,
+                     n_remain=-1 if req.max_tokens < 0 else req.max_tokens - seq.n_sampled,
+                     has_next_token=not seq.ended, has_new_line=seq.lines.has_new_line)
 
 
 class Scheduler:
@@ -292,6 +325,9 @@ class Scheduler:
         self._tokenize_lock = threading.Lock()
         self._waiting: collections.deque[SequenceHandle] = collections.deque()
         self._slots: list[_Sequence | None] = [None] * n_parallel
+        # per slot, the sequence it serves or served last (/slots tells of it, as llama-server's
+        # slot of its task or its previous one)
+        self._last: list[_Sequence | None] = [None] * n_parallel
         # per free slot, the tokens whose KV cells it kept from its last request (cache_prompt)
         self._kept: list[list[int]] = [[] for _ in range(n_parallel)]
         self._last_used = [-1] * n_parallel  # when each slot's last request ended (a count, for LRU)
@@ -305,6 +341,7 @@ class Scheduler:
         self._failure: str | None = None
         self._batch = self._lc.llama_batch_init(max(self._n_ubatch, n_parallel), 0, 1)
         self._requests = 0
+        self._requests_admitted = 0  # the next admitted request's number (_Sequence.task)
         self._cached_tokens = 0  # prompt tokens the prompt cache served (not evaluated)
         self._tokens = 0  # generated
         self._steps = 0  # decode steps (one token of each decoding sequence)
@@ -473,6 +510,18 @@ class Scheduler:
         with self._lock:
             return [s is not None for s in self._slots]
 
+    def slot_states(self) -> list[SlotState]:
+        """Each slot's current request, or its last one, as llama-server's /slots tells of it: a
+        request that has ended keeps its number and settings, its counts are reset as
+        llama-server's slot resets them at release (the cells it kept aside)."""
+        with self._lock:
+            out = []
+            for i, (now, seq) in enumerate(zip(self._slots, self._last)):
+                task = None if seq is None else _task_state(seq) if now is not None else \
+                    TaskState(task=seq.task, request=seq.handle.request, n_cells=len(self._kept[i]))
+                out.append(SlotState(now is not None, task))
+            return out
+
     def stats(self) -> dict:
         """The engine's placement figures (Engine.stats(): hit rate, bytes moved, boundaries,
         placement updates) and the serving counters: requests accepted, tokens generated, their
@@ -610,14 +659,16 @@ class Scheduler:
         sampler = self._make_sampler(sampling, handle.seed, budget)
         if req.post_sampling_probs and req.n_probs > 0 and not isinstance(sampler, ChainSampler):
             sampler = ChainSampler(self._lc, sampler, self._n_vocab)  # the same draws, its candidates kept
-        seq = _Sequence(handle, slot, limit, sampler, StopText(stops),
-                        lines=None if req.lines is None else LineState(req.lines))
+        seq = _Sequence(handle, slot, limit, sampler, StopText(stops), lines=LineState(req.lines or LineLimits()),
+                        task=self._requests_admitted)
+        self._requests_admitted += 1
         self._accept_prompt(seq.sampler, req.prompt_tokens)
         keep = common_prefix(self._kept[slot], req.prompt_tokens) if req.cache_prompt else 0
         seq.n_past = seq.n_cached = max(0, min(keep, len(req.prompt_tokens) - 1))
         self._kept[slot] = []
         with self._lock:
             self._slots[slot] = seq
+            self._last[slot] = seq
             self._cached_tokens += seq.n_cached
         self._lc.llama_memory_seq_rm(self._mem, slot, seq.n_past, -1)
         if self.engine.placement is not None:
@@ -779,6 +830,7 @@ class Scheduler:
         except GrammarDeadEnd:  # nothing was accepted: the text so far stands
             self._finish(seq, "stop", seq.text.flush())
             return
+        seq.n_sampled += 1
         req = seq.handle.request
         if req.post_sampling_probs and req.n_probs > 0:
             logprobs = (seq.sampler.drawn_probabilities(min(req.n_probs, self._n_vocab)),)
@@ -786,7 +838,7 @@ class Scheduler:
             logprobs = self._logprobs(batch_index, tok, req.n_probs)
         if lc.llama_vocab_is_eog(self._vocab, tok):
             # llama-server checks the indentation on this token too (its text is empty)
-            keep = None if seq.lines is None else seq.lines.indent_cut(seq.text.text)
+            keep = seq.lines.indent_cut(seq.text.text)
             self._finish(seq, "stop", seq.text.flush(), keep=keep)
             return
         seq.tokens.append(tok)
@@ -794,11 +846,10 @@ class Scheduler:
             self._tokens += 1
         last = len(seq.tokens) >= seq.limit
         piece, stopped = seq.text.add(self.engine._piece_after(seq.tokens), last)
-        keep, limited = None, False
-        if seq.lines is not None:  # after the stop strings and the length, as llama-server checks them
-            keep = seq.lines.indent_cut(seq.text.text)
-            late = seq.lines.out_of_time(piece, (time.perf_counter() - seq.t_first) * 1e3)
-            limited = keep is not None or late  # a limit, even where a stop string also ended it (as there)
+        # after the stop strings and the length, as llama-server checks them
+        keep = seq.lines.indent_cut(seq.text.text)
+        late = seq.lines.out_of_time(piece, (time.perf_counter() - seq.t_first) * 1e3)
+        limited = keep is not None or late  # a limit, even where a stop string also ended it (as there)
         if stopped or last or limited:
             self._finish(seq, "stop" if stopped and not limited else "length", piece, (tok,), logprobs, keep=keep)
             return
@@ -822,6 +873,7 @@ class Scheduler:
     def _finish(self, seq: _Sequence, reason: str, text: bytes, token_ids: tuple[int, ...] = (),
                 logprobs: tuple | None = None, error: str | None = None, keep: int | None = None) -> None:
         """End ``seq``: free its slot and KV cells, then push its final event."""
+        seq.ended = True
         try:
             # the cells stay for the next request on this slot that shares their beginning (also
             # after one that did not use the cache, as llama-server's), unless it was cancelled or

@@ -35,7 +35,7 @@ from saem_gguf.engine import SEED_RANDOM, SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import json_schema_grammar
 from saem_gguf.samplers import DEFAULT_ORDER, sampler_order
-from saem_gguf.serving.batch import LineLimits
+from saem_gguf.serving.batch import LineLimits, SlotState
 from saem_gguf.serving.output_format import JSON_OBJECT
 
 INT32_MAX = 2**31 - 1  # llama-server's hard limit of its integer fields
@@ -803,7 +803,8 @@ def native_settings(sampling: SamplingConfig, n_predict: int, n_probs: int = 0, 
     /props ``default_generation_settings.params``), with a request's ``n_probs`` and
     ``post_sampling_probs``."""
     d = sampling
-    return {"n_predict": n_predict, "seed": -1 if d.seed is None else d.seed, "temperature": d.temp,
+    # llama.cpp's seed is a uint32: LLAMA_DEFAULT_SEED (a random one per request) reads 4294967295
+    return {"n_predict": n_predict, "seed": SEED_RANDOM if d.seed is None else d.seed, "temperature": d.temp,
             "dynatemp_range": d.dynatemp_range, "dynatemp_exponent": d.dynatemp_exponent,
             "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p, "top_n_sigma": d.top_n_sigma,
             "xtc_probability": d.xtc_probability, "xtc_threshold": d.xtc_threshold, "typical_p": d.typical_p,
@@ -816,6 +817,28 @@ def native_settings(sampling: SamplingConfig, n_predict: int, n_probs: int = 0, 
             "ignore_eos": d.ignore_eos, "stop": list(d.stop),
             "logit_bias": [[t, b if math.isfinite(b) else False] for t, b in d.logit_bias],
             "grammar": d.grammar or "", "n_probs": n_probs, "post_sampling_probs": post_sampling}
+
+
+# what llama-server's /slots leaves out of a task's settings unless LLAMA_SERVER_SLOTS_DEBUG is set
+# (task_params::to_json's only_metrics)
+SLOT_HIDDEN_SETTINGS = ("stop", "logit_bias", "grammar", "dry_sequence_breakers")
+
+
+def slot_json(index: int, slot: SlotState, n_ctx: int) -> dict:
+    """One slot of GET /slots in llama-server's shape: its id, context and state, and of its current
+    or last request the task number, the cells and prompt counts, the settings and where its
+    generation stands (``next_token``)."""
+    out = {"id": index, "n_ctx": n_ctx, "speculative": False, "is_processing": slot.busy}
+    t = slot.task
+    if t is None:
+        return out
+    req = t.request
+    settings = native_settings(req.sampling, req.max_tokens, req.n_probs, req.post_sampling_probs)
+    return {**out, "id_task": t.task, "n_prompt_tokens": t.n_cells, "n_prompt_tokens_processed": t.n_prompt_processed,
+            "n_prompt_tokens_cache": t.n_prompt_cached,
+            "params": {k: v for k, v in settings.items() if k not in SLOT_HIDDEN_SETTINGS},
+            "next_token": [{"has_next_token": t.has_next_token, "has_new_line": t.has_new_line,
+                            "n_remain": t.n_remain, "n_decoded": t.n_decoded}]}
 
 
 @dataclass
