@@ -228,6 +228,11 @@ def split_calibration(ts: TraceSet, frac: float) -> tuple[TraceSet, TraceSet | N
 # (docs/POLICIES.md, "Is the chosen layout the best one?"), few enough to replay a 48-layer model
 # at 7 layouts in seconds
 CALIBRATION_REPLAY_TOKENS = 4096
+# the fewest sequences a fold of the calibration replay holds (CalibrationReplay.folds): counts
+# from one request price the other fold on that request's hot set alone (the device family's
+# calibration holds 2 sequences; in folds of one its geometric mean fell 0.11 %, docs/POLICIES.md,
+# "A cross-fitted replay as wide as the batch")
+MIN_FOLD_SEQUENCES = 2
 
 
 def calibration_sample(ts: TraceSet, max_tokens: int = CALIBRATION_REPLAY_TOKENS) -> TraceSet:
@@ -247,6 +252,43 @@ def calibration_sample(ts: TraceSet, max_tokens: int = CALIBRATION_REPLAY_TOKENS
     return TraceSet(signature=ts.signature, sequences=out, source=ts.source, meta=meta)
 
 
+def split_to_batch(ts: TraceSet, batch: int) -> TraceSet:
+    """``ts`` with the decoded tokens of its longest sequences split in two, the longest first,
+    until it has ``batch`` sequences (or none has two decoded tokens left to split): the same
+    tokens, decoded ``batch`` at a time. Why: a replay of fewer sequences than the batch
+    decodes them at a fraction of the batch's concurrency, so it prices the experts a batch
+    shares, and the layers a whole residency saves, as a smaller batch's (a batch-8 replay of
+    bench_policies' 4 calibration sequences chose no whole layer where 8 ran faster:
+    docs/POLICIES.md, "A cross-fitted replay as wide as the batch"). A second part starts a stage of its
+    own, uncued, and has no prompt."""
+    seqs = list(ts.sequences)
+    cues = sequence_cues(ts)
+    while len(seqs) < batch:
+        decoded = [sq.n_tokens - sq.prompt_len for sq in seqs]
+        i = int(np.argmax(decoded)) if seqs else 0
+        if not seqs or decoded[i] < 2:
+            break
+        sq, at = seqs[i], seqs[i].prompt_len + decoded[i] // 2
+        starts = np.asarray(sq.stage_starts)
+        head_cues = tail_cues = None
+        if cues[i] is not None:
+            head_cues = [c for s, c in zip(starts.tolist(), cues[i]) if s < at]
+            tail_cues = [c for s, c in zip(starts.tolist(), cues[i]) if s >= at]
+            if not starts[starts == at].size:
+                tail_cues = [None, *tail_cues]
+        tail_starts = np.unique(np.concatenate([[0], starts[starts >= at] - at])).astype(np.int32)
+        tail = SequenceTrace(token_ids=sq.token_ids[at:], pieces=sq.pieces[at:], experts=sq.experts[at:],
+                             weights=None if sq.weights is None else sq.weights[at:], stage_starts=tail_starts)
+        seqs[i] = _cut(sq, at)
+        cues[i] = head_cues
+        seqs.append(tail)
+        cues.append(tail_cues)
+    if len(seqs) == len(ts.sequences):
+        return ts
+    meta = {"boundary_cues": cues} if "boundary_cues" in ts.meta else {}
+    return TraceSet(signature=ts.signature, sequences=seqs, source=ts.source, meta=meta)
+
+
 def _cut(sq: SequenceTrace, n: int) -> SequenceTrace:
     """``sq``'s first ``n`` tokens (``sq`` itself when it has no more)."""
     if sq.n_tokens <= n:
@@ -257,35 +299,72 @@ def _cut(sq: SequenceTrace, n: int) -> SequenceTrace:
 
 
 class CalibrationReplay:
-    """The calibration sample's routing as blocks to replay a policy over, built at first use:
-    the stage events once, with the detector the replayed sequences get (the cue set ``cues``,
-    or the engine's own detector as ``template``), and the blocks once per batch size, as
-    ``simulate`` builds the replayed traces'. Most policies never ask, and pay nothing."""
+    """The calibration sample's routing as blocks to replay a policy over, built at first use,
+    once per batch size, as ``simulate`` builds the replayed traces': the stage events of the
+    detector the replayed sequences get (the cue set ``cues``, or the engine's own detector as
+    ``template``). Most policies never ask, and pay nothing."""
 
     def __init__(self, sample: TraceSet, events: str = "detector", cues: str = "general", template=None) -> None:
         self.sample, self.events, self.cues, self.template = sample, events, cues, template
-        self._detected: list | None = None
         self._blocks: dict[int, list[RoutingBlock]] = {}
+        self._folds: list[tuple[CalibrationReplay, np.ndarray | None]] | None = None
 
     def blocks(self, batch: int) -> list[RoutingBlock]:
+        """The sample split to ``batch`` sequences where it has fewer (split_to_batch), in
+        lockstep batches of ``batch``, with the events of this replay's detector."""
         if batch not in self._blocks:
-            if self.events == "detector" and self._detected is None:
-                self._detected = detector_events(self.sample, self.cues, self.template)
-            self._blocks[batch] = build_blocks(self.sample, batch, self.events, detected=self._detected)
+            sample = split_to_batch(self.sample, batch)
+            detected = detector_events(sample, self.cues, self.template) if self.events == "detector" else None
+            self._blocks[batch] = build_blocks(sample, batch, self.events, detected=detected)
         return self._blocks[batch]
 
+    def folds(self) -> list[tuple[CalibrationReplay, np.ndarray | None]]:
+        """(replay, routing counts [L, E] its policy starts on) per fold: the sample's sequences
+        in two halves (every other one), each replayed on the other half's counts, so that what
+        the counts place (``static``, the caches' priors) is priced on routing it was not fitted
+        to, as the run's are; a sample too small for two folds of MIN_FOLD_SEQUENCES is one fold,
+        the whole sample on the context's counts (None)."""
+        if self._folds is None:
+            seqs, sig = self.sample.sequences, self.sample.signature
+            if len(seqs) < 2 * MIN_FOLD_SEQUENCES:
+                self._folds = [(self, None)]
+            else:
+                halves = [_subset(self.sample, range(h, len(seqs), 2)) for h in (0, 1)]
+                self._folds = [(CalibrationReplay(halves[h], self.events, self.cues, self.template),
+                                calibration_counts(halves[1 - h], sig.n_layer, sig.n_expert)) for h in (0, 1)]
+        return self._folds
 
-def calibration_pricer(calibration: CalibrationReplay, ctx: PolicyContext) -> Callable[[Policy], float]:
-    """PolicyContext.replay_calibration: the estimated tokens/s of a fresh policy replayed over
-    the calibration sample's blocks at ``ctx``'s batch size, on its budget and cost model. The
-    policy starts on ``ctx`` without a pricer: what it prices is a set-up already fixed."""
+
+def _subset(ts: TraceSet, which) -> TraceSet:
+    """``ts``'s sequences ``which`` (with their recorded cues)."""
+    which = list(which)
+    cues = sequence_cues(ts)
+    meta = {"boundary_cues": [cues[i] for i in which]} if "boundary_cues" in ts.meta else {}
+    return TraceSet(signature=ts.signature, sequences=[ts.sequences[i] for i in which], source=ts.source, meta=meta)
+
+
+def calibration_pricer(calibration: CalibrationReplay,
+                       ctx: PolicyContext) -> Callable[[Callable[[], Policy]], tuple[float, list[Policy]]]:
+    """PolicyContext.replay_calibration: (estimated tokens/s, the policies replayed) of fresh
+    policies made by ``make`` replayed over the calibration sample's folds (CalibrationReplay.folds)
+    at ``ctx``'s batch size, on its budget and cost model: every fold's tokens over their time.
+    A policy starts on ``ctx`` without a pricer (what it prices is a set-up already fixed), on
+    its fold's counts."""
     bare = dataclasses.replace(ctx, replay_calibration=None)
+    batch = max(int(bare.batch), 1)
 
-    def price(policy: Policy) -> float:
-        policy.start(bare)
-        acct = Accounting()
-        replay(policy, calibration.blocks(max(int(bare.batch), 1)), acct)
-        return float(metrics(acct.counters, acct.clock, bare.cost)["tok_s"])
+    def price(make: Callable[[], Policy]) -> tuple[float, list[Policy]]:
+        tokens = seconds = 0.0
+        replayed = []
+        for fold, counts in calibration.folds():
+            policy = make()
+            policy.start(bare if counts is None else dataclasses.replace(bare, calib_counts=counts))
+            acct = Accounting()
+            replay(policy, fold.blocks(batch), acct)
+            tokens += float(acct.counters[A_TOKENS])
+            seconds += float(acct.clock[0])
+            replayed.append(policy)
+        return (tokens / seconds if seconds > 0 else 0.0), replayed
 
     return price
 

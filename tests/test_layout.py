@@ -3,6 +3,8 @@ pricing layouts, from a cache in every layer to whole layers resident as n-cpu-m
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,8 @@ from saem_gguf.policies.adaptive import CTL_SCORED
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
 from saem_gguf.simulator import (
-    CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_sample, run_policy, simulate,
+    CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_sample, sequence_cues, simulate,
+    split_to_batch,
 )
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
 
@@ -188,13 +191,91 @@ def _calibration(L, E, K, n_sequences=3, seed=5):
     return make_stage_traces(cfg)
 
 
+def _fold_replays(sample, ctx, layout, batch=1):
+    """(tokens/s, the policies) of plain replays of saem held to ``layout`` over each fold of
+    ``sample`` (every other sequence; at least 4 sequences), each started on the other fold's
+    counts: the pricer's recipe written out."""
+    from saem_gguf.accounting import A_TOKENS, Accounting
+    from saem_gguf.simulator import replay
+
+    n = len(sample.sequences)
+    assert n >= 4
+    halves = [[sample.sequences[i] for i in range(h, n, 2)] for h in (0, 1)]
+    tokens = seconds = 0.0
+    policies = []
+    for h in (0, 1):
+        counts = np.zeros((ctx.n_layer, ctx.n_expert))
+        for sq in halves[1 - h]:
+            np.add.at(counts, (np.arange(ctx.n_layer)[None, :, None], sq.experts.astype(np.int64)), 1.0)
+        pol = make_policy("saem", layout=layout)
+        pol.start(PolicyContext(n_layer=ctx.n_layer, n_expert=ctx.n_expert, top_k=ctx.top_k, n_slots=ctx.n_slots,
+                                cost=ctx.cost, calib_counts=counts, batch=batch))
+        fold = dataclasses.replace(sample, sequences=halves[h], meta={})
+        acct = Accounting()
+        replay(pol, CalibrationReplay(fold).blocks(batch), acct)
+        tokens, seconds = tokens + acct.counters[A_TOKENS], seconds + acct.clock[0]
+        policies.append(pol)
+    return tokens / seconds, policies
+
+
+def test_a_calibration_replay_decodes_as_many_sequences_at_once_as_the_batch():
+    """A sample of fewer sequences than the batch is replayed with its longest sequences' decoded
+    tokens cut in two until the batch is full: the same tokens (the same counts), every part a
+    sequence of its own whose recorded cues still match its stage starts, one block as wide as
+    the batch. A batch the sample fills, and a sequence of one decoded token, are left whole."""
+    L, E, K = 6, 32, 4
+    sample = calibration_sample(_calibration(L, E, K), 1500)
+    assert len(sample.sequences) == 3
+    wide = split_to_batch(sample, 8)
+    assert len(wide.sequences) == 8
+    assert sum(sq.n_tokens for sq in wide.sequences) == sum(sq.n_tokens for sq in sample.sequences)
+    np.testing.assert_array_equal(calibration_counts(wide, L, E), calibration_counts(sample, L, E))
+    assert sorted(sq.prompt_len for sq in wide.sequences) == [0] * 5 + sorted(sq.prompt_len for sq in sample.sequences)
+    decoded = sorted(sq.n_tokens - sq.prompt_len for sq in wide.sequences)
+    assert decoded[-1] - decoded[0] <= max(sq.n_tokens for sq in sample.sequences) // 2  # the longest were cut
+    for sq, cues in zip(wide.sequences, sequence_cues(wide)):
+        assert sq.stage_starts[0] == 0 and cues is not None and len(cues) == len(sq.stage_starts)
+    blocks = CalibrationReplay(sample).blocks(8)
+    assert len(blocks) == 1 and blocks[0].routing.shape[1] == 8
+    assert split_to_batch(sample, 3) is sample and len(CalibrationReplay(sample).blocks(1)) == 3
+    one = calibration_sample(_calibration(L, E, K, n_sequences=1), 1)  # one decoded token
+    assert [sq.n_tokens - sq.prompt_len for sq in one.sequences] == [1] and split_to_batch(one, 8) is one
+
+
+def test_the_calibration_replay_prices_each_fold_on_the_other_folds_counts():
+    """What the calibration counts place (static, the caches' priors) is priced on routing it was
+    not fitted to: the sample's sequences in two folds (every other one), each replayed by a fresh
+    policy started on the other fold's counts, the price every fold's tokens over their time; a
+    sample too small for two folds of two sequences is one fold on the context's counts."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K, n_sequences=4, seed=11)
+    sample = calibration_sample(calib, 1500)
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                        calib_counts=calibration_counts(calib, L, E))
+    folds = CalibrationReplay(sample).folds()
+    assert [len(f.sample.sequences) for f, _ in folds] == [2, 2]
+    for h, (_, counts) in enumerate(folds):
+        other = dataclasses.replace(sample, sequences=sample.sequences[1 - h::2], meta={})
+        np.testing.assert_array_equal(counts, calibration_counts(other, L, E))
+    tok, replayed = calibration_pricer(CalibrationReplay(sample), ctx)(lambda: make_policy("saem", layout="resident-1"))
+    want, held = _fold_replays(sample, ctx, "resident-1")
+    assert tok == pytest.approx(want, rel=1e-12) and len(replayed) == 2
+    assert [p.led_steps() for p in replayed] == [p.led_steps() for p in held]
+    for n in (1, 3):
+        small = dataclasses.replace(sample, sequences=sample.sequences[:n], meta={})
+        ((fold, counts),) = CalibrationReplay(small).folds()
+        assert counts is None and fold.sample is small
+    tok, (one,) = calibration_pricer(CalibrationReplay(small), ctx)(lambda: make_policy("saem", layout="resident-1"))
+    assert one.ctx.calib_counts is ctx.calib_counts
+
+
 def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_layout():
     """With calibration routing in the context, saem's auto layout is the count of whole layers
     (of whole_layer_grid) under which the policy itself replays that routing fastest. Each price
     is what a plain replay of saem held to that count gives (nothing carries over from one
     replay to the next), and the layout is that count's."""
     L, E, K = 6, 32, 4
-    calib = _calibration(L, E, K)
+    calib = _calibration(L, E, K, n_sequences=4)
     sample = calibration_sample(calib, 1500)
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
                         calib_counts=calibration_counts(calib, L, E))
@@ -208,11 +289,8 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
     assert int((state.n_slots == E).sum()) == best
     expect, _, _ = choose_layout(ctx.calib, K, ctx.n_slots, 1, SMALL.array, resident=best)
     assert state.n_slots.tolist() == expect.tolist()
-    bare = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
-                         calib_counts=ctx.calib_counts)
-    blocks = CalibrationReplay(sample).blocks(1)
     for n in reversed(list(prices)):  # in another order than the policy's
-        assert run_policy("saem", blocks, bare, {"layout": f"resident-{n}"})["tok_s"] == prices[n]
+        assert _fold_replays(sample, ctx, f"resident-{n}")[0] == pytest.approx(prices[n], rel=1e-12)
     # a layout named or uniform replays nothing
     for layout in ("uniform", "resident-2"):
         named = make_policy("saem", layout=layout)
@@ -223,16 +301,14 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
 def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     """Under the copy barrier (the engine's), saem's real cache starts following the candidate
     that led the most steps when the policy replayed its calibration routing under the layout it
-    chose (the steps each led are a plain replay's, held to that layout), and each candidate's
-    score starts at its mean in that replay; a leader named in the options wins; without a
-    replay (uniform layout) or without the barrier it is lrfu-16, temporal-cpu's rule. The scores
-    start at the replay's means with or without the barrier, and at 0 without a replay."""
-    from saem_gguf.accounting import Accounting
-    from saem_gguf.simulator import replay
-
+    chose (the steps each led are plain replays' of its folds, held to that layout), and each
+    candidate's score starts at its mean over those replays' steps; a leader named in the options
+    wins; without a replay (uniform layout) or without the barrier it is lrfu-16, temporal-cpu's
+    rule. The scores start at the replay's means with or without the barrier, and at 0 without a
+    replay."""
     L, E, K = 6, 32, 4
-    # paper-length stages: here the replay's most-led rule is lfu, not the default lrfu-16
-    calib = make_stage_traces(SyntheticConfig(n_layer=L, n_expert=E, top_k=K, n_sequences=3, seed=6))
+    # paper-length stages: here the replay's most-led rule is the stage rule, not the default lrfu-16
+    calib = make_stage_traces(SyntheticConfig(n_layer=L, n_expert=E, top_k=K, n_sequences=4, seed=7))
     sample = calibration_sample(calib, 1500)
     barrier = CostModel.from_expert_bytes(SMALL.expert_bytes, SMALL.hw.replace(copy_barrier=True))
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=barrier,
@@ -241,20 +317,20 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     pol = make_policy("saem")
     state = pol.start(ctx)
     n = int((state.n_slots == E).sum())
-    held = make_policy("saem", layout=f"resident-{n}")
-    held.start(PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=barrier,
-                             calib_counts=ctx.calib_counts))
-    replay(held, CalibrationReplay(sample).blocks(1), Accounting())
-    assert pol.replay_led == held.led_steps() and sum(pol.replay_led.values()) > 0
-    # the scores start where that replay left them on average, worth prior_steps (16) steps
-    np.testing.assert_array_equal(pol.replay_score, held.mean_scores())
-    np.testing.assert_array_equal(pol._score, held.mean_scores())
+    _, held = _fold_replays(sample, ctx, f"resident-{n}")
+    led = {c: sum(p.led_steps()[c] for p in held) for c in pol.adaptive.candidates}
+    assert pol.replay_led == led and sum(led.values()) > 0
+    # the scores start where those replays left them on average over all their steps, worth
+    # prior_steps (16) steps
+    mean = sum(p.mean_scores() * p.scored_steps() for p in held) / sum(p.scored_steps() for p in held)
+    np.testing.assert_allclose(pol.replay_score, mean, rtol=1e-12)
+    np.testing.assert_array_equal(pol._score, pol.replay_score)
     assert pol._ctl[CTL_SCORED] == pol.adaptive.prior_steps == 16
     unprimed = make_policy("saem", prior_steps=0)
     unprimed.start(ctx)
     assert not unprimed._score.any() and unprimed._ctl[CTL_SCORED] == 0
     names = [c for c, _, _ in pol.candidates]
-    assert pol.leader == max(names, key=lambda c: (held.led_steps()[c], -names.index(c))) == "lfu"
+    assert pol.leader == max(names, key=lambda c: (led[c], -names.index(c))) == "stage"
     named = make_policy("saem", start_leader="lfu")
     named.start(ctx)
     assert named.leader == "lfu"
@@ -267,12 +343,10 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     no_barrier = make_policy("saem")
     no_barrier.start(plain)
     assert sum(no_barrier.replay_led.values()) > 0 and no_barrier.leader == "lrfu-16"
-    # the prior is the replay's, as under the barrier (held to the layout it chose there)
-    held_plain = make_policy("saem", layout=f"resident-{int((no_barrier.state.n_slots == E).sum())}")
-    held_plain.start(PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=SMALL,
-                                   calib_counts=ctx.calib_counts))
-    replay(held_plain, CalibrationReplay(sample).blocks(1), Accounting())
-    np.testing.assert_array_equal(no_barrier._score, held_plain.mean_scores())
+    # the prior is the replays', as under the barrier (held to the layout it chose there)
+    _, held_plain = _fold_replays(sample, plain, f"resident-{int((no_barrier.state.n_slots == E).sum())}")
+    mean = sum(p.mean_scores() * p.scored_steps() for p in held_plain) / sum(p.scored_steps() for p in held_plain)
+    np.testing.assert_allclose(no_barrier._score, mean, rtol=1e-12)
     assert no_barrier._ctl[CTL_SCORED] == 16
 
 

@@ -109,7 +109,10 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
     whole_layers = bool(np.all((live_layout == 0) | (live_layout == n_expert)))
     if policy == "saem" and ecr == 0.125:
         assert not whole_layers, "the case meant to cover saem's caches got a whole-layer layout"
-    if policy not in ("cpu-moe", "n-cpu-moe", "static-hot", "gpu-all") and not whole_layers:
+    # saem at 25 % starts on static (the calibrated set, its calibration replay's leader) and may
+    # keep it throughout: its 12.5 % case is the one that covers its caches' decisions
+    if policy not in ("cpu-moe", "n-cpu-moe", "static-hot", "gpu-all") and not whole_layers \
+            and (policy, ecr) != ("saem", 0.25):
         assert sum(c.n_ops for _, _, c in live) > 0, "the run made no residency decision: the comparison would be empty"
     if policy.startswith("saem"):
         assert any(ev[0].size for ev in events), "no cue event: the stage path would be untested"

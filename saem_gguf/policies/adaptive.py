@@ -677,6 +677,15 @@ def dma_loss_in_hits(cost: np.ndarray, busy_s: float) -> float:
     return float(busy_s * (1.0 - 1.0 / f) / saved)
 
 
+def mean_over_replays(replayed: list) -> np.ndarray | None:
+    """Each candidate's net gain per step over every step the ``replayed`` policies (one per
+    fold of a calibration replay) scored, or None where none scored a step."""
+    steps = sum(p.scored_steps() for p in replayed)
+    if steps <= 0:
+        return None
+    return sum(p.mean_scores() * p.scored_steps() for p in replayed if p.scored_steps() > 0) / steps
+
+
 def resident_layers(layout: str) -> int | None:
     """The resident layers a ``layout`` option names ("resident-N" -> N; "auto" and "uniform"
     -> None); ValueError for anything else."""
@@ -724,9 +733,11 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
-        # the steps each candidate led in the replay of the chosen layout (start's leader)
+        # the steps each candidate led in the replay of the chosen layout, its folds' summed
+        # (start's leader)
         self.replay_led: dict[str, int] = {}
-        # each candidate's mean net gain per step in that replay (the scores' prior), when there was one
+        # each candidate's mean net gain per step over that replay's steps (the scores' prior), when
+        # there was one
         self.replay_score: np.ndarray | None = None
         self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
                                        switch_margin=float(switch_margin), warm_start=bool(warm_start),
@@ -774,10 +785,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             return 0
         led, means = {}, {}
         for n in whole_layer_grid(whole_max):
-            replayed = type(self)(**self._args, layout=f"resident-{n}")
-            self.layout_prices[n] = ctx.replay_calibration(replayed)
-            led[n] = replayed.led_steps()
-            means[n] = replayed.mean_scores()
+            self.layout_prices[n], replayed = ctx.replay_calibration(
+                lambda n=n: type(self)(**self._args, layout=f"resident-{n}"))
+            led[n] = {c: sum(p.led_steps()[c] for p in replayed) for c in self.adaptive.candidates}
+            means[n] = mean_over_replays(replayed)
         best = max(self.layout_prices.values())
         n = min(n for n, tok in self.layout_prices.items() if tok == best)
         self.replay_led = led[n]
@@ -911,6 +922,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         from the replay counting as its ``prior_steps`` steps), or None before the first."""
         n = self._ctl[CTL_SCORED]
         return self._cand[:, CAND_NET_SUM] / n if n > 0 else None
+
+    def scored_steps(self) -> float:
+        """Steps scored so far (a prior counting as its ``prior_steps``)."""
+        return float(self._ctl[CTL_SCORED])
 
     def led_steps(self) -> dict[str, int]:
         """Decode steps each candidate led so far."""

@@ -63,11 +63,12 @@ class PolicyContext:
     calib_counts: np.ndarray | None = None  # float64 [L, E]
     batch: int = 1
     cue_counts: dict[str, np.ndarray] | None = None  # cue text -> float64 [L, E]
-    # tokens/s of a fresh policy replayed over a sample of the calibration routing on this
-    # context's budget, batch and cost model (simulator.calibration_pricer); None where no
-    # calibration routing is known. What a policy may price a set-up fixed at load with (the
-    # adaptive saem's slot layout: docs/POLICIES.md, "Slot layout")
-    replay_calibration: Callable[[Policy], float] | None = None
+    # (tokens/s, the policies replayed) of fresh policies, made by the callable given, replayed
+    # over a sample of the calibration routing on this context's budget, batch and cost model
+    # (simulator.calibration_pricer); None where no calibration routing is known. What a policy
+    # may price a set-up fixed at load with (the adaptive saem's slot layout: docs/POLICIES.md,
+    # "Slot layout")
+    replay_calibration: Callable[[Callable[[], Policy]], tuple[float, list[Policy]]] | None = None
 
     def __post_init__(self) -> None:
         self.n_slots = np.asarray(self.n_slots, np.int32)
