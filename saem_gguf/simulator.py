@@ -259,8 +259,8 @@ def split_to_batch(ts: TraceSet, batch: int) -> TraceSet:
     decodes them at a fraction of the batch's concurrency, so it prices the experts a batch
     shares, and the layers a whole residency saves, as a smaller batch's (a batch-8 replay of
     bench_policies' 4 calibration sequences chose no whole layer where 8 ran faster:
-    docs/POLICIES.md, "A cross-fitted replay as wide as the batch"). A second part starts a stage of its
-    own, uncued, and has no prompt."""
+    docs/POLICIES.md, "A cross-fitted replay as wide as the batch"). A second part starts a
+    stage of its own, uncued, and has no prompt."""
     seqs = list(ts.sequences)
     cues = sequence_cues(ts)
     while len(seqs) < batch:
@@ -302,7 +302,8 @@ class CalibrationReplay:
     """The calibration sample's routing as blocks to replay a policy over, built at first use,
     once per batch size, as ``simulate`` builds the replayed traces': the stage events of the
     detector the replayed sequences get (the cue set ``cues``, or the engine's own detector as
-    ``template``). Most policies never ask, and pay nothing."""
+    ``template``); and its folds, each a CalibrationReplay of its own (``folds``). Most
+    policies never ask, and pay nothing."""
 
     def __init__(self, sample: TraceSet, events: str = "detector", cues: str = "general", template=None) -> None:
         self.sample, self.events, self.cues, self.template = sample, events, cues, template
