@@ -87,6 +87,11 @@ class BatchRequest:
     cache_prompt: bool = True
     infill: bool = False  # an /infill request: it leaves the prompt cache as it is (as llama-server's)
 
+    @property
+    def wants_drawn_probabilities(self) -> bool:
+        """post_sampling_probs with n_probs: the chain's probabilities in place of log-probs."""
+        return self.post_sampling_probs and self.n_probs > 0
+
 
 @dataclass(frozen=True)
 class LineLimits:
@@ -254,7 +259,8 @@ class _Sequence:
     t_admitted: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # when its first token was sampled (its prompt done)
     n_cached: int = 0  # prompt tokens whose cells were kept from an earlier request (cache_prompt)
-    lines: LineState | None = None  # llama-server's line limits (none set: zeros, its has_new_line kept)
+    # llama-server's line limits (none set: zeros, and its has_new_line is still kept for /slots)
+    lines: LineState = field(default_factory=lambda: LineState(LineLimits()))
     task: int = 0  # the request's number, in order of admission (/slots' id_task)
     n_sampled: int = 0  # tokens drawn, the end of generation's included (llama-server's n_gen)
     ended: bool = False  # its final event was pushed
@@ -657,7 +663,7 @@ class Scheduler:
         budget = None if req.chat_text is None else \
             self.engine.reasoning_budget(req.prompt_tokens, req.chat_text, sampling)
         sampler = self._make_sampler(sampling, handle.seed, budget)
-        if req.post_sampling_probs and req.n_probs > 0 and not isinstance(sampler, ChainSampler):
+        if req.wants_drawn_probabilities and not isinstance(sampler, ChainSampler):
             sampler = ChainSampler(self._lc, sampler, self._n_vocab)  # the same draws, its candidates kept
         seq = _Sequence(handle, slot, limit, sampler, StopText(stops), lines=LineState(req.lines or LineLimits()),
                         task=self._requests_admitted)
@@ -832,7 +838,7 @@ class Scheduler:
             return
         seq.n_sampled += 1
         req = seq.handle.request
-        if req.post_sampling_probs and req.n_probs > 0:
+        if req.wants_drawn_probabilities:
             logprobs = (seq.sampler.drawn_probabilities(min(req.n_probs, self._n_vocab)),)
         else:
             logprobs = self._logprobs(batch_index, tok, req.n_probs)
