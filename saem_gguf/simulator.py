@@ -92,19 +92,26 @@ def detector_events(ts: TraceSet, cues: str = "general", template=None) -> list[
     cue events). A boundary reported at token t is known before token t + 1 is decoded.
     ``template``: a StageDetector whose cues and thresholds to use (the engine's, for a trace the
     engine recorded) instead of the cue set ``cues`` with default thresholds."""
+    cued = cue_events(ts, cues, template)
     if template is not None:
-        cue_maker = lambda: template.fresh(n_seq=1, use_implicit=False)  # noqa: E731
         combined_maker = lambda: template.fresh(n_seq=1, use_implicit=True)  # noqa: E731
     else:
-        cue_maker = _detector_factory(ts, cues, implicit=False)
         combined_maker = _detector_factory(ts, cues, implicit=True)
-    if template is not None and not template.config.use_cues:
-        # a profile whose calibration kept no cue (implicit detection only): no cue event
-        cued = [{} for _ in ts.sequences]
-    else:
-        cued = detected_cues(ts.sequences, cue_maker)
     combined = detected_events(ts.sequences, combined_maker)
     return [(np.array(sorted(c), np.int64), np.array(sorted(a), np.int64), c) for c, a in zip(cued, combined)]
+
+
+def cue_events(ts: TraceSet, cues: str = "general", template=None) -> list[dict[int, str]]:
+    """Per sequence, {token: cue text} of the cue events the stage detector of detector_events
+    (the cue set ``cues``, or ``template``'s cues and thresholds) reports, routing shifts left out."""
+    if template is not None and not template.config.use_cues:
+        # a profile whose calibration kept no cue (implicit detection only): no cue event
+        return [{} for _ in ts.sequences]
+    if template is not None:
+        cue_maker = lambda: template.fresh(n_seq=1, use_implicit=False)  # noqa: E731
+    else:
+        cue_maker = _detector_factory(ts, cues, implicit=False)
+    return detected_cues(ts.sequences, cue_maker)
 
 
 def trace_events(ts: TraceSet, mode: str, cues: list | None = None) -> list[np.ndarray]:
@@ -298,17 +305,38 @@ def _cut(sq: SequenceTrace, n: int) -> SequenceTrace:
                                stage_starts=starts[starts < n], weights=None if sq.weights is None else sq.weights[:n])
 
 
+@dataclass
+class ReplayFold:
+    """One fold of a calibration replay (CalibrationReplay.folds): the routing replayed, and what
+    its policy knows at start in place of the context's calibration: the routing counts [L, E]
+    and the per-cue stage profiles (cue text -> [L, E], saem-cue's) of the other fold. None:
+    the context's own."""
+
+    replay: "CalibrationReplay"
+    calib_counts: np.ndarray | None = None
+    cue_counts: dict[str, np.ndarray] | None = None
+
+    def context(self, ctx: PolicyContext) -> PolicyContext:
+        """``ctx`` with this fold's calibration in place of its own; only the cues ``ctx`` has a
+        profile for keep one (the engine's profile keeps only the cues that predict their stages:
+        calibrate_cmd._cue_profiles)."""
+        if self.calib_counts is None:
+            return ctx
+        cue_counts = None if ctx.cue_counts is None or self.cue_counts is None else \
+            {c: v for c, v in self.cue_counts.items() if c in ctx.cue_counts}
+        return dataclasses.replace(ctx, calib_counts=self.calib_counts, cue_counts=cue_counts)
+
+
 class CalibrationReplay:
     """The calibration sample's routing as blocks to replay a policy over, built at first use,
     once per batch size, as ``simulate`` builds the replayed traces': the stage events of the
     detector the replayed sequences get (the cue set ``cues``, or the engine's own detector as
-    ``template``); and its folds, each a CalibrationReplay of its own (``folds``). Most
-    policies never ask, and pay nothing."""
+    ``template``); and its folds (``folds``). Most policies never ask, and pay nothing."""
 
     def __init__(self, sample: TraceSet, events: str = "detector", cues: str = "general", template=None) -> None:
         self.sample, self.events, self.cues, self.template = sample, events, cues, template
         self._blocks: dict[int, list[RoutingBlock]] = {}
-        self._folds: list[tuple[CalibrationReplay, np.ndarray | None]] | None = None
+        self._folds: list[ReplayFold] | None = None
 
     def blocks(self, batch: int) -> list[RoutingBlock]:
         """The sample split to ``batch`` sequences where it has fewer (split_to_batch), in
@@ -319,20 +347,32 @@ class CalibrationReplay:
             self._blocks[batch] = build_blocks(sample, batch, self.events, detected=detected)
         return self._blocks[batch]
 
-    def folds(self) -> list[tuple[CalibrationReplay, np.ndarray | None]]:
-        """(replay, routing counts [L, E] its policy starts on) per fold: the sample's sequences
-        in two halves (every other one), each replayed on the other half's counts, so that what
-        the counts place (``static``, the caches' priors) is priced on routing it was not fitted
+    def folds(self) -> list[ReplayFold]:
+        """The sample's sequences in two halves (every other one), each replayed on the other
+        half's routing counts and per-cue stage profiles, so that what they place (``static``,
+        the caches' priors, a cue's profile at a boundary) is priced on routing it was not fitted
         to, as the run's are; a sample too small for two folds of MIN_FOLD_SEQUENCES is one fold,
-        the whole sample on the context's counts (None)."""
+        the whole sample on the context's calibration. Why the cue profiles too: profiles that
+        hold the replayed stages themselves foretell each cued stage's experts, which a run's
+        profiles, made on other sequences, do not (drawn-1-17, ECR 50 %, batch 1: on the sample's
+        own profiles the replay priced no whole layer at 71.6 tok/s, where the run gets 67.5, and
+        chose 8 whole layers where 20 run fastest; docs/POLICIES.md, "The other fold's cue
+        profiles too")."""
         if self._folds is None:
             seqs, sig = self.sample.sequences, self.sample.signature
             if len(seqs) < 2 * MIN_FOLD_SEQUENCES:
-                self._folds = [(self, None)]
+                self._folds = [ReplayFold(self)]
             else:
-                halves = [_subset(self.sample, range(h, len(seqs), 2)) for h in (0, 1)]
-                self._folds = [(CalibrationReplay(halves[h], self.events, self.cues, self.template),
-                                calibration_counts(halves[1 - h], sig.n_layer, sig.n_expert)) for h in (0, 1)]
+                cued = cue_events(self.sample, self.cues, self.template) if self.events == "detector" else None
+                halves = [list(range(h, len(seqs), 2)) for h in (0, 1)]
+                self._folds = []
+                for h in (0, 1):
+                    other = _subset(self.sample, halves[1 - h])
+                    profiles = None if cued is None else \
+                        cue_stage_counts(other.sequences, [cued[i] for i in halves[1 - h]], sig.n_expert)
+                    self._folds.append(ReplayFold(
+                        CalibrationReplay(_subset(self.sample, halves[h]), self.events, self.cues, self.template),
+                        calibration_counts(other, sig.n_layer, sig.n_expert), profiles))
         return self._folds
 
 
@@ -350,18 +390,18 @@ def calibration_pricer(calibration: CalibrationReplay,
     policies made by ``make`` replayed over the calibration sample's folds (CalibrationReplay.folds)
     at ``ctx``'s batch size, on its budget and cost model: every fold's tokens over their time.
     A policy starts on ``ctx`` without a pricer (what it prices is a set-up already fixed), on
-    its fold's counts."""
+    its fold's calibration (ReplayFold.context)."""
     bare = dataclasses.replace(ctx, replay_calibration=None)
     batch = max(int(bare.batch), 1)
 
     def price(make: Callable[[], Policy]) -> tuple[float, list[Policy]]:
         tokens = seconds = 0.0
         replayed = []
-        for fold, counts in calibration.folds():
+        for fold in calibration.folds():
             policy = make()
-            policy.start(bare if counts is None else dataclasses.replace(bare, calib_counts=counts))
+            policy.start(fold.context(bare))
             acct = Accounting()
-            replay(policy, fold.blocks(batch), acct)
+            replay(policy, fold.replay.blocks(batch), acct)
             tokens += float(acct.counters[A_TOKENS])
             seconds += float(acct.clock[0])
             replayed.append(policy)

@@ -12,10 +12,11 @@ from saem_gguf.costmodel import C_SYNC, HW_PRESETS, MODEL_PRESETS, CostModel, t_
 from saem_gguf.policies import make_policy
 from saem_gguf.policies.adaptive import CTL_SCORED
 from saem_gguf.policies.base import PolicyContext
+from saem_gguf.policies.cue_profiles import START
 from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
 from saem_gguf.simulator import (
-    CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_sample, sequence_cues, simulate,
-    split_to_batch,
+    CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_sample, detector_events,
+    sequence_cues, simulate, split_to_batch,
 )
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
 
@@ -253,20 +254,64 @@ def test_the_calibration_replay_prices_each_fold_on_the_other_folds_counts():
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
                         calib_counts=calibration_counts(calib, L, E))
     folds = CalibrationReplay(sample).folds()
-    assert [len(f.sample.sequences) for f, _ in folds] == [2, 2]
-    for h, (_, counts) in enumerate(folds):
+    assert [len(f.replay.sample.sequences) for f in folds] == [2, 2]
+    for h, fold in enumerate(folds):
         other = dataclasses.replace(sample, sequences=sample.sequences[1 - h::2], meta={})
-        np.testing.assert_array_equal(counts, calibration_counts(other, L, E))
+        np.testing.assert_array_equal(fold.calib_counts, calibration_counts(other, L, E))
     tok, replayed = calibration_pricer(CalibrationReplay(sample), ctx)(lambda: make_policy("saem", layout="resident-1"))
     want, held = _fold_replays(sample, ctx, "resident-1")
     assert tok == pytest.approx(want, rel=1e-12) and len(replayed) == 2
     assert [p.led_steps() for p in replayed] == [p.led_steps() for p in held]
     for n in (1, 3):
         small = dataclasses.replace(sample, sequences=sample.sequences[:n], meta={})
-        ((fold, counts),) = CalibrationReplay(small).folds()
-        assert counts is None and fold.sample is small
+        (fold,) = CalibrationReplay(small).folds()
+        assert fold.calib_counts is None and fold.cue_counts is None and fold.replay.sample is small
     tok, (one,) = calibration_pricer(CalibrationReplay(small), ctx)(lambda: make_policy("saem", layout="resident-1"))
     assert one.ctx.calib_counts is ctx.calib_counts
+
+
+def _hand_cue_profiles(sample, which, n_expert):
+    """Per cue text (START for a sequence's first stage), the routing counts [L, E] of the stages
+    that cue opened in ``sample``'s sequences ``which``: a stage runs from the token after the
+    detector reported its cue to the next cue or the sequence's end (no prompt here)."""
+    out = {}
+    for i in which:
+        sq = sample.sequences[i]
+        assert sq.prompt_len == 0
+        cued = detector_events(dataclasses.replace(sample, sequences=[sq], meta={}))[0][2]
+        starts = [0, *sorted(t + 1 for t in cued if t + 1 < sq.n_tokens), sq.n_tokens]
+        for a, b in zip(starts[:-1], starts[1:]):
+            key = START if a == 0 else cued[a - 1]
+            h = out.setdefault(key, np.zeros((sq.experts.shape[1], n_expert)))
+            np.add.at(h, (np.arange(h.shape[0])[None, :, None], sq.experts[a:b].astype(np.int64)), 1.0)
+    return out
+
+
+def test_each_fold_of_the_calibration_replay_gets_the_other_folds_cue_profiles():
+    """saem's stage candidate blends a cued stage's calibrated profile into its ranking (as
+    saem-cue): profiles built on the replayed stages themselves foretell them, so each fold
+    starts on the other fold's per-cue stage profiles, and only on the cues the context keeps a
+    profile for (the engine keeps those that predict their stages); with none in the context,
+    none."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K, n_sequences=4, seed=11)
+    sample = calibration_sample(calib, 1500)
+    everywhere = _hand_cue_profiles(sample, range(4), E)
+    assert len(everywhere) >= 4, "too few cues in the sample for the test to mean anything"
+    kept = sorted(everywhere)[1:]  # one cue without a profile in the context
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                        calib_counts=calibration_counts(calib, L, E), cue_counts={c: everywhere[c] for c in kept})
+    tok, replayed = calibration_pricer(CalibrationReplay(sample), ctx)(lambda: make_policy("saem", layout="resident-1"))
+    for h, pol in enumerate(replayed):
+        want = _hand_cue_profiles(sample, range(1 - h, 4, 2), E)
+        got = pol.ctx.cue_counts
+        assert sorted(got) == sorted(c for c in want if c in kept)
+        for c in got:
+            np.testing.assert_array_equal(got[c], want[c])
+    assert any(not np.array_equal(replayed[0].ctx.cue_counts.get(c, 0), everywhere[c]) for c in kept)
+    bare = dataclasses.replace(ctx, cue_counts=None)
+    _, replayed = calibration_pricer(CalibrationReplay(sample), bare)(lambda: make_policy("saem", layout="resident-1"))
+    assert [p.ctx.cue_counts for p in replayed] == [None, None]
 
 
 def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_layout():
