@@ -308,9 +308,9 @@ def _cut(sq: SequenceTrace, n: int) -> SequenceTrace:
 @dataclass
 class ReplayFold:
     """One fold of a calibration replay (CalibrationReplay.folds): the routing replayed, and what
-    its policy knows at start in place of the context's calibration: the routing counts [L, E]
-    and the per-cue stage profiles (cue text -> [L, E], saem-cue's) of the other fold. None:
-    the context's own."""
+    its policy knows at start in place of the context's calibration: routing counts [L, E]
+    (None: the context's own) and per-cue stage profiles (cue text -> [L, E], saem-cue's; None:
+    none), each of routing the fold does not replay where the sample has two folds."""
 
     replay: "CalibrationReplay"
     calib_counts: np.ndarray | None = None
@@ -320,11 +320,10 @@ class ReplayFold:
         """``ctx`` with this fold's calibration in place of its own; only the cues ``ctx`` has a
         profile for keep one (the engine's profile keeps only the cues that predict their stages:
         calibrate_cmd._cue_profiles)."""
-        if self.calib_counts is None:
-            return ctx
+        counts = ctx.calib_counts if self.calib_counts is None else self.calib_counts
         cue_counts = None if ctx.cue_counts is None or self.cue_counts is None else \
             {c: v for c, v in self.cue_counts.items() if c in ctx.cue_counts}
-        return dataclasses.replace(ctx, calib_counts=self.calib_counts, cue_counts=cue_counts)
+        return dataclasses.replace(ctx, calib_counts=counts, cue_counts=cue_counts)
 
 
 class CalibrationReplay:
@@ -351,13 +350,13 @@ class CalibrationReplay:
         """The sample's sequences in two halves (every other one), each replayed on the other
         half's routing counts and per-cue stage profiles, so that what they place (``static``,
         the caches' priors, a cue's profile at a boundary) is priced on routing it was not fitted
-        to, as the run's are; a sample too small for two folds of MIN_FOLD_SEQUENCES is one fold,
-        the whole sample on the context's calibration. Why the cue profiles too: profiles that
-        hold the replayed stages themselves foretell each cued stage's experts, which a run's
-        profiles, made on other sequences, do not (drawn-1-17, ECR 50 %, batch 1: on the sample's
-        own profiles the replay priced no whole layer at 71.6 tok/s, where the run gets 67.5, and
-        chose 8 whole layers where 20 run fastest; docs/POLICIES.md, "The other fold's cue
-        profiles too")."""
+        to, as the run's are. A sample too small for two folds of MIN_FOLD_SEQUENCES is one fold,
+        the whole sample on the context's counts and on no cue profile (the context's hold the
+        stages replayed). Why the cue profiles too: profiles that hold the replayed stages
+        themselves foretell each cued stage's experts, which a run's profiles, made on other
+        sequences, do not (drawn-1-17, ECR 50 %, batch 1: on the sample's own profiles the replay
+        priced no whole layer at 71.6 tok/s, where the run gets 67.5, and chose 8 whole layers
+        where 20 run fastest; docs/POLICIES.md, "The other fold's cue profiles too")."""
         if self._folds is None:
             seqs, sig = self.sample.sequences, self.sample.signature
             if len(seqs) < 2 * MIN_FOLD_SEQUENCES:

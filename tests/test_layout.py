@@ -292,7 +292,7 @@ def test_each_fold_of_the_calibration_replay_gets_the_other_folds_cue_profiles()
     saem-cue): profiles built on the replayed stages themselves foretell them, so each fold
     starts on the other fold's per-cue stage profiles, and only on the cues the context keeps a
     profile for (the engine keeps those that predict their stages); with none in the context,
-    none."""
+    none. A sample of one fold replays on no profile: the context's hold the stages replayed."""
     L, E, K = 6, 32, 4
     calib = _calibration(L, E, K, n_sequences=4, seed=11)
     sample = calibration_sample(calib, 1500)
@@ -312,6 +312,9 @@ def test_each_fold_of_the_calibration_replay_gets_the_other_folds_cue_profiles()
     bare = dataclasses.replace(ctx, cue_counts=None)
     _, replayed = calibration_pricer(CalibrationReplay(sample), bare)(lambda: make_policy("saem", layout="resident-1"))
     assert [p.ctx.cue_counts for p in replayed] == [None, None]
+    small = dataclasses.replace(sample, sequences=sample.sequences[:3], meta={})
+    _, (one,) = calibration_pricer(CalibrationReplay(small), ctx)(lambda: make_policy("saem", layout="resident-1"))
+    assert one.ctx.cue_counts is None and one.ctx.calib_counts is ctx.calib_counts
 
 
 def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_layout():
