@@ -270,15 +270,16 @@ def test_the_calibration_replay_prices_each_fold_on_the_other_folds_counts():
     assert one.ctx.calib_counts is ctx.calib_counts
 
 
-def _hand_cue_profiles(sample, which, n_expert):
+def _hand_cue_profiles(sample, which, n_expert, template=None):
     """Per cue text (START for a sequence's first stage), the routing counts [L, E] of the stages
     that cue opened in ``sample``'s sequences ``which``: a stage runs from the token after the
-    detector reported its cue to the next cue or the sequence's end (no prompt here)."""
+    detector (the default one, or the engine's ``template``) reported its cue to the next cue or
+    the sequence's end (no prompt here)."""
     out = {}
     for i in which:
         sq = sample.sequences[i]
         assert sq.prompt_len == 0
-        cued = detector_events(dataclasses.replace(sample, sequences=[sq], meta={}))[0][2]
+        cued = detector_events(dataclasses.replace(sample, sequences=[sq], meta={}), template=template)[0][2]
         starts = [0, *sorted(t + 1 for t in cued if t + 1 < sq.n_tokens), sq.n_tokens]
         for a, b in zip(starts[:-1], starts[1:]):
             key = START if a == 0 else cued[a - 1]
@@ -315,6 +316,38 @@ def test_each_fold_of_the_calibration_replay_gets_the_other_folds_cue_profiles()
     small = dataclasses.replace(sample, sequences=sample.sequences[:3], meta={})
     _, (one,) = calibration_pricer(CalibrationReplay(small), ctx)(lambda: make_policy("saem", layout="resident-1"))
     assert one.ctx.cue_counts is None and one.ctx.calib_counts is ctx.calib_counts
+
+
+def test_the_engines_replay_cuts_the_fold_profiles_with_the_engines_own_detector():
+    """The engine replays its profile's sample under its own detector (placement.py: the
+    CalibrationReplay's ``template``), whose cues and thresholds are the profile's: the other
+    fold's cue profiles are cut by that detector's cue events, not the default cue set's; a
+    detector that detects no cue leaves each fold the START profile (a sequence's first stage)."""
+    from saem_gguf.stage import CueSet, DetectorConfig, StageDetector
+
+    L, E, K = 6, 32, 4
+    sample = calibration_sample(_calibration(L, E, K, n_sequences=4, seed=11), 1500)
+    engine = StageDetector(1, CueSet.load("general").subset(["Wait", "Instead", "Hmm"]),
+                           DetectorConfig(min_stage_tokens=40), n_layer=L, n_expert=E, top_k=K)
+    default = _hand_cue_profiles(sample, range(4), E)
+    everywhere = _hand_cue_profiles(sample, range(4), E, engine)
+    assert sorted(everywhere) != sorted(default), "the engine's detector cuts as the default does: no test"
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                        calib_counts=calibration_counts(sample, L, E), cue_counts={**default, **everywhere})
+    folds = CalibrationReplay(sample, template=engine).folds()
+    for h, fold in enumerate(folds):
+        want = _hand_cue_profiles(sample, range(1 - h, 4, 2), E, engine)
+        got = fold.context(ctx).cue_counts
+        assert sorted(got) == sorted(want)
+        for c in got:
+            np.testing.assert_array_equal(got[c], want[c])
+    implicit_only = StageDetector(1, None, DetectorConfig(use_cues=False, use_implicit=True), n_layer=L, n_expert=E,
+                                  top_k=K)
+    for h, fold in enumerate(CalibrationReplay(sample, template=implicit_only).folds()):
+        got = fold.context(ctx).cue_counts
+        assert list(got) == [START]
+        np.testing.assert_array_equal(got[START], calibration_counts(
+            dataclasses.replace(sample, sequences=sample.sequences[1 - h::2], meta={}), L, E))
 
 
 def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_layout():
