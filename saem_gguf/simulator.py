@@ -310,7 +310,7 @@ class ReplayFold:
     """One fold of a calibration replay (CalibrationReplay.folds): the routing replayed, and what
     its policy knows at start in place of the context's calibration: routing counts [L, E]
     (None: the context's own) and per-cue stage profiles (cue text -> [L, E], saem-cue's; None:
-    none), each of routing the fold does not replay where the sample has two folds."""
+    none). Where the sample has two folds, both come from the other fold's routing."""
 
     replay: "CalibrationReplay"
     calib_counts: np.ndarray | None = None
@@ -364,14 +364,14 @@ class CalibrationReplay:
             else:
                 cued = cue_events(self.sample, self.cues, self.template) if self.events == "detector" else None
                 halves = [list(range(h, len(seqs), 2)) for h in (0, 1)]
-                self._folds = []
-                for h in (0, 1):
-                    other = _subset(self.sample, halves[1 - h])
-                    profiles = None if cued is None else \
-                        cue_stage_counts(other.sequences, [cued[i] for i in halves[1 - h]], sig.n_expert)
-                    self._folds.append(ReplayFold(
-                        CalibrationReplay(_subset(self.sample, halves[h]), self.events, self.cues, self.template),
-                        calibration_counts(other, sig.n_layer, sig.n_expert), profiles))
+                parts = [_subset(self.sample, ix) for ix in halves]
+                # what each half's routing tells the policy that replays the other half
+                counts = [calibration_counts(part, sig.n_layer, sig.n_expert) for part in parts]
+                profiles = [None if cued is None else
+                            cue_stage_counts(part.sequences, [cued[i] for i in ix], sig.n_expert)
+                            for part, ix in zip(parts, halves)]
+                self._folds = [ReplayFold(CalibrationReplay(parts[h], self.events, self.cues, self.template),
+                                          counts[1 - h], profiles[1 - h]) for h in (0, 1)]
         return self._folds
 
 
