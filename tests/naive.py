@@ -239,6 +239,41 @@ def adaptive_barrier_charge(idle: float, copy_price: float, cost: np.ndarray, la
     return charge + stall * (t_xfer(cost) / one - queued), stall
 
 
+def adaptive_clock_loss(rows: np.ndarray, held: np.ndarray, layer_copies: list[int], placed: int, backlog: float,
+                        cost: np.ndarray) -> tuple[float, float]:
+    """(loss, backlog): what an adaptive-saem candidate's copies cost it on one step, in one-token
+    hits, on its own step clock (no copy barrier), and the seconds its link stays busy past the
+    step's end. The step is priced as the simulator prices a layer: every layer, cached or not,
+    starts after its dense part; the experts ``held`` [L, E] (bool) run on the GPU, the rest on
+    the CPU, slowed while the link is busy (``_layer_end``); ``layer_copies[l]`` copies queue on
+    the link when layer ``l`` ends. The link starts the step busy for ``backlog`` seconds (the
+    last step's) plus the ``placed`` copies of a re-rank made between steps. The loss is the
+    step's time less its time with no slow-down (the same work, DMA slow-down 1), over what one
+    token's hit saves; the backlog is where the link frees past the step's end (its part outside
+    the layers included)."""
+    one = t_cpu(1, cost) - t_gpu(1, cost)
+    free = cost.copy()
+    free[C_DMA_SLOW] = 1.0
+    ends = []
+    for c in (cost, free):
+        now, link = 0.0, backlog + placed * t_xfer(c)
+        for l in range(rows.shape[1]):
+            uses: dict[int, int] = {}
+            for b in range(rows.shape[0]):
+                if rows[b, 0, 0] >= 0:
+                    for e in rows[b, l]:
+                        uses[int(e)] = uses.get(int(e), 0) + 1
+            t = now + c[C_DENSE_LAYER_S]
+            gpu = t + sum(t_gpu(n, c) for e, n in uses.items() if held[l, e])
+            cpu = [t_cpu(n, c) for e, n in uses.items() if not held[l, e]]
+            now = _layer_end(t, gpu, sum(cpu), len(cpu), c, link)
+            if layer_copies[l]:
+                link = max(now, link) + layer_copies[l] * t_xfer(c)
+        ends.append((now + c[C_STEP_S], link))
+    (end, link), (end_free, _) = ends
+    return (end - end_free) / one, max(link - end, 0.0)
+
+
 def expected_step_s(calib: np.ndarray, top_k: int, n_slots: np.ndarray, cost: np.ndarray) -> float:
     """A one-token decode step's expected time with each layer's ``n_slots`` most counted
     experts on the GPU and the rest on the CPU: per layer the dense part, each expert's chance

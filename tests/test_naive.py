@@ -116,25 +116,29 @@ def test_cpu_caches_equal_naive(name, kind, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("load_slope,barrier", [(0.0, False), (0.5, False), (0.5, True)])
-def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
+@pytest.mark.parametrize("load_slope,barrier,clock", [(0.0, False, False), (0.5, False, False), (0.5, True, True),
+                                                      (0.5, False, True)])
+def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock):
     """Adaptive saem's candidate scores (decide_adaptive) equal naive.adaptive_step_gain averaged
     as documented: plain means over the first horizon, then weight 1 / horizon, on random
     routing with rows that finish early and layers of every cache size; each candidate's copies
     priced by its own link load (naive.adaptive_copy_price, its copy rate averaged with weight
     1 / horizon from 0); under the copy barrier each step's copies charged by
     naive.adaptive_barrier_charge instead (a link clock: idle or queued copies, and the time it
-    runs past the step at the whole transfer)."""
+    runs past the step at the whole transfer); with the step clock (no barrier) by what they
+    slow the candidate's CPU experts on its own step clock (naive.adaptive_clock_loss, its link's
+    backlog carried from step to step), the layers without a cache included."""
     rng = np.random.default_rng(100 + seed)
     L, E, K, steps = 4, 16, 3, 90
     calib = rng.random((L, E)) * 40
     n_slots = np.array([0, 3, 6, E], np.int32)
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots, batch=batch,
-                        # under the barrier a slower link, so that some steps' copies outrun them
-                        cost=CostModel.from_expert_bytes(2_654_208, HW.replace(copy_barrier=True, h2d_bw=HW.h2d_bw / 4)
-                                                         if barrier else HW),
+                        # a slower link, so that some steps' copies outrun them (the barrier's
+                        # stall, the step clock's backlog)
+                        cost=CostModel.from_expert_bytes(2_654_208, HW.replace(copy_barrier=barrier, h2d_bw=HW.h2d_bw / 4)
+                                                         if barrier or clock else HW),
                         calib_counts=calib)
-    pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=32.0, load_slope=load_slope)
+    pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=32.0, load_slope=load_slope, step_clock=clock)
     pol.start(ctx)
     cost = ctx.cost.array
     step_s = estimated_step_s(ctx, n_slots)
@@ -147,6 +151,8 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
     priced_above_idle = False
     stalled = False  # under the barrier, a step's copies outran its time
     queued = False  # under the barrier, a copy waited for another within the step's time
+    backlog = np.zeros(C)  # the step clock: each candidate's link busy past the last step's end
+    slowed = carried = False  # the step clock's loss and backlog were exercised
     # cue events re-rank the stage candidate (candidate 0, a fixed set) after the kernel scored the
     # step; its entrants are charged as its copies at the next scored step
     cue_steps = {20, 45, 70}
@@ -179,6 +185,12 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
                 stalled |= stall > 0
                 queued |= stall == 0 and charge > copies * pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
                 gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, 0.0) - charge
+            elif clock:
+                carried |= backlog[c] > 0
+                loss, backlog[c] = naive.adaptive_clock_loss(routing[s], before[:, :, c], layer_copies, ranked,
+                                                             backlog[c], cost)
+                slowed |= loss > 0
+                gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, 0.0) - loss
             else:
                 price = naive.adaptive_copy_price(pol._ctl[CTL_COPY_COST], cost, rate[c], step_s, load_slope)
                 priced_above_idle |= price > pol._ctl[CTL_COPY_COST] * (1 + 1e-6)
@@ -188,7 +200,8 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier):
             total[c] += gain
         np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(pol.mean_scores(), total / scored, rtol=1e-9, atol=1e-9)
-    assert priced_above_idle == (load_slope > 0 and not barrier)  # the load term was exercised
+    assert priced_above_idle == (load_slope > 0 and not barrier and not clock)  # the load term was exercised
+    assert slowed == carried == (clock and not barrier)  # and the step clock's slow-down and backlog
     assert stalled == barrier and queued == barrier  # and the barrier's stall and queue
     assert sum(r == "cue" for _, r in pol.boundaries) >= 2  # and the stage candidate's re-ranks
 

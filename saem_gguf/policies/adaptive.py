@@ -44,22 +44,33 @@ to how the mean net-gain lead over the horizon after each past step followed the
 it (``record_leads``, ``lead_forecast``) says how much of a lead lasts. Scores of a few hits a
 step apart swing by tens between steps; a lead that such swings make and undo switched the
 cache back and forth, each switch back a burst of copies the next decode waits for.
-``copy_cost`` is in hits: ``copy_price`` (0.5) times the CPU time a copy's DMA takes from CPU
-experts (the part of ``t_xfer`` not hidden behind the next layer's dense part, times ``1 -
-1/f``, f the DMA slow-down) over what one hit saves (``t_cpu(1) - t_gpu(1)``). That is a copy's
-price on an idle link. A candidate that copies much keeps the link busy, its copies queue and
-their whole transfer slows CPU experts: each candidate's copies are priced by its own link load
-(its copy rate times ``t_xfer`` over an estimated step, ``copy_charge``), from ``copy_cost`` on
-an idle link towards the busy-link price. Under the copy barrier (the engine's native layer:
-each decode waits for every copy queued before it) a step's copies are priced as that step
-pays them instead, on a link clock of the candidate's own: a copy issued after layer ``l`` of
-``L`` starts at ``(l + 1) / L`` of the estimated step (``CTL_HIDDEN_COPIES`` copy times) or
-when the link frees; one that finds the link idle costs ``copy_cost``, one queued behind another
-the busy-link price (``CTL_QUEUED_COST``: its whole transfer slows CPU experts), and the time
-the clock runs past the step is a stall the next decode waits for (the whole transfer). A rate
-averaged over the horizon hid the bursts (a token whose experts all miss loads one per layer at
-once), and a count of copies hid when they came (a copy after the last layer has none of the
-step to hide behind).
+Copies are priced in hits, as the simulator prices the real cache's. Without the copy barrier,
+on each candidate's own step clock (``step_clock``, ``_clock_layer``): every layer starts after
+its dense part, the candidate's held experts run on the GPU and the rest on the CPU, slowed ``f``
+times (C_DMA_SLOW: host-to-device DMA reads host memory) while its link is busy, and its copies
+queue on its link when their layer ends (a stage re-rank's at the step's start); the link's
+backlog carries into the next step. What the slow-down cost its CPU experts, over what one hit
+saves (``t_cpu(1) - t_gpu(1)``), is the price. Why: a copy costs what CPU work it overlaps, and
+that depends on the candidate. At ECR 50 % a cache that hits 87 % of the time runs few CPU
+experts and its copies mostly overlap none; a price per copy charged ``lrfu-16``'s extra copies
+more than its extra hits earned, and the cache followed ``lrfu-64``, 1.5 % slower
+(``drawn-2-14``, ECR 50 %, batch 1; docs/POLICIES.md, "Copies priced on a step clock").
+``copy_cost`` is a copy's price on an idle link: ``copy_price`` (0.5) times the CPU time its DMA
+takes from CPU experts (the part of ``t_xfer`` not hidden behind the next layer's dense part,
+times ``1 - 1/f``) over what one hit saves. It prices a switch's copies, and, with the step clock
+off (or a fixed ``copy_cost``), every copy: a candidate that copies much keeps the link busy, its
+copies queue and their whole transfer slows CPU experts, so each candidate's copies are priced by
+its own link load (its copy rate times ``t_xfer`` over an estimated step, ``copy_charge``), from
+``copy_cost`` on an idle link towards the busy-link price. Under the copy barrier (the engine's
+native layer: each decode waits for every copy queued before it) a step's copies are priced as
+that step pays them instead, on a link clock of the candidate's own: a copy issued after layer
+``l`` of ``L`` starts at ``(l + 1) / L`` of the estimated step (``CTL_HIDDEN_COPIES`` copy times)
+or when the link frees; one that finds the link idle costs ``copy_cost``, one queued behind
+another the busy-link price (``CTL_QUEUED_COST``: its whole transfer slows CPU experts), and the
+time the clock runs past the step is a stall the next decode waits for (the whole transfer). A
+rate averaged over the horizon hid the bursts (a token whose experts all miss loads one per
+layer at once), and a count of copies hid when they came (a copy after the last layer has none
+of the step to hide behind).
 
 Because the baselines' own rules are candidates, the real cache trails the best of them only by
 the switching copies and the lag of the average: robust by construction, not by tuning.
@@ -116,7 +127,8 @@ CAND_REF = 2  # KIND_DECAY: the step the keys are scaled to
 CAND_RATE = 3  # copies per step, averaged like the score: how busy the candidate keeps the link
 CAND_PLACED = 4  # copies a fixed set's re-rank made since the last step (the stage rule's placements)
 CAND_NET_SUM = 5  # its step gains net of copies, summed over every step scored (a replay's mean: the prior)
-N_CAND = 6
+CAND_BACKLOG = 6  # the step clock: seconds its link stays busy past the end of the last step
+N_CAND = 7
 
 # Control block of the kernel (float64 array ``ctl``)
 CTL_LEADER = 0  # index of the candidate the real cache follows
@@ -137,7 +149,15 @@ CTL_CACHE_SWITCH_COST = 14  # under the barrier, CTL_SWITCH_COST of a switch to 
 CTL_QUEUED_COST = 15  # under the barrier, a copy queued behind another's price in hits (no dense part hides it)
 CTL_LEAD_KEEP = 16  # under the barrier, the weight a past lead's observation keeps per step (0: no forecast)
 CTL_LEAD_PRIOR = 17  # steps the lead forecast's prior (slope 1, intercept 0) is worth
-N_CTL = 18
+CTL_CLOCK = 18  # 1: without the barrier, a candidate's copies are priced on its own step clock (seconds)
+CTL_T_DENSE = 19  # the step clock's costs: a layer's dense part (s)
+CTL_T_SYNC = 20  # the CPU round trip of a layer with CPU experts (s)
+CTL_T_STEP = 21  # a step's part outside the layers (s)
+CTL_T_XFER = 22  # one copy's transfer (s)
+CTL_DMA_SLOW = 23  # CPU experts' slow-down while the link is busy
+CTL_HIT_S = 24  # what one one-token hit saves (s): the clock's seconds in hits
+CTL_OVERLAP = 25  # 1: a layer's CPU experts run alongside its GPU experts
+N_CTL = 26
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
@@ -182,11 +202,14 @@ class AdaptiveConfig:
     warm_start: bool = True
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     prior_tokens: float = 64.0  # LFU/LRFU calibration prior, as in caching.py
-    copy_cost: float | None = None  # a copy's cost in hits; None: copy_price * copy_cost_in_hits(cost model)
+    # a copy's cost in hits, one price whatever the link does; None: the step clock's (below), and
+    # copy_price * copy_cost_in_hits(cost model) for a switch's copies
+    copy_cost: float | None = None
     # the share of copy_cost_in_hits a copy is priced at: that estimate charges every copy the
     # DMA slow-down of the transfer time the next dense part does not hide; the simulated price
     # varies with the workload (0.27-0.77 one-token runs measured), and half of it served every
-    # measured family best (docs/POLICIES.md, "Measured: does saem lead?")
+    # measured family best (docs/POLICIES.md, "Measured: does saem lead?"). With the step clock it
+    # prices a switch's copies, and under the barrier a copy's DMA slow-down
     copy_price: float = 0.5
     # "auto": split the slot budget over the layers, from uniform to whole layers resident as
     # n-cpu-moe, as the policy replays its calibration routing fastest where the context can
@@ -201,9 +224,9 @@ class AdaptiveConfig:
     # steps scored before the leader may change: the first steps' scores are means of a few
     # noisy steps, and a cache's copies are charged when made, before the hits they buy
     first_switch: int = 8
-    # copies are priced by how busy the candidate keeps the link (copy_charge): the mean price of
-    # its copies rises from copy_cost to the busy-link price by this share of its load; 0: one
-    # price per copy whatever the load
+    # with the step clock off, copies are priced by how busy the candidate keeps the link
+    # (copy_charge): the mean price of its copies rises from copy_cost to the busy-link price by
+    # this share of its load; 0: one price per copy whatever the load
     load_slope: float = 0.5
     # the stage candidate pays for its re-ranks as a cache pays for its loads: the copies a
     # placement of its set would make, priced like any copy at the next step (copy_charge). Free
@@ -243,6 +266,12 @@ class AdaptiveConfig:
     lead_memory_steps: float = 1024.0
     # the fitted line starts as the score lead itself (slope 1, intercept 0), worth this many steps
     lead_prior_steps: float = 512.0
+    # without the barrier, each candidate's copies are priced on its own step clock, as the
+    # simulator prices the real cache's: the seconds they slow the CPU experts that run while
+    # its link is busy; off: copy_charge's price per copy by the averaged link load. On, every
+    # set's geometric mean saem / best other rose by 0.03-0.14 % (docs/POLICIES.md, "Copies
+    # priced on a step clock")
+    step_clock: bool = True
 
     def __post_init__(self) -> None:
         # a zero horizon divides by zero; a memory under one step keeps nothing (the forecast off,
@@ -295,8 +324,9 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     leader's own loads, a stage re-rank, copies the budget deferred, a cache leader's entrants
     not used yet: only those layers are compared); budget: copies the link budget allows this
     step for a fixed set's entrants (a cache leader's loads are not held to it; shadow caches
-    copy nothing); gain_of float64 [>= B + 1]: what a
-    held expert used by c tokens of the step earns (``hit_gains``); scratch int32:
+    copy nothing); gain_of float64 [3 R], R >= B + 1 (``clock_tables``): what a held expert
+    used by c tokens of the step earns (``hit_gains``) at ``c``, its CPU and GPU seconds (the step
+    clock's) at ``R + c`` and ``2 R + c``; scratch int32:
     ``state.scratch_buffer``; ops int32 [>= 2 L E, 4]:
     (layer, expert, slot, OP_*) rows in issue order, per layer each entrant (best first) after
     the eviction that frees its slot (OP_AFTER_USE for one the step used,
@@ -358,6 +388,12 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     queued = ctl[CTL_QUEUED_COST]
     link = np.zeros(C, np.float64)
     dma = np.zeros(C, np.float64)
+    clock = ctl[CTL_CLOCK] > 0 and hidden == 0
+    R = gain_of.shape[0] // 3
+    now = np.zeros(C, np.float64)
+    if clock:
+        for c in range(C):
+            link[c] = cand[c, CAND_BACKLOG] + cand[c, CAND_PLACED] * ctl[CTL_T_XFER]
     if hidden > 0:
         for c in range(C):
             link[c] = cand[c, CAND_PLACED]
@@ -365,21 +401,39 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     n_ops = 0
     for l in range(L):
         if n_slots[l] == 0:  # no cache here, in any candidate: nothing to score, keep or follow
+            if clock:  # but its CPU experts run slower while a candidate's copies are in flight
+                n = gather(rows, l, cnt, uniq)
+                work = 0.0
+                for i in range(n):
+                    work += gain_of[R + cnt[uniq[i]]]
+                    cnt[uniq[i]] = 0
+                for c in range(C):
+                    now[c] += ctl[CTL_T_DENSE]
+                    dma[c] += _clock_layer(now, link, c, 0.0, work, 1, 0, ctl)
             continue
         n = gather(rows, l, cnt, uniq)
         for c in range(C):
             n_miss = 0
+            gpu_s = 0.0
+            cpu_s = 0.0
             for i in range(n):
                 e = uniq[i]
                 if c_slot[l, e, c] >= 0:
                     net[c] += gain_of[cnt[e]]
+                    if clock:
+                        gpu_s += gain_of[2 * R + cnt[e]]
                 else:
                     miss[n_miss] = e
                     n_miss += 1
+                    if clock:
+                        cpu_s += gain_of[R + cnt[e]]
             if n_miss == 0:
                 net[c] += ctl[CTL_SYNC_GAIN]
             kind = int(cand[c, CAND_KIND])
             if kind == KIND_FIXED:
+                if clock:
+                    now[c] += ctl[CTL_T_DENSE]
+                    dma[c] += _clock_layer(now, link, c, gpu_s, cpu_s, n_miss, 0, ctl)
                 continue
             key = c_key[:, :, c]
             for i in range(n):
@@ -403,6 +457,9 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 n_in = admit_after_use(key, l, g, c_owner[c], c_slot[:, :, c], n_slots, stamp, miss, n_miss, admitted)
                 c_floor[c, l] = resident_floor(key, l, c_owner[c], n_slots)
             made[c] += n_in
+            if clock:
+                now[c] += ctl[CTL_T_DENSE]
+                dma[c] += _clock_layer(now, link, c, gpu_s, cpu_s, n_miss, n_in, ctl)
             if hidden > 0 and n_in > 0:
                 # issued after this layer: the first finds the link idle unless earlier copies
                 # still run; each after it queues behind another
@@ -484,12 +541,42 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
         if hidden > 0:  # the barrier: the clock's run past the step holds up the next one, whole
             # (what a copy in it was charged for slowing CPU experts is taken back: none run then)
             net[c] -= dma[c] + max(link[c] - hidden, 0.0) * (ctl[CTL_COPY_COST_FULL] - queued)
+        elif clock:  # the seconds its copies slowed CPU experts by, in hits
+            now[c] += ctl[CTL_T_STEP]
+            cand[c, CAND_BACKLOG] = max(link[c] - now[c], 0.0)
+            net[c] -= dma[c] / ctl[CTL_HIT_S]
         else:
             net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
                                             ctl[CTL_LOAD_SLOPE])
         score[c] += w * (net[c] - score[c])
         cand[c, CAND_NET_SUM] += net[c]
     return n_ops
+
+
+@njit(cache=True)
+def _clock_layer(now, link, c, gpu_s, cpu_s, n_cpu, n_in, ctl):
+    """Candidate ``c``'s step clock through one layer whose experts start at ``now[c]`` (its
+    dense part done): GPU experts ``gpu_s`` seconds, ``n_cpu`` CPU runs of ``cpu_s`` seconds,
+    slowed while its link is busy (until ``link[c]``), then ``n_in`` copies issued at the layer's
+    end, as the simulator prices a layer (pricing.layer_end). Advances ``now[c]`` and ``link[c]``;
+    returns the seconds the link cost its CPU experts."""
+    t = now[c]
+    gpu_t = t + gpu_s
+    loss = 0.0
+    end = gpu_t
+    if n_cpu > 0:
+        start = t if ctl[CTL_OVERLAP] > 0 else gpu_t
+        f = ctl[CTL_DMA_SLOW]
+        busy = link[c] - start
+        phase = cpu_s
+        if busy > 0.0 and f > 1.0:
+            phase = cpu_s * f if cpu_s * f <= busy else busy + (cpu_s - busy / f)
+        loss = phase - cpu_s
+        end = max(gpu_t, start + phase) + ctl[CTL_T_SYNC]
+    now[c] = end
+    if n_in > 0:
+        link[c] = max(end, link[c]) + n_in * ctl[CTL_T_XFER]
+    return loss
 
 
 @njit(cache=True)
@@ -646,6 +733,14 @@ def hit_gains(cost: np.ndarray, batch: int) -> tuple[np.ndarray, float]:
     return gain, float(cost[C_SYNC] / one)
 
 
+def clock_tables(cost: np.ndarray, batch: int) -> tuple[np.ndarray, float]:
+    """``hit_gains``' (gain_of, sync gain) with the step clock's expert times after the gains:
+    gain_of float64 [3 (batch + 1)]: the gains, then t_cpu(c), then t_gpu(c) (seconds)."""
+    gain, sync = hit_gains(cost, batch)
+    c = range(batch + 1)
+    return np.concatenate([gain, [t_cpu(n, cost) for n in c], [t_gpu(n, cost) for n in c]]), sync
+
+
 def copy_cost_in_hits(cost: np.ndarray, busy_link: bool = False) -> float:
     """What one copy costs, in hits. Host-to-device DMA reads host memory, so CPU experts run
     ``f`` times slower while it lasts (C_DMA_SLOW). A copy issued after a layer first overlaps the
@@ -720,7 +815,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
                  charge_placements: bool = True, barrier_stalls: bool = True, prior_steps: float = 16.0,
                  cache_switch_price: float = 1.0, lead_memory_steps: float = 1024.0,
-                 lead_prior_steps: float = 512.0, **overrides) -> None:
+                 lead_prior_steps: float = 512.0, step_clock: bool = True, **overrides) -> None:
         super().__init__(config, **overrides)
         # what a copy of this policy under another layout is built from (_replayed_layout)
         self._args = dict(config=config, horizon_steps=horizon_steps, switch_margin=switch_margin,
@@ -750,7 +845,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                        prior_steps=float(prior_steps),
                                        cache_switch_price=float(cache_switch_price),
                                        lead_memory_steps=float(lead_memory_steps),
-                                       lead_prior_steps=float(lead_prior_steps))
+                                       lead_prior_steps=float(lead_prior_steps),
+                                       step_clock=bool(step_clock))
         self._resident = resident_layers(layout)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
@@ -874,8 +970,20 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             self._score[:] = self.replay_score
             self._ctl[CTL_SCORED] = self.adaptive.prior_steps
             self._cand[:, CAND_NET_SUM] = self.replay_score * self.adaptive.prior_steps
-        self._gain_of, self._ctl[CTL_SYNC_GAIN] = hit_gains(ctx.cost.array, max(int(ctx.batch), 1))
-        self._gain_rows = len(self._gain_of)  # a plain int: no NumPy attribute read per step
+        self._gain_of, self._ctl[CTL_SYNC_GAIN] = clock_tables(ctx.cost.array, max(int(ctx.batch), 1))
+        self._gain_rows = len(self._gain_of) // 3  # a plain int: no NumPy attribute read per step
+        cost = ctx.cost.array
+        # without the barrier, copies are priced on each candidate's step clock (a fixed copy_cost
+        # is one price per copy, as it says)
+        if self.adaptive.step_clock and self.adaptive.copy_cost is None and t_cpu(1, cost) > t_gpu(1, cost):
+            self._ctl[CTL_CLOCK] = 1.0
+            self._ctl[CTL_T_DENSE] = cost[C_DENSE_LAYER_S]
+            self._ctl[CTL_T_SYNC] = cost[C_SYNC]
+            self._ctl[CTL_T_STEP] = cost[C_STEP_S]
+            self._ctl[CTL_T_XFER] = t_xfer(cost)
+            self._ctl[CTL_DMA_SLOW] = cost[C_DMA_SLOW]
+            self._ctl[CTL_HIT_S] = t_cpu(1, cost) - t_gpu(1, cost)
+            self._ctl[CTL_OVERLAP] = cost[C_OVERLAP]
         self._behind = np.ones(ctx.n_layer, np.uint8)
         E = ctx.n_expert
         self._scratch = scratch_buffer(E)
@@ -950,8 +1058,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         # copies the link can carry before the next step (math.inf: as many as the leader needs)
         copies = int(min(link_budget / self._copy_bytes, MAX_COPIES))
         if len(routing_rows) >= self._gain_rows:  # a larger batch than the context said
-            self._gain_of, _ = hit_gains(self.ctx.cost.array, len(routing_rows))
-            self._gain_rows = len(self._gain_of)
+            self._gain_of, _ = clock_tables(self.ctx.cost.array, len(routing_rows))
+            self._gain_rows = len(self._gain_of) // 3
             self._books.set("gain_of", self._gain_of)
         builtin = self._implicit and events.combined is None  # _builtin_detector, without the call
         # the entry point only for the bound rows: it would read any other array as their type
