@@ -414,3 +414,15 @@ def test_a_lead_that_does_not_last_does_not_switch_the_cache():
     static = tok_s("static-hot")
     assert tok_s("saem") > 0.985 * static
     assert tok_s("saem", lead_memory_steps=0.0) < 0.98 * static
+
+
+def test_the_layout_replay_builds_its_copies_with_every_knob():
+    """The calibration replay prices each layout on a copy of the policy built from its
+    arguments (``_args``): every knob of ``AdaptiveSaemPolicy`` but the layout must reach it, or
+    the replay chooses the layout for another policy (``step_clock`` once did not)."""
+    import inspect
+
+    knobs = set(inspect.signature(AdaptiveSaemPolicy.__init__).parameters) - {"self", "layout", "overrides"}
+    pol = AdaptiveSaemPolicy(step_clock=False)
+    assert knobs <= set(pol._args), knobs - set(pol._args)
+    assert pol._args["step_clock"] is False

@@ -824,7 +824,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                           first_switch=first_switch, load_slope=load_slope,
                           charge_placements=charge_placements, barrier_stalls=barrier_stalls,
                           prior_steps=prior_steps, cache_switch_price=cache_switch_price,
-                          lead_memory_steps=lead_memory_steps, lead_prior_steps=lead_prior_steps, **overrides)
+                          lead_memory_steps=lead_memory_steps, lead_prior_steps=lead_prior_steps,
+                          step_clock=step_clock, **overrides)
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
