@@ -9,9 +9,11 @@ single rule leads on every workload, but which one leads is visible from the rou
 Candidates, each a full shadow cache (sets only; no pricing):
 
 * ``static``: the calibrated placement, never changed (KTransformers' hot experts);
-* ``lru`` / ``lfu`` / ``lrfu-16`` / ``lrfu-64``: the ``-cpu`` caches' rule (caching.py
+* ``lru`` / ``lfu`` / ``lrfu-16`` / ``lrfu-64`` / ``lrfu-256``: the ``-cpu`` caches' rule (caching.py
   ``admit_after_use``): a miss runs on the CPU and is loaded for the next tokens when its
-  priority beats the coldest resident (LRFU at half-lives of 16 and 64 steps);
+  priority beats the coldest resident (LRFU at half-lives of 16, 64 and 256 steps; ``lru``, a
+  default since the step clock priced its many copies as they cost, leads only where its rule
+  is fast);
 * ``stage``: SAEM's rule at every stage boundary (cue events, the stage detector's
   routing-shift events when the block carries them, SAEM's warm-up and long-stage refresh): the
   completed stage's counts, blended with the cue's calibrated stage profile when there is one
@@ -160,7 +162,7 @@ CTL_OVERLAP = 25  # 1: a layer's CPU experts run alongside its GPU experts
 N_CTL = 26
 
 
-DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256")
+DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256", "lru")
 # The leader at start when no calibration replay names one (``_start_leader``), when a
 # candidate (else the stage rule). Until the stage rule's first boundary (SAEM's warm-up) its
 # set is the calibrated one, static's; a cache that loads the misses it ran on the CPU is the
