@@ -379,20 +379,26 @@ def test_copies_priced_by_link_load(period, churner_best):
             assert time[name] < min(time["flat"], time["lrfu-4"], time["lrfu-16"]), (time, led)
 
 
+def _drawn_cell(family: str, seed: int, ecr: float, batch: int):
+    """tok_s(policy, **kwargs): simulated tokens/s of one cell of bench_policies' draw ``seed``
+    (``--search 24 --seed SEED``), on the bench's traces and cost model."""
+    bp = load_bench("bench_policies")
+    ts, calib = bp.family_traces(family, None, seed, bp.drawn_families(24, seed))
+    cost = default_cost(ts)
+
+    def tok_s(policy, **kw):
+        return simulate(ts, SimConfig(policies=(policy,), ecrs=(ecr,), batches=(batch,)), cost, calib,
+                        policy_kwargs={policy: kw}).rows[0]["tok_s"]
+    return tok_s
+
+
 def test_the_step_clock_follows_the_cache_whose_copies_cost_less_than_they_look():
     """bench_policies' seed-2 draw, family 14, ECR 50 %, batch 1 (its worst cell before): held
     to LRFU at a half-life of 16 steps the cache hits 87 % and runs 1.5 % faster than at 64 steps,
     with twice the copies; most of them overlap no CPU expert. Priced per copy by link load the
     policy followed LRFU-64 for 1,215 of 1,272 steps (0.985x temporal-cpu); on each candidate's
     step clock it runs at least as fast as temporal-cpu (LRFU-16's rule)."""
-    bp = load_bench("bench_policies")
-    ts, calib = bp.family_traces("drawn-2-14", None, 2, bp.drawn_families(24, 2))
-    cost = default_cost(ts)
-
-    def tok_s(policy, **kw):
-        return simulate(ts, SimConfig(policies=(policy,), ecrs=(50.0,), batches=(1,)), cost, calib,
-                        policy_kwargs={policy: kw}).rows[0]["tok_s"]
-
+    tok_s = _drawn_cell("drawn-2-14", 2, 50.0, 1)
     temporal = tok_s("temporal-cpu")
     assert tok_s("saem") >= temporal
     assert tok_s("saem", step_clock=False) < 0.99 * temporal
@@ -402,14 +408,7 @@ def test_lru_is_a_candidate_where_its_rule_leads():
     """bench_policies' seed-0 draw, family 3, ECR 50 %, batch 1: lru-cpu's rule is the fastest
     there. Without ``lru`` among the candidates (the default until the step clock priced its many
     copies as they cost) the cache ran at 0.996x lru-cpu; with it, as fast."""
-    bp = load_bench("bench_policies")
-    ts, calib = bp.family_traces("drawn-0-3", None, 0, bp.drawn_families(24, 0))
-    cost = default_cost(ts)
-
-    def tok_s(policy, **kw):
-        return simulate(ts, SimConfig(policies=(policy,), ecrs=(50.0,), batches=(1,)), cost, calib,
-                        policy_kwargs={policy: kw}).rows[0]["tok_s"]
-
+    tok_s = _drawn_cell("drawn-0-3", 0, 50.0, 1)
     assert "lru" in DEFAULT_CANDIDATES
     lru = tok_s("lru-cpu")
     assert tok_s("saem") >= 0.9999 * lru
