@@ -239,7 +239,8 @@ class AdaptiveConfig:
     # under the copy barrier, a step's copies are priced on the candidate's own link clock: the
     # idle price for one that finds the link free, the busy-link price for one queued behind
     # another, the whole transfer for the time the clock runs past the step (the next decode
-    # waits for it); off: priced by the averaged link load, as without the barrier
+    # waits for it); off: priced as without the barrier (the step clock, or with it off the
+    # averaged link load)
     barrier_stalls: bool = True
     # where the calibration replay chose the layout: each candidate's score starts at its mean
     # net gain per step in that replay, worth this many steps (0: none), instead of 0 and plain
