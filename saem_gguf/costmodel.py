@@ -358,6 +358,31 @@ def t_xfer(cost):
     return cost[C_H2D_LAT] + cost[C_EXPERT_BYTES] / cost[C_H2D_BW]
 
 
+@njit(cache=True)
+def cpu_phase(work, start, link, cost):
+    """Wall time of ``work`` seconds of CPU expert runs starting at ``start`` while the link is
+    busy until ``link``: DMA shares the host DRAM bandwidth, so that part runs slower."""
+    f = cost[C_DMA_SLOW]
+    busy = link - start
+    if busy <= 0.0 or f <= 1.0:
+        return work
+    if work * f <= busy:
+        return work * f
+    return busy + (work - busy / f)
+
+
+@njit(cache=True)
+def layer_end(t, gpu_t, cpu_t, n_cpu, cost, link):
+    """When a layer whose experts could start at ``t`` ends: its GPU work ends at ``gpu_t``, its
+    ``n_cpu`` CPU runs take ``cpu_t`` seconds (slowed while the link is busy until ``link``),
+    after the GPU part or alongside it (C_OVERLAP), plus one sync when any ran on the CPU."""
+    if n_cpu == 0:
+        return gpu_t
+    if cost[C_OVERLAP] > 0:
+        return max(gpu_t, t + cpu_phase(cpu_t, t, link, cost)) + cost[C_SYNC]
+    return gpu_t + cpu_phase(cpu_t, gpu_t, link, cost) + cost[C_SYNC]
+
+
 def link_bytes_per_copy(cost: np.ndarray) -> float:
     """What one expert copy takes of a link budget in bytes (Policy.observe's ``link_budget``):
     the bytes the link could move in the copy's whole time, its latency included."""

@@ -23,36 +23,11 @@ from saem_gguf.accounting import (
     A_ACCESS, A_ASYNC, A_BYTES, A_CPU_RUNS, A_CPU_TOKENS, A_DEMAND, A_EVICT, A_GPU_RUNS, A_HIT, A_HIT_CPU,
     A_LAYER_STEPS, A_PROACTIVE, A_STALL, A_STEPS, A_TEMP, A_TOKENS, K_CPU, K_HIT, K_HIT_CPU, K_TEMP, log_put,
 )
-from saem_gguf.costmodel import (
-    C_BARRIER, C_DENSE_LAYER_S, C_DMA_SLOW, C_EXPERT_BYTES, C_OVERLAP, C_STEP_S, C_SYNC, t_cpu, t_gpu, t_xfer,
+from saem_gguf.costmodel import (  # layer_end: a layer's time, shared with the policies' step clock
+    C_BARRIER, C_DENSE_LAYER_S, C_EXPERT_BYTES, C_STEP_S, layer_end, t_cpu, t_gpu, t_xfer,
 )
 from saem_gguf.policies.base import MISS_CPU, MISS_RULE
 from saem_gguf.policies.state import OP_AFTER_USE, OP_DEMAND, OP_EVICT, OP_PREFETCH, active_rows, gather
-
-
-@njit(cache=True)
-def cpu_phase(work, start, link, cost):
-    """Wall time of ``work`` seconds of CPU expert runs starting at ``start`` while the link is
-    busy until ``link``: DMA shares the host DRAM bandwidth, so that part runs slower."""
-    f = cost[C_DMA_SLOW]
-    busy = link - start
-    if busy <= 0.0 or f <= 1.0:
-        return work
-    if work * f <= busy:
-        return work * f
-    return busy + (work - busy / f)
-
-
-@njit(cache=True)
-def layer_end(t, gpu_t, cpu_t, n_cpu, cost, link):
-    """When a layer whose experts could start at ``t`` ends: its GPU work ends at ``gpu_t``, its
-    ``n_cpu`` CPU runs take ``cpu_t`` seconds (slowed while the link is busy until ``link``),
-    after the GPU part or alongside it (C_OVERLAP), plus one sync when any ran on the CPU."""
-    if n_cpu == 0:
-        return gpu_t
-    if cost[C_OVERLAP] > 0:
-        return max(gpu_t, t + cpu_phase(cpu_t, t, link, cost)) + cost[C_SYNC]
-    return gpu_t + cpu_phase(cpu_t, gpu_t, link, cost) + cost[C_SYNC]
 
 
 @njit(cache=True)

@@ -116,9 +116,10 @@ def test_cpu_caches_equal_naive(name, kind, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("load_slope,barrier,clock", [(0.0, False, False), (0.5, False, False), (0.5, True, True),
-                                                      (0.5, False, True)])
-def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock):
+@pytest.mark.parametrize("load_slope,barrier,clock,overlap", [(0.0, False, False, False), (0.5, False, False, False),
+                                                              (0.5, True, True, False), (0.5, False, True, False),
+                                                              (0.5, False, True, True)])
+def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, overlap):
     """Adaptive saem's candidate scores (decide_adaptive) equal naive.adaptive_step_gain averaged
     as documented: plain means over the first horizon, then weight 1 / horizon, on random
     routing with rows that finish early and layers of every cache size; each candidate's copies
@@ -127,7 +128,8 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock):
     naive.adaptive_barrier_charge instead (a link clock: idle or queued copies, and the time it
     runs past the step at the whole transfer); with the step clock (no barrier) by what they
     slow the candidate's CPU experts on its own step clock (naive.adaptive_clock_loss, its link's
-    backlog carried from step to step), the layers without a cache included."""
+    backlog carried from step to step), the layers without a cache included, and with CPU and
+    GPU experts overlapping (layer_end's other branch)."""
     rng = np.random.default_rng(100 + seed)
     L, E, K, steps = 4, 16, 3, 90
     calib = rng.random((L, E)) * 40
@@ -135,8 +137,8 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock):
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=n_slots, batch=batch,
                         # a slower link, so that some steps' copies outrun them (the barrier's
                         # stall, the step clock's backlog)
-                        cost=CostModel.from_expert_bytes(2_654_208, HW.replace(copy_barrier=barrier, h2d_bw=HW.h2d_bw / 4)
-                                                         if barrier or clock else HW),
+                        cost=CostModel.from_expert_bytes(2_654_208, HW.replace(
+                            copy_barrier=barrier, h2d_bw=HW.h2d_bw / 4, cpu_gpu_overlap=overlap) if barrier or clock else HW),
                         calib_counts=calib)
     pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=32.0, load_slope=load_slope, step_clock=clock)
     pol.start(ctx)

@@ -361,7 +361,7 @@ def test_pricing_steps_together_equals_one_by_one(case):
 
 
 def test_dma_contention_slows_cpu_experts():
-    from saem_gguf.pricing import cpu_phase
+    from saem_gguf.costmodel import cpu_phase
 
     cost = _ctx(1, 4, 1, 1).cost
     f = HW.cpu_mem_bw / (HW.cpu_mem_bw - HW.h2d_bw)

@@ -91,7 +91,8 @@ import numpy as np
 from numba import njit
 
 from saem_gguf.costmodel import (
-    C_BARRIER, C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_STEP_S, C_SYNC, link_bytes_per_copy, t_cpu, t_gpu, t_xfer,
+    C_BARRIER, C_DENSE_LAYER_S, C_DMA_SLOW, C_OVERLAP, C_STEP_S, C_SYNC, layer_end, link_bytes_per_copy, t_cpu, t_gpu,
+    t_xfer,
 )
 from saem_gguf.kernel_books import (
     Book, KernelBooks, entry_point, f64_1d, f64_2d, f64_3d, i32_1d, i32_2d, i32_3d, i64_2d, u8_1d,
@@ -152,14 +153,7 @@ CTL_QUEUED_COST = 15  # under the barrier, a copy queued behind another's price 
 CTL_LEAD_KEEP = 16  # under the barrier, the weight a past lead's observation keeps per step (0: no forecast)
 CTL_LEAD_PRIOR = 17  # steps the lead forecast's prior (slope 1, intercept 0) is worth
 CTL_CLOCK = 18  # 1: without the barrier, a candidate's copies are priced on its own step clock (seconds)
-CTL_T_DENSE = 19  # the step clock's costs: a layer's dense part (s)
-CTL_T_SYNC = 20  # the CPU round trip of a layer with CPU experts (s)
-CTL_T_STEP = 21  # a step's part outside the layers (s)
-CTL_T_XFER = 22  # one copy's transfer (s)
-CTL_DMA_SLOW = 23  # CPU experts' slow-down while the link is busy
-CTL_HIT_S = 24  # what one one-token hit saves (s): the clock's seconds in hits
-CTL_OVERLAP = 25  # 1: a layer's CPU experts run alongside its GPU experts
-N_CTL = 26
+N_CTL = 19
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256", "lru")
@@ -306,7 +300,7 @@ def _set_diff(c_slot, slot_of, c):
 
 @njit(cache=True)
 def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
-                    behind, budget, gain_of, scratch, ops, lead_books):
+                    behind, budget, gain_of, scratch, ops, lead_books, cost):
     """One decode step: pick the leader, update every candidate's shadow cache with the step's
     routing layer by layer, and bring each real layer to the leader's set after the layer ran.
     Returns how many ``ops`` rows it wrote.
@@ -334,7 +328,8 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     (layer, expert, slot, OP_*) rows in issue order, per layer each entrant (best first) after
     the eviction that frees its slot (OP_AFTER_USE for one the step used,
     OP_PREFETCH otherwise); lead_books float64: the lead forecast's books (``record_leads``,
-    kept here when CTL_LEAD_KEEP is set)."""
+    kept here when CTL_LEAD_KEEP is set); cost float64: CostModel.array (the step clock's
+    costs)."""
     cnt, uniq, miss, entrants, admitted = scratch_views(scratch)
     L = slot_of.shape[0]
     C = cand.shape[0]
@@ -396,7 +391,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     now = np.zeros(C, np.float64)
     if clock:
         for c in range(C):
-            link[c] = cand[c, CAND_BACKLOG] + cand[c, CAND_PLACED] * ctl[CTL_T_XFER]
+            link[c] = cand[c, CAND_BACKLOG] + cand[c, CAND_PLACED] * t_xfer(cost)
     if hidden > 0:
         for c in range(C):
             link[c] = cand[c, CAND_PLACED]
@@ -411,8 +406,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                     work += gain_of[R + cnt[uniq[i]]]
                     cnt[uniq[i]] = 0
                 for c in range(C):
-                    now[c] += ctl[CTL_T_DENSE]
-                    dma[c] += _clock_layer(now, link, c, 0.0, work, 1, 0, ctl)
+                    dma[c] += _clock_layer(now, link, c, 0.0, work, 1, 0, cost)
             continue
         n = gather(rows, l, cnt, uniq)
         for c in range(C):
@@ -435,8 +429,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             kind = int(cand[c, CAND_KIND])
             if kind == KIND_FIXED:
                 if clock:
-                    now[c] += ctl[CTL_T_DENSE]
-                    dma[c] += _clock_layer(now, link, c, gpu_s, cpu_s, n_miss, 0, ctl)
+                    dma[c] += _clock_layer(now, link, c, gpu_s, cpu_s, n_miss, 0, cost)
                 continue
             key = c_key[:, :, c]
             for i in range(n):
@@ -461,8 +454,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 c_floor[c, l] = resident_floor(key, l, c_owner[c], n_slots)
             made[c] += n_in
             if clock:
-                now[c] += ctl[CTL_T_DENSE]
-                dma[c] += _clock_layer(now, link, c, gpu_s, cpu_s, n_miss, n_in, ctl)
+                dma[c] += _clock_layer(now, link, c, gpu_s, cpu_s, n_miss, n_in, cost)
             if hidden > 0 and n_in > 0:
                 # issued after this layer: the first finds the link idle unless earlier copies
                 # still run; each after it queues behind another
@@ -544,10 +536,10 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
         if hidden > 0:  # the barrier: the clock's run past the step holds up the next one, whole
             # (what a copy in it was charged for slowing CPU experts is taken back: none run then)
             net[c] -= dma[c] + max(link[c] - hidden, 0.0) * (ctl[CTL_COPY_COST_FULL] - queued)
-        elif clock:  # the seconds its copies slowed CPU experts by, in hits
-            now[c] += ctl[CTL_T_STEP]
+        elif clock:  # the seconds its copies slowed the step by, over what one hit saves
+            now[c] += cost[C_STEP_S]
             cand[c, CAND_BACKLOG] = max(link[c] - now[c], 0.0)
-            net[c] -= dma[c] / ctl[CTL_HIT_S]
+            net[c] -= dma[c] / (gain_of[R + 1] - gain_of[2 * R + 1])
         else:
             net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
                                             ctl[CTL_LOAD_SLOPE])
@@ -557,29 +549,19 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
 
 
 @njit(cache=True)
-def _clock_layer(now, link, c, gpu_s, cpu_s, n_cpu, n_in, ctl):
-    """Candidate ``c``'s step clock through one layer whose experts start at ``now[c]`` (its
-    dense part done): GPU experts ``gpu_s`` seconds, ``n_cpu`` CPU runs of ``cpu_s`` seconds,
-    slowed while its link is busy (until ``link[c]``), then ``n_in`` copies issued at the layer's
-    end, as the simulator prices a layer (pricing.layer_end). Advances ``now[c]`` and ``link[c]``;
-    returns the seconds the link cost its CPU experts."""
-    t = now[c]
-    gpu_t = t + gpu_s
-    loss = 0.0
-    end = gpu_t
-    if n_cpu > 0:
-        start = t if ctl[CTL_OVERLAP] > 0 else gpu_t
-        f = ctl[CTL_DMA_SLOW]
-        busy = link[c] - start
-        phase = cpu_s
-        if busy > 0.0 and f > 1.0:
-            phase = cpu_s * f if cpu_s * f <= busy else busy + (cpu_s - busy / f)
-        loss = phase - cpu_s
-        end = max(gpu_t, start + phase) + ctl[CTL_T_SYNC]
+def _clock_layer(now, link, c, gpu_s, cpu_s, n_cpu, n_in, cost):
+    """Candidate ``c``'s step clock through one layer that starts at ``now[c]``: its dense part,
+    then GPU experts ``gpu_s`` seconds and ``n_cpu`` CPU runs of ``cpu_s`` seconds, slowed while
+    its link is busy (until ``link[c]``), ended as the simulator ends a layer (``layer_end``);
+    then ``n_in`` copies issued at the layer's end. Advances ``now[c]`` and ``link[c]``; returns
+    the seconds the link added to the layer (its end less its end on an idle link)."""
+    t = now[c] + cost[C_DENSE_LAYER_S]
+    end = layer_end(t, t + gpu_s, cpu_s, n_cpu, cost, link[c])
+    idle = layer_end(t, t + gpu_s, cpu_s, n_cpu, cost, -np.inf)
     now[c] = end
     if n_in > 0:
-        link[c] = max(end, link[c]) + n_in * ctl[CTL_T_XFER]
-    return loss
+        link[c] = max(end, link[c]) + n_in * t_xfer(cost)
+    return end - idle
 
 
 @njit(cache=True)
@@ -683,15 +665,15 @@ def copy_charge(idle, full, load, slope):
 
 @njit(cache=True)
 def adaptive_step(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led, ctl,
-                  behind, budget, gain_of, scratch, ops, counts, on, det, ring, pos, lead_books):
+                  behind, budget, gain_of, scratch, ops, counts, on, det, ring, pos, lead_books, cost):
     """One decode step of the adaptive policy in one kernel call: ``decide_adaptive`` (its
-    arguments, same order, but ``lead_books`` last), then the stage candidate's books,
+    arguments, same order, but ``lead_books`` and ``cost`` last), then the stage candidate's books,
     ``saem.stage_books(rows, slot_of, counts, on, det, ring, pos)`` (its arguments after ``ops``).
     Returns (ops rows written, decoded, fired). One call, not two: after a decode each kernel call
     costs a few us before its arguments, about 0.8 us for each array (docs/POLICIES_HISTORY.md,
     per-token cost)."""
     n = decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_key, c_floor, stamp, score, led,
-                        ctl, behind, budget, gain_of, scratch, ops, lead_books)
+                        ctl, behind, budget, gain_of, scratch, ops, lead_books, cost)
     decoded, fired = stage_books(rows, slot_of, counts, on, det, ring, pos)
     return n, decoded, fired
 
@@ -705,7 +687,7 @@ ADAPTIVE_BOOKS = (
     Book("score", np.float64, 1), Book("led", np.float64, 1), Book("ctl", np.float64, 1),
     Book("behind", np.uint8, 1), Book("gain_of", np.float64, 1), Book("scratch", np.int32, 1),
     Book("ops", np.int32, 2), Book("counts", np.float64, 2), Book("det", np.float64, 1),
-    Book("ring", np.float64, 3), Book("lead_books", np.float64, 1),
+    Book("ring", np.float64, 3), Book("lead_books", np.float64, 1), Book("cost", np.float64, 1),
 )
 
 
@@ -718,7 +700,7 @@ def adaptive_entry(rows, g, budget, on, pos, tab):
                          i32_3d(tab, 5), f64_3d(tab, 6), f64_2d(tab, 7), i64_2d(tab, 8), f64_1d(tab, 9),
                          f64_1d(tab, 10), f64_1d(tab, 11), u8_1d(tab, 12), budget, f64_1d(tab, 13), i32_1d(tab, 14),
                          i32_2d(tab, 15), f64_2d(tab, 16), on, f64_1d(tab, 17), f64_3d(tab, 18), pos,
-                         f64_1d(tab, 19))
+                         f64_1d(tab, 19), f64_1d(tab, 20))
 
 
 def hit_gains(cost: np.ndarray, batch: int) -> tuple[np.ndarray, float]:
@@ -981,13 +963,6 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         # is one price per copy, as it says)
         if self.adaptive.step_clock and self.adaptive.copy_cost is None and t_cpu(1, cost) > t_gpu(1, cost):
             self._ctl[CTL_CLOCK] = 1.0
-            self._ctl[CTL_T_DENSE] = cost[C_DENSE_LAYER_S]
-            self._ctl[CTL_T_SYNC] = cost[C_SYNC]
-            self._ctl[CTL_T_STEP] = cost[C_STEP_S]
-            self._ctl[CTL_T_XFER] = t_xfer(cost)
-            self._ctl[CTL_DMA_SLOW] = cost[C_DMA_SLOW]
-            self._ctl[CTL_HIT_S] = t_cpu(1, cost) - t_gpu(1, cost)
-            self._ctl[CTL_OVERLAP] = cost[C_OVERLAP]
         self._behind = np.ones(ctx.n_layer, np.uint8)
         E = ctx.n_expert
         self._scratch = scratch_buffer(E)
@@ -1000,7 +975,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             "c_slot": self._c_slot, "c_owner": self._c_owner, "c_key": self._c_key, "c_floor": self._c_floor,
             "stamp": self._stamp, "score": self._score, "led": self._led, "ctl": self._ctl, "behind": self._behind,
             "gain_of": self._gain_of, "scratch": self._scratch, "ops": self._ops, "counts": self._counts,
-            "det": self._det, "ring": self._ring, "lead_books": self._lead_books})
+            "det": self._det, "ring": self._ring, "lead_books": self._lead_books,
+            "cost": cost})
         self._tab = self._books.table
         self._bound_entry = adaptive_entry  # the kernel for bind_step's rows (SaemPolicy.start set them to None)
         return state

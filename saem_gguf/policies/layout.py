@@ -60,7 +60,7 @@ def expert_use_probability(calib: np.ndarray, top_k: int) -> np.ndarray:
 def layer_time_table(q: np.ndarray, batch: int, cost: np.ndarray) -> np.ndarray:
     """float64 [L, E + 1]: expected expert time of each layer in one step of ``batch`` tokens
     with its ``s`` most used experts resident (column ``s``): GPU runs of the resident, CPU runs
-    of the rest and, when any of the rest is used, one CPU round trip (as pricing.layer_end)."""
+    of the rest and, when any of the rest is used, one CPU round trip (as costmodel.layer_end)."""
     L, E = q.shape
     order = np.argsort(-q, axis=1, kind="stable")
     qs = np.take_along_axis(q, order, axis=1)
