@@ -240,7 +240,7 @@ def adaptive_barrier_charge(idle: float, copy_price: float, cost: np.ndarray, la
 
 
 def adaptive_clock_loss(rows: np.ndarray, held: np.ndarray, layer_copies: list[int], placed: int, backlog: float,
-                        cost: np.ndarray) -> tuple[float, float]:
+                        cost: np.ndarray, seen: dict | None = None) -> tuple[float, float]:
     """(loss, backlog): what an adaptive-saem candidate's copies cost it on one step, in one-token
     hits, on its own step clock (no copy barrier), and the seconds its link stays busy past the
     step's end. The step is priced as the simulator prices a layer: every layer, cached or not,
@@ -250,7 +250,9 @@ def adaptive_clock_loss(rows: np.ndarray, held: np.ndarray, layer_copies: list[i
     last step's) plus the ``placed`` copies of a re-rank made between steps. The loss is the
     step's time less its time with no slow-down (the same work, DMA slow-down 1), over what one
     token's hit saves; the backlog is where the link frees past the step's end (its part outside
-    the layers included)."""
+    the layers included). ``seen["gpu_bound"]`` (when given) counts the layers whose GPU part
+    outlasted their CPU part slowed throughout while the link was busy: with CPU/GPU overlap the
+    slow-down costs such a layer nothing."""
     one = t_cpu(1, cost) - t_gpu(1, cost)
     free = cost.copy()
     free[C_DMA_SLOW] = 1.0
@@ -266,6 +268,9 @@ def adaptive_clock_loss(rows: np.ndarray, held: np.ndarray, layer_copies: list[i
             t = now + c[C_DENSE_LAYER_S]
             gpu = t + sum(t_gpu(n, c) for e, n in uses.items() if held[l, e])
             cpu = [t_cpu(n, c) for e, n in uses.items() if not held[l, e]]
+            if seen is not None and c is cost and cpu and c[C_OVERLAP] > 0 and link > t \
+                    and gpu - t > sum(cpu) * c[C_DMA_SLOW]:
+                seen["gpu_bound"] = seen.get("gpu_bound", 0) + 1
             now = _layer_end(t, gpu, sum(cpu), len(cpu), c, link)
             if layer_copies[l]:
                 link = max(now, link) + layer_copies[l] * t_xfer(c)

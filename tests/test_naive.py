@@ -118,7 +118,7 @@ def test_cpu_caches_equal_naive(name, kind, seed):
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("load_slope,barrier,clock,overlap", [(0.0, False, False, False), (0.5, False, False, False),
                                                               (0.5, True, True, False), (0.5, False, True, False),
-                                                              (0.5, False, True, True)])
+                                                              (0.5, False, True, True), (0.5, False, True, "gpu")])
 def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, overlap):
     """Adaptive saem's candidate scores (decide_adaptive) equal naive.adaptive_step_gain averaged
     as documented: plain means over the first horizon, then weight 1 / horizon, on random
@@ -129,7 +129,9 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, ov
     runs past the step at the whole transfer); with the step clock (no barrier) by what they
     slow the candidate's CPU experts on its own step clock (naive.adaptive_clock_loss, its link's
     backlog carried from step to step), the layers without a cache included, and with CPU and
-    GPU experts overlapping (layer_end's other branch)."""
+    GPU experts overlapping (layer_end's other branch); ``overlap="gpu"`` slows the GPU tenfold,
+    so that some layers' GPU part outlasts their slowed CPU part: the slow-down costs those
+    nothing (a copy once charged the CPU part's whole slow-down there)."""
     rng = np.random.default_rng(100 + seed)
     L, E, K, steps = 4, 16, 3, 90
     calib = rng.random((L, E)) * 40
@@ -138,7 +140,8 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, ov
                         # a slower link, so that some steps' copies outrun them (the barrier's
                         # stall, the step clock's backlog)
                         cost=CostModel.from_expert_bytes(2_654_208, HW.replace(
-                            copy_barrier=barrier, h2d_bw=HW.h2d_bw / 4, cpu_gpu_overlap=overlap) if barrier or clock else HW),
+                            copy_barrier=barrier, h2d_bw=HW.h2d_bw / 4, cpu_gpu_overlap=bool(overlap),
+                            gpu_mem_bw=HW.gpu_mem_bw / (10 if overlap == "gpu" else 1)) if barrier or clock else HW),
                         calib_counts=calib)
     pol = AdaptiveSaemPolicy(layout="uniform", horizon_steps=32.0, load_slope=load_slope, step_clock=clock)
     pol.start(ctx)
@@ -155,6 +158,7 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, ov
     queued = False  # under the barrier, a copy waited for another within the step's time
     backlog = np.zeros(C)  # the step clock: each candidate's link busy past the last step's end
     slowed = carried = False  # the step clock's loss and backlog were exercised
+    seen: dict[str, int] = {}  # layers the step clock found GPU-bound on a busy link
     # cue events re-rank the stage candidate (candidate 0, a fixed set) after the kernel scored the
     # step; its entrants are charged as its copies at the next scored step
     cue_steps = {20, 45, 70}
@@ -190,7 +194,7 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, ov
             elif clock:
                 carried |= backlog[c] > 0
                 loss, backlog[c] = naive.adaptive_clock_loss(routing[s], before[:, :, c], layer_copies, ranked,
-                                                             backlog[c], cost)
+                                                             backlog[c], cost, seen)
                 slowed |= loss > 0
                 gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, 0.0) - loss
             else:
@@ -204,6 +208,7 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, ov
     np.testing.assert_allclose(pol.mean_scores(), total / scored, rtol=1e-9, atol=1e-9)
     assert priced_above_idle == (load_slope > 0 and not barrier and not clock)  # the load term was exercised
     assert slowed == carried == (clock and not barrier)  # and the step clock's slow-down and backlog
+    assert (seen.get("gpu_bound", 0) > 0) == (overlap == "gpu")  # and GPU-bound layers
     assert stalled == barrier and queued == barrier  # and the barrier's stall and queue
     assert sum(r == "cue" for _, r in pol.boundaries) >= 2  # and the stage candidate's re-ranks
 
