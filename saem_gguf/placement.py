@@ -31,7 +31,7 @@ from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.state import (
     OP_EVICT, CacheState, ResidencyChange, RoutingBlock, StepEvents, record_decision, step_uses,
 )
-from saem_gguf.simulator import CalibrationReplay, calibration_pricer
+from saem_gguf.simulator import calibration_pricer, calibration_replay
 from saem_gguf.stage.detector import StageDetector, StageEvent
 from saem_gguf.stage.pair import DetectorPair
 from saem_gguf.trace import TraceSet
@@ -116,10 +116,11 @@ class Placement:
         pctx = PolicyContext(n_layer=L, n_expert=self.n_expert, top_k=self.top_k,
                              n_slots=np.full(L, slots_per_layer, np.int32), cost=cost,
                              calib_counts=calib_counts, cue_counts=cue_counts)
-        if calib_routing is not None:
-            # the calibration sample replayed under this detector's events, as the simulator
-            # replays it under its own (simulator.simulate): a policy prices its set-up on it
-            pctx.replay_calibration = calibration_pricer(CalibrationReplay(calib_routing, template=detector), pctx)
+        # the calibration sample replayed under this detector's events, as the simulator
+        # replays it under its own (simulator.simulate): a policy prices its set-up on it
+        calibration = calibration_replay(calib_routing, template=detector)
+        if calibration is not None:
+            pctx.replay_calibration = calibration_pricer(calibration, pctx)
         self.state: CacheState = self.policy.start(pctx)  # the policy's books (read only here)
         # the estimated link clock, for a policy that reads its link budget (the others are told
         # inf, as the simulator tells them)

@@ -240,6 +240,14 @@ CALIBRATION_REPLAY_TOKENS = 4096
 # calibration holds 2 sequences; in folds of one its geometric mean fell 0.11 %, docs/POLICIES.md,
 # "A cross-fitted replay as wide as the batch")
 MIN_FOLD_SEQUENCES = 2
+# the fewest decoded tokens a calibration sample needs to be replayed (calibration_replay): a
+# shorter replay is mostly the caches' first steps, before they hold what the routing uses, which
+# a run spreads over all its tokens; so it prices whole resident layers above caches the run
+# warms (drawn-2-13: 119 tokens, 4 short sequences; at ECR 50 %, batch 8 the replay chose 16
+# whole layers, 0.988x lfu-cpu, where the uniform layout ran 1.002x). Below it a policy sets up
+# as where no sample is known (layout.choose_layout's static estimate; docs/POLICIES.md, "Too
+# short a sample to replay")
+MIN_REPLAY_TOKENS = 256
 
 
 def calibration_sample(ts: TraceSet, max_tokens: int = CALIBRATION_REPLAY_TOKENS) -> TraceSet:
@@ -303,6 +311,21 @@ def _cut(sq: SequenceTrace, n: int) -> SequenceTrace:
     starts = np.asarray(sq.stage_starts)
     return dataclasses.replace(sq, token_ids=sq.token_ids[:n], pieces=sq.pieces[:n], experts=sq.experts[:n],
                                stage_starts=starts[starts < n], weights=None if sq.weights is None else sq.weights[:n])
+
+
+def calibration_replay(sample: TraceSet | None, events: str = "detector", cues: str = "general",
+                       template=None) -> "CalibrationReplay | None":
+    """The replay of calibration ``sample`` a policy may price its set-up on, or None where it
+    has fewer than MIN_REPLAY_TOKENS decoded tokens (or none is known). The one gate for the
+    simulator and the engine, so both set up alike."""
+    if sample is None or decoded_tokens(sample) < MIN_REPLAY_TOKENS:
+        return None
+    return CalibrationReplay(sample, events, cues, template)
+
+
+def decoded_tokens(ts: TraceSet) -> int:
+    """``ts``'s decoded tokens (its prompts left out)."""
+    return int(sum(sq.n_tokens - sq.prompt_len for sq in ts.sequences))
 
 
 @dataclass
@@ -729,9 +752,7 @@ def simulate(ts: TraceSet, cfg: SimConfig, cost: CostModel, calib: TraceSet | No
     })
     cues = sequence_cues(ts)
     detected = detector_events(ts, cfg.cues) if cfg.events == "detector" else None
-    sample = calibration_sample(calib) if calib is not None else None
-    # no decoded token: nothing to replay
-    calibration = CalibrationReplay(sample, cfg.events, cfg.cues) if sample is not None and sample.sequences else None
+    calibration = calibration_replay(calibration_sample(calib) if calib is not None else None, cfg.events, cfg.cues)
     for B in cfg.batches:
         blocks = build_blocks(ts, B, cfg.events, cues, detected)
         n_events = int(sum(b.event_steps.size for b in blocks))

@@ -264,3 +264,31 @@ def test_saem_cue_and_saem_with_a_calibrated_profile_on_the_embedded_model(tmp_p
         finally:
             eng.close()
     assert outs["saem-cue"] == outs["cpu-moe"] == outs["saem"]
+
+
+def test_a_profile_sample_too_short_to_replay_sets_the_layout_statically(tmp_path):
+    """A profile whose calibration sample holds fewer decoded tokens than a replay needs
+    (simulator.MIN_REPLAY_TOKENS): saem does not replay it, as simulate would not, and the
+    engine says why the layout was not replayed; with the packaged profile's whole sample it
+    replays (the test above)."""
+    from saem_gguf.default_model import default_profile_path
+    from saem_gguf.simulator import MIN_REPLAY_TOKENS, decoded_tokens
+    from saem_gguf.stage.calibrate import encode_routing
+
+    packaged = default_profile_path()
+    short = calibration_sample(Profile.load(packaged).routing, MIN_REPLAY_TOKENS // 2)
+    assert 0 < decoded_tokens(short) < MIN_REPLAY_TOKENS
+    data = json.loads(packaged.read_text())
+    data["stats"]["calibration_routing"] = encode_routing(short)
+    prof = tmp_path / "short.json"
+    prof.write_text(json.dumps(data))
+    notes = []
+    eng = Engine(EngineConfig(policy="saem", ecr=0.25, n_threads=2, profile=prof, progress=False), log=notes.append)
+    try:
+        pol = eng.placement.policy
+        assert pol.replays_its_layout and pol.layout_prices == {} and not pol.replay_led
+        assert not any(m.startswith("slot layout: ") for m in notes), notes
+        said = [m for m in notes if "too few to replay" in m]
+        assert len(said) == 1 and f"holds {decoded_tokens(short)} decoded tokens" in said[0], notes
+    finally:
+        eng.close()

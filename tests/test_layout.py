@@ -14,9 +14,10 @@ from saem_gguf.policies.adaptive import CTL_SCORED
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.cue_profiles import START
 from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
+from saem_gguf import simulator
 from saem_gguf.simulator import (
-    CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_sample, detector_events,
-    sequence_cues, simulate, split_to_batch,
+    MIN_REPLAY_TOKENS, CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_replay,
+    calibration_sample, decoded_tokens, detector_events, sequence_cues, simulate, split_to_batch,
 )
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
 
@@ -448,3 +449,31 @@ def test_simulate_gives_saem_its_calibration_sample_to_replay():
         state = pol.start(ctx)
         assert len(pol.layout_prices) == 4
         assert res.select(batch=B, ecr=50.0)[0]["whole_layers"] == int((state.n_slots == E).sum())
+
+
+def test_a_sample_too_short_to_replay_is_not_replayed(monkeypatch):
+    """calibration_replay gates the replay on the sample's decoded tokens: with fewer than
+    MIN_REPLAY_TOKENS (or no sample) there is none, and simulate() gives saem no pricer, so it
+    sets up as where no sample is known (the static estimate); with enough, one per cell. The
+    engine's placement goes through the same gate."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K, n_sequences=4, seed=7)
+    short = calibration_sample(calib, MIN_REPLAY_TOKENS - 1)
+    enough = calibration_sample(calib, 2 * MIN_REPLAY_TOKENS)
+    assert 0 < decoded_tokens(short) < MIN_REPLAY_TOKENS <= decoded_tokens(enough)
+    assert calibration_replay(None) is None and calibration_replay(short) is None
+    replay = calibration_replay(enough, "detector", "qwen3")
+    assert isinstance(replay, CalibrationReplay) and replay.sample is enough and replay.cues == "qwen3"
+    priced = []
+    real = simulator.calibration_pricer
+    monkeypatch.setattr(simulator, "calibration_pricer", lambda c, ctx: priced.append(c.sample) or real(c, ctx))
+    ts = _calibration(L, E, K, n_sequences=2, seed=8)
+    cfg = SimConfig(policies=("saem",), ecrs=(25.0, 50.0), batches=(1,))
+    short_rows = simulate(ts, cfg, SMALL, calib=short).rows
+    assert priced == []
+    for row in short_rows:  # the static estimate's layout
+        n_slots = np.full(L, row["slots"], np.int32)
+        expect, _, _ = choose_layout(calibration_counts(short, L, E), K, n_slots, 1, SMALL.array)
+        assert row["whole_layers"] == int((expect == E).sum())
+    simulate(ts, cfg, SMALL, calib=enough)
+    assert len(priced) == 2 and decoded_tokens(priced[0]) == decoded_tokens(enough)

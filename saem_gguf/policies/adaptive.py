@@ -853,6 +853,12 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                     resident=resident)
         return slots
 
+    @property
+    def replays_its_layout(self) -> bool:
+        """Whether this policy chooses its slot layout by replaying the calibration sample where
+        the context can (``layout="auto"``)."""
+        return self._resident is None and self.adaptive.layout == "auto"
+
     def _replayed_layout(self, ctx: PolicyContext) -> int:
         """The count of whole resident layers (of layout.whole_layer_grid) under which this policy
         replays the calibration routing fastest; the fewest on a tie.
