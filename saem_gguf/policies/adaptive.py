@@ -847,7 +847,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if self.adaptive.layout == "uniform":
             return ctx.n_slots
         resident = self._resident
-        if resident is None and ctx.replay_calibration is not None:
+        if self.replays_its_layout and ctx.replay_calibration is not None:
             resident = self._replayed_layout(ctx)
         slots, _, _ = choose_layout(ctx.calib, ctx.top_k, ctx.n_slots, ctx.batch, ctx.cost.array,
                                     resident=resident)
