@@ -1009,13 +1009,14 @@ class Engine:
             tried = ", ".join(f"{n}: {tok:.4g}" for n, tok in prices.items())
             self.note(f"slot layout: {whole} of {n_slots.size} MoE layers fully resident, the rest cached "
                       f"(the fastest replaying the calibration sample; estimated tok/s by whole layers {tried})")
-        elif routing is not None and getattr(self.placement.policy, "replays_its_layout", False):
-            from saem_gguf.simulator import MIN_REPLAY_TOKENS, decoded_tokens
+        elif routing is not None and getattr(self.placement.policy, "replays_its_layout", False) \
+                and self.placement.policy.ctx.replay_calibration is None:
+            # the sample was there, but too short for the placement to replay (calibration_replay)
+            from saem_gguf.simulator import MIN_REPLAY_TOKENS
 
-            if decoded_tokens(routing) < MIN_REPLAY_TOKENS:
-                self.note(f"the profile's calibration sample holds {decoded_tokens(routing)} decoded tokens, too few "
-                          f"to replay (at least {MIN_REPLAY_TOKENS}): the slot layout is estimated from its counts "
-                          f"(calibrate on more prompts to have it replayed)")
+            self.note(f"the profile's calibration sample holds {routing.decoded_tokens} decoded tokens, too few "
+                      f"to replay (at least {MIN_REPLAY_TOKENS}): the slot layout is estimated from its counts "
+                      f"(calibrate on more prompts to have it replayed)")
         led = getattr(self.placement.policy, "replay_led", None)
         if led:
             leader = self.placement.policy.leader

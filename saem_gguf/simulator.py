@@ -318,14 +318,9 @@ def calibration_replay(sample: TraceSet | None, events: str = "detector", cues: 
     """The replay of calibration ``sample`` a policy may price its set-up on, or None where it
     has fewer than MIN_REPLAY_TOKENS decoded tokens (or none is known). The one gate for the
     simulator and the engine, so both set up alike."""
-    if sample is None or decoded_tokens(sample) < MIN_REPLAY_TOKENS:
+    if sample is None or sample.decoded_tokens < MIN_REPLAY_TOKENS:
         return None
     return CalibrationReplay(sample, events, cues, template)
-
-
-def decoded_tokens(ts: TraceSet) -> int:
-    """``ts``'s decoded tokens (its prompts left out)."""
-    return int(sum(sq.n_tokens - sq.prompt_len for sq in ts.sequences))
 
 
 @dataclass

@@ -54,6 +54,11 @@ class TraceSet:
     source: str = "synthetic"  # "synthetic" | "engine"
     meta: dict = field(default_factory=dict)
 
+    @property
+    def decoded_tokens(self) -> int:
+        """The sequences' decoded tokens (their prompts left out)."""
+        return int(sum(sq.n_tokens - sq.prompt_len for sq in self.sequences))
+
 
 # --------------------------------------------------------------------------------------------
 # File format (see docs/POLICIES.md, "Trace files")

@@ -272,12 +272,12 @@ def test_a_profile_sample_too_short_to_replay_sets_the_layout_statically(tmp_pat
     engine says why the layout was not replayed; with the packaged profile's whole sample it
     replays (the test above)."""
     from saem_gguf.default_model import default_profile_path
-    from saem_gguf.simulator import MIN_REPLAY_TOKENS, decoded_tokens
+    from saem_gguf.simulator import MIN_REPLAY_TOKENS
     from saem_gguf.stage.calibrate import encode_routing
 
     packaged = default_profile_path()
     short = calibration_sample(Profile.load(packaged).routing, MIN_REPLAY_TOKENS // 2)
-    assert 0 < decoded_tokens(short) < MIN_REPLAY_TOKENS
+    assert 0 < short.decoded_tokens < MIN_REPLAY_TOKENS
     data = json.loads(packaged.read_text())
     data["stats"]["calibration_routing"] = encode_routing(short)
     prof = tmp_path / "short.json"
@@ -289,6 +289,6 @@ def test_a_profile_sample_too_short_to_replay_sets_the_layout_statically(tmp_pat
         assert pol.replays_its_layout and pol.layout_prices == {} and not pol.replay_led
         assert not any(m.startswith("slot layout: ") for m in notes), notes
         said = [m for m in notes if "too few to replay" in m]
-        assert len(said) == 1 and f"holds {decoded_tokens(short)} decoded tokens" in said[0], notes
+        assert len(said) == 1 and f"holds {short.decoded_tokens} decoded tokens" in said[0], notes
     finally:
         eng.close()

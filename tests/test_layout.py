@@ -17,7 +17,7 @@ from saem_gguf.policies.layout import choose_layout, expert_use_probability, lay
 from saem_gguf import simulator
 from saem_gguf.simulator import (
     MIN_REPLAY_TOKENS, CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_replay,
-    calibration_sample, decoded_tokens, detector_events, sequence_cues, simulate, split_to_batch,
+    calibration_sample, detector_events, sequence_cues, simulate, split_to_batch,
 )
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
 
@@ -460,7 +460,7 @@ def test_a_sample_too_short_to_replay_is_not_replayed(monkeypatch):
     calib = _calibration(L, E, K, n_sequences=4, seed=7)
     short = calibration_sample(calib, MIN_REPLAY_TOKENS - 1)
     enough = calibration_sample(calib, 2 * MIN_REPLAY_TOKENS)
-    assert 0 < decoded_tokens(short) < MIN_REPLAY_TOKENS <= decoded_tokens(enough)
+    assert 0 < short.decoded_tokens < MIN_REPLAY_TOKENS <= enough.decoded_tokens
     assert calibration_replay(None) is None and calibration_replay(short) is None
     replay = calibration_replay(enough, "detector", "qwen3")
     assert isinstance(replay, CalibrationReplay) and replay.sample is enough and replay.cues == "qwen3"
@@ -476,4 +476,4 @@ def test_a_sample_too_short_to_replay_is_not_replayed(monkeypatch):
         expect, _, _ = choose_layout(calibration_counts(short, L, E), K, n_slots, 1, SMALL.array)
         assert row["whole_layers"] == int((expect == E).sum())
     simulate(ts, cfg, SMALL, calib=enough)
-    assert len(priced) == 2 and decoded_tokens(priced[0]) == decoded_tokens(enough)
+    assert len(priced) == 2 and priced[0].decoded_tokens == enough.decoded_tokens

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = STATIC + DYNAMIC + ("static-hot", "saem", "saem-cue")
     as_run = simulate_run(ts, HW_PRESETS[a.engine_hw].replace(cpu_cores=base.cpu_cores), shown, ecrs, calib)
     fitted = simulate_run(ts, hw, shown, ecrs, calib)
-    print(f"{a.run.name}: {trace.name}, {sum(s.n_tokens - s.prompt_len for s in ts.sequences)} decoded tokens "
+    print(f"{a.run.name}: {trace.name}, {ts.decoded_tokens} decoded tokens "
           f"(fitted on {', '.join(STATIC + DYNAMIC)}; saem simulated with this code, which is not the code "
           "nor the cost model its device rows ran with)")
     print("| policy | ECR | device tok/s | hit dev / sim | MB/token dev / sim | sim as run | sim fitted | fitted / device |")

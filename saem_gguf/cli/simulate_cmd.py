@@ -172,8 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.quiet:
         d = cost.describe()
-        n_tok = sum(s.n_tokens - s.prompt_len for s in ts.sequences)
-        print(f"traces: {source}: {len(ts.sequences)} sequences, {n_tok} decode tokens, "
+        print(f"traces: {source}: {len(ts.sequences)} sequences, {ts.decoded_tokens} decode tokens, "
               f"{res.info['calibration_sequences']} calibration sequences")
         print(f"cost: {d['model']} on {hw.name}: expert {cost.expert_bytes / 1e6:.2f} MB, transfer "
               f"{d['transfer_us']:.0f} us, GPU {d['gpu_expert_us_1tok']:.1f} us/expert, CPU "
