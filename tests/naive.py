@@ -318,7 +318,13 @@ def step_uses(rows: np.ndarray, slot_of: np.ndarray) -> tuple[int, int]:
 
 def lead_forecast(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon: int, memory: float, prior: float,
                   i: int, j: int, x: float) -> float:
-    """The next ``horizon`` steps' mean net-gain lead of adaptive-saem candidate ``i`` over ``j``
+    """lead_line's forecast: the line's value, at most its bound."""
+    return min(lead_line(scores, net_sums, horizon, memory, prior, i, j, x))
+
+
+def lead_line(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon: int, memory: float, prior: float,
+              i: int, j: int, x: float) -> tuple[float, float]:
+    """(line, bound) of the next ``horizon`` steps' mean net-gain lead of adaptive-saem candidate ``i`` over ``j``
     forecast from a score lead ``x`` (``policies/adaptive.py``, ``lead_forecast``), given each
     scored step's score vector and summed net gains as they stood before it (``scores[t]``,
     ``net_sums[t]``, the last entry the step being decided). Every past step ``t`` whose next
@@ -326,7 +332,8 @@ def lead_forecast(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon:
     scores[t][j]`` and the mean lead of its next ``horizon`` steps' net gains, weighted ``(1 -
     1 / memory) ** age`` (age 0 the newest). A weighted least-squares line through them, its
     slope shrunk towards 1 and its intercept towards 0 as if ``prior`` steps had said so, the
-    slope then kept within [0, 1]; with no observation, ``x`` itself."""
+    slope then kept within [0, 1], and its value at ``x``; the bound: the larger of ``x`` and the
+    observations' mean lead, that mean shrunk towards 0 alike. With no observation, ``x`` both."""
     keep = 1.0 - 1.0 / memory
     obs = []
     for t in range(len(scores) - 1 - horizon, -1, -1):
@@ -334,7 +341,7 @@ def lead_forecast(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon:
         gain = (net_sums[t + horizon] - net_sums[t]) / horizon
         obs.append((keep ** later, scores[t][i] - scores[t][j], gain[i] - gain[j]))
     if not obs:
-        return x
+        return x, x
     w = sum(o[0] for o in obs)
     mx = sum(o[0] * o[1] for o in obs) / w
     my = sum(o[0] * o[2] for o in obs) / w
@@ -344,4 +351,4 @@ def lead_forecast(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon:
     intercept = my - slope * mx
     slope = (w * slope + prior) / (w + prior)
     intercept = w * intercept / (w + prior)
-    return min(max(slope, 0.0), 1.0) * x + intercept
+    return min(max(slope, 0.0), 1.0) * x + intercept, max(x, w * my / (w + prior))

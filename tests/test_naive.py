@@ -218,7 +218,8 @@ def test_lead_forecast_equals_naive(seed):
     """The leader switch's lead forecast (the books decide_adaptive keeps, read by lead_forecast)
     equals naive.lead_forecast's weighted least squares, for every ordered pair of candidates and
     random score leads, after every step of random routing under the copy barrier: before the
-    first observation, while the prior weighs most, and after."""
+    first observation, while the prior weighs most, and after; where the line's value is within
+    its bound and where the bound holds it."""
     rng = np.random.default_rng(200 + seed)
     L, E, K, steps, horizon, memory, prior = 4, 16, 3, 70, 8, 20.0, 3.0
     calib = rng.random((L, E)) * 40
@@ -233,6 +234,7 @@ def test_lead_forecast_equals_naive(seed):
     routing = _routing(rng, steps, 1, L, E, K)
     scores, net_sums = [], []  # as each step found them: what the kernel records before deciding
     moved = 0.0
+    bounded = 0
     for s in range(steps):
         scores.append(pol._score.copy())
         net_sums.append(pol._cand[:, CAND_NET_SUM].copy())
@@ -246,7 +248,10 @@ def test_lead_forecast_equals_naive(seed):
                 want = naive.lead_forecast(scores, net_sums, horizon, memory, prior, i, j, x)
                 assert got == pytest.approx(want, rel=1e-7, abs=1e-7), (s, i, j)
                 moved = max(moved, abs(got - x))
+                line, bound = naive.lead_line(scores, net_sums, horizon, memory, prior, i, j, x)
+                bounded += line > bound + 1e-6
     assert moved > 1.0  # the forecast is not the lead itself: the books were exercised
+    assert bounded > 0  # and the bound held the line somewhere
 
 
 def test_estimated_step_equals_naive():

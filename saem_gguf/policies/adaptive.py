@@ -43,7 +43,8 @@ copy at its whole transfer; a switch to a cache leader copies its entrants as th
 each at an idle link's price). Under the barrier the lead
 a switch counts on is forecast, not taken as it stands: per pair of candidates, a line fitted
 to how the mean net-gain lead over the horizon after each past step followed the score lead at
-it (``record_leads``, ``lead_forecast``) says how much of a lead lasts. Scores of a few hits a
+it (``record_leads``, ``lead_forecast``) says how much of a lead lasts, never more than the
+larger of the lead now and the pair's mean lead. Scores of a few hits a
 step apart swing by tens between steps; a lead that such swings make and undo switched the
 cache back and forth, each switch back a burst of copies the next decode waits for.
 Copies are priced in hits, as the simulator prices the real cache's. Without the copy barrier,
@@ -627,9 +628,16 @@ def lead_forecast(books, C, H, i, j, x, prior):
     """The mean net-gain lead of candidate i over j in the next H steps, forecast from their
     score lead ``x`` now: a weighted least-squares line through the pair's past observations
     (``record_leads``' books), its slope shrunk towards 1 and its intercept towards 0 as if
-    ``prior`` steps had said so, the slope kept within [0, 1]; ``x`` itself before the first
-    observation. A lead that past leads of the pair kept (slope 1) counts whole; one that past
-    leads did not keep (noise in the scores: slope 0) counts for the pair's mean lead only."""
+    ``prior`` steps had said so, the slope kept within [0, 1], and the value at most the larger
+    of ``x`` and the pair's mean lead (shrunk alike); ``x`` itself before the first observation.
+    A lead that past leads of the pair kept (slope 1) counts whole; one that past leads did not
+    keep (noise in the scores: slope 0) counts for the pair's mean lead only. Why the bound: the
+    line may discount a lead, or credit the pair's record, but not extrapolate one. A cache that
+    starts far behind and closes the gap as it warms leaves a line steeper than 1 (its realized
+    leads ran 180 hits a step above its score leads, and more the further behind it was); at a
+    score lead of -386 the line forecast +4, and under the barrier the cache followed ``lru`` for
+    the last 930 of 1,322 steps at 0.960x temporal-cpu (drawn-1-2, ECR 50 %, batch 8;
+    docs/POLICIES.md, "No lead the line extrapolates")."""
     st = lead_sums_at(C, H)
     CC = C * C
     q = st + i * C + j
@@ -644,7 +652,7 @@ def lead_forecast(books, C, H, i, j, x, prior):
     intercept = my - slope * mx
     slope = (w * slope + prior) / (w + prior)
     intercept = w * intercept / (w + prior)
-    return min(max(slope, 0.0), 1.0) * x + intercept
+    return min(min(max(slope, 0.0), 1.0) * x + intercept, max(x, w * my / (w + prior)))
 
 
 @njit(cache=True)
