@@ -324,16 +324,17 @@ def lead_forecast(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon:
 
 def lead_line(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon: int, memory: float, prior: float,
               i: int, j: int, x: float) -> tuple[float, float]:
-    """(line, bound) of the next ``horizon`` steps' mean net-gain lead of adaptive-saem candidate ``i`` over ``j``
-    forecast from a score lead ``x`` (``policies/adaptive.py``, ``lead_forecast``), given each
-    scored step's score vector and summed net gains as they stood before it (``scores[t]``,
-    ``net_sums[t]``, the last entry the step being decided). Every past step ``t`` whose next
-    ``horizon`` steps are all known is one observation: its score lead ``scores[t][i] -
-    scores[t][j]`` and the mean lead of its next ``horizon`` steps' net gains, weighted ``(1 -
-    1 / memory) ** age`` (age 0 the newest). A weighted least-squares line through them, its
-    slope shrunk towards 1 and its intercept towards 0 as if ``prior`` steps had said so, the
-    slope then kept within [0, 1], and its value at ``x``; the bound: the larger of ``x`` and the
-    observations' mean lead, that mean shrunk towards 0 alike. With no observation, ``x`` both."""
+    """(line, bound) of the next ``horizon`` steps' mean net-gain lead of adaptive-saem candidate
+    ``i`` over ``j`` forecast from a score lead ``x`` (``policies/adaptive.py``,
+    ``lead_forecast``), given each scored step's score vector and summed net gains as they stood
+    before it (``scores[t]``, ``net_sums[t]``, the last entry the step being decided). Every
+    past step ``t`` whose next ``horizon`` steps are all known is one observation: its score
+    lead ``scores[t][i] - scores[t][j]`` and the mean lead of its next ``horizon`` steps' net
+    gains, weighted ``(1 - 1 / memory) ** age`` (age 0 the newest). The line: a weighted
+    least-squares line through them, its slope shrunk towards 1 and its intercept towards 0 as
+    if ``prior`` steps had said so, the slope then kept within [0, 1], at ``x``. The bound: the
+    larger of ``x`` and the observations' mean lead, that mean shrunk towards 0 alike. With no
+    observation, ``x`` both."""
     keep = 1.0 - 1.0 / memory
     obs = []
     for t in range(len(scores) - 1 - horizon, -1, -1):
