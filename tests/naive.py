@@ -316,12 +316,6 @@ def step_uses(rows: np.ndarray, slot_of: np.ndarray) -> tuple[int, int]:
     return hits, uses
 
 
-def lead_forecast(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon: int, memory: float, prior: float,
-                  i: int, j: int, x: float) -> float:
-    """lead_line's forecast: the line's value, at most its bound."""
-    return min(lead_line(scores, net_sums, horizon, memory, prior, i, j, x))
-
-
 def lead_line(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon: int, memory: float, prior: float,
               i: int, j: int, x: float) -> tuple[float, float]:
     """(line, bound) of the next ``horizon`` steps' mean net-gain lead of adaptive-saem candidate
@@ -334,7 +328,7 @@ def lead_line(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon: int
     least-squares line through them, its slope shrunk towards 1 and its intercept towards 0 as
     if ``prior`` steps had said so, the slope then kept within [0, 1], at ``x``. The bound: the
     larger of ``x`` and the observations' mean lead, that mean shrunk towards 0 alike. With no
-    observation, ``x`` both."""
+    observation, ``x`` both. The forecast is the smaller of the two."""
     keep = 1.0 - 1.0 / memory
     obs = []
     for t in range(len(scores) - 1 - horizon, -1, -1):
