@@ -380,6 +380,32 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
         assert named.layout_prices == {}
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_at_a_batch_a_layout_needs_the_margin_over_fewer_whole_layers(batch):
+    """Above batch 1 the count chosen is the fewest whole layers whose replay runs within
+    layout_margin of the fastest; at batch 1 the fastest. The replays are real; their prices are
+    set here (a near-tie within the margin, 2 fastest) so that the two rules differ."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K, n_sequences=4)
+    sample = calibration_sample(calib, 1500)
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                        calib_counts=calibration_counts(calib, L, E), batch=batch)
+    real = calibration_pricer(CalibrationReplay(sample), ctx)
+    set_price = {0: 99.0, 1: 99.85, 2: 100.0, 3: 99.95}
+
+    def pricer(make):
+        _, replayed = real(make)
+        return set_price[int(make().adaptive.layout.removeprefix("resident-"))], replayed
+
+    ctx.replay_calibration = pricer
+    pol = make_policy("saem")
+    state = pol.start(ctx)
+    assert pol.layout_prices == set_price and pol.adaptive.layout_margin == 0.002
+    assert int((state.n_slots == E).sum()) == (2 if batch == 1 else 1)
+    wide = make_policy("saem", layout_margin=0.02)
+    assert int((wide.start(ctx).n_slots == E).sum()) == (2 if batch == 1 else 0)
+
+
 def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     """Under the copy barrier (the engine's), saem's real cache starts following the candidate
     that led the most steps when the policy replayed its calibration routing under the layout it

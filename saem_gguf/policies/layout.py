@@ -19,9 +19,10 @@ resident layers (the uniform layout, whose cache can follow the routing).
 
 Where calibration routing is known (``PolicyContext.replay_calibration``) the adaptive saem
 does not use this estimate to pick the count of whole layers: it replays itself over that
-routing at each count of ``whole_layer_grid`` and keeps the fastest (adaptive.py; the replay
-cross-fitted and as wide as the batch: simulator.CalibrationReplay), which measured closer to
-the best layout (docs/POLICIES.md, "Is the chosen layout the best one?").
+routing at each count of ``whole_layer_grid`` and keeps the fastest, at a batch above 1 the
+fewest within ``layout_margin`` of it (adaptive.py; the replay cross-fitted and as wide as the
+batch: simulator.CalibrationReplay), which measured closer to the best layout
+(docs/POLICIES.md, "Is the chosen layout the best one?").
 This module still prices which layers go whole and how the rest is spread.
 
 Because the estimate is pessimistic for the uniform layout's cache, a layout with resident
