@@ -10,7 +10,7 @@ import pytest
 
 from saem_gguf.costmodel import C_SYNC, HW_PRESETS, MODEL_PRESETS, CostModel, t_gpu
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.adaptive import CTL_SCORED
+from saem_gguf.policies.adaptive import CTL_SCORED, resident_layers
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.cue_profiles import START
 from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
@@ -395,7 +395,7 @@ def test_at_a_batch_a_layout_needs_the_margin_over_fewer_whole_layers(batch):
 
     def pricer(make):
         _, replayed = real(make)
-        return set_price[int(make().adaptive.layout.removeprefix("resident-"))], replayed
+        return set_price[resident_layers(replayed[0].adaptive.layout)], replayed
 
     ctx.replay_calibration = pricer
     pol = make_policy("saem")
