@@ -240,10 +240,10 @@ def adaptive_barrier_charge(idle: float, copy_price: float, cost: np.ndarray, la
 
 
 def adaptive_clock_loss(rows: np.ndarray, held: np.ndarray, layer_copies: list[int], placed: int, backlog: float,
-                        cost: np.ndarray, seen: dict | None = None) -> tuple[float, float]:
+                        cost: np.ndarray, seen: dict | None = None, barrier: bool = False) -> tuple[float, float]:
     """(loss, backlog): what an adaptive-saem candidate's copies cost it on one step, in one-token
-    hits, on its own step clock (no copy barrier), and the seconds its link stays busy past the
-    step's end. The step is priced as the simulator prices a layer: every layer, cached or not,
+    hits, on its own step clock, and the seconds its link stays busy past the step's end. The
+    step is priced as the simulator prices a layer: every layer, cached or not,
     starts after its dense part; the experts ``held`` [L, E] (bool) run on the GPU, the rest on
     the CPU, slowed while the link is busy (``_layer_end``); ``layer_copies[l]`` copies queue on
     the link when layer ``l`` ends. The link starts the step busy for ``backlog`` seconds (the
@@ -252,13 +252,18 @@ def adaptive_clock_loss(rows: np.ndarray, held: np.ndarray, layer_copies: list[i
     token's hit saves; the backlog is where the link frees past the step's end (its part outside
     the layers included). ``seen["gpu_bound"]`` (when given) counts the layers whose GPU part
     outlasted their CPU part slowed throughout while the link was busy: with CPU/GPU overlap the
-    slow-down costs such a layer nothing."""
+    slow-down costs such a layer nothing.
+
+    Under the copy barrier (``barrier``; the next decode waits for every copy queued before it)
+    ``backlog`` is ignored: the step's link starts idle, the ``placed`` copies (issued after the
+    last step) are a stall of their whole transfer, and so is the link's run past the step's end;
+    both are in the loss, and that run is the backlog returned."""
     one = t_cpu(1, cost) - t_gpu(1, cost)
     free = cost.copy()
     free[C_DMA_SLOW] = 1.0
     ends = []
     for c in (cost, free):
-        now, link = 0.0, backlog + placed * t_xfer(c)
+        now, link = 0.0, 0.0 if barrier else backlog + placed * t_xfer(c)
         for l in range(rows.shape[1]):
             uses: dict[int, int] = {}
             for b in range(rows.shape[0]):
@@ -276,7 +281,10 @@ def adaptive_clock_loss(rows: np.ndarray, held: np.ndarray, layer_copies: list[i
                 link = max(now, link) + layer_copies[l] * t_xfer(c)
         ends.append((now + c[C_STEP_S], link))
     (end, link), (end_free, _) = ends
-    return (end - end_free) / one, max(link - end, 0.0)
+    run_past = max(link - end, 0.0)
+    if barrier:
+        return (end - end_free + placed * t_xfer(cost) + run_past) / one, run_past
+    return (end - end_free) / one, run_past
 
 
 def expected_step_s(calib: np.ndarray, top_k: int, n_slots: np.ndarray, cost: np.ndarray) -> float:

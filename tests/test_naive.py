@@ -117,18 +117,20 @@ def test_cpu_caches_equal_naive(name, kind, seed):
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("load_slope,barrier,clock,overlap", [(0.0, False, False, False), (0.5, False, False, False),
-                                                              (0.5, True, True, False), (0.5, False, True, False),
+                                                              (0.5, True, False, False), (0.5, True, True, False),
+                                                              (0.5, True, True, True), (0.5, False, True, False),
                                                               (0.5, False, True, True), (0.5, False, True, "gpu")])
 def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, overlap):
     """Adaptive saem's candidate scores (decide_adaptive) equal naive.adaptive_step_gain averaged
     as documented: plain means over the first horizon, then weight 1 / horizon, on random
     routing with rows that finish early and layers of every cache size; each candidate's copies
     priced by its own link load (naive.adaptive_copy_price, its copy rate averaged with weight
-    1 / horizon from 0); under the copy barrier each step's copies charged by
-    naive.adaptive_barrier_charge instead (a link clock: idle or queued copies, and the time it
-    runs past the step at the whole transfer); with the step clock (no barrier) by what they
-    slow the candidate's CPU experts on its own step clock (naive.adaptive_clock_loss, its link's
-    backlog carried from step to step), the layers without a cache included, and with CPU and
+    1 / horizon from 0); under the copy barrier with the step clock off each step's copies charged
+    by naive.adaptive_barrier_charge instead (a link clock: idle or queued copies, and the time it
+    runs past the step at the whole transfer); with the step clock by what they slow the
+    candidate's CPU experts on its own step clock (naive.adaptive_clock_loss, its link's backlog
+    carried from step to step, or under the barrier a stall at the step's end), the layers
+    without a cache included, and with CPU and
     GPU experts overlapping (layer_end's other branch); ``overlap="gpu"`` slows the GPU tenfold,
     so that some layers' GPU part outlasts their slowed CPU part: the slow-down costs those
     nothing (a copy once charged the CPU part's whole slow-down there)."""
@@ -185,7 +187,7 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, ov
                 copies, after_scoring = int(np.count_nonzero(entrants)), after[:, :, c]
                 layer_copies, ranked = entrants.sum(axis=1).tolist(), 0
             rate[c] += alpha * (copies - rate[c])
-            if barrier:
+            if barrier and not clock:
                 charge, stall = naive.adaptive_barrier_charge(pol._ctl[CTL_COPY_COST], pol.adaptive.copy_price,
                                                               cost, layer_copies, ranked, step_s)
                 stalled |= stall > 0
@@ -194,8 +196,11 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, ov
             elif clock:
                 carried |= backlog[c] > 0
                 loss, backlog[c] = naive.adaptive_clock_loss(routing[s], before[:, :, c], layer_copies, ranked,
-                                                             backlog[c], cost, seen)
+                                                             backlog[c], cost, seen, barrier)
                 slowed |= loss > 0
+                if barrier:  # the run past the step was a stall, not a backlog the next step carries
+                    stalled |= backlog[c] > 0
+                    backlog[c] = 0.0
                 gain = naive.adaptive_step_gain(routing[s], before[:, :, c], after_scoring, n_slots, cost, 0.0) - loss
             else:
                 price = naive.adaptive_copy_price(pol._ctl[CTL_COPY_COST], cost, rate[c], step_s, load_slope)
@@ -207,9 +212,9 @@ def test_adaptive_scores_equal_naive(seed, batch, load_slope, barrier, clock, ov
         np.testing.assert_allclose(pol._score, expect, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(pol.mean_scores(), total / scored, rtol=1e-9, atol=1e-9)
     assert priced_above_idle == (load_slope > 0 and not barrier and not clock)  # the load term was exercised
-    assert slowed == carried == (clock and not barrier)  # and the step clock's slow-down and backlog
+    assert slowed == clock and carried == (clock and not barrier)  # and the step clock's slow-down and backlog
     assert (seen.get("gpu_bound", 0) > 0) == (overlap == "gpu")  # and GPU-bound layers
-    assert stalled == barrier and queued == barrier  # and the barrier's stall and queue
+    assert stalled == barrier and queued == (barrier and not clock)  # and the barrier's stall and queue
     assert sum(r == "cue" for _, r in pol.boundaries) >= 2  # and the stage candidate's re-ranks
 
 

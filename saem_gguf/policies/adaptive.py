@@ -47,14 +47,16 @@ it (``record_leads``, ``lead_forecast``) says how much of a lead lasts, never mo
 larger of the lead now and the pair's mean lead. Scores of a few hits a
 step apart swing by tens between steps; a lead that such swings make and undo switched the
 cache back and forth, each switch back a burst of copies the next decode waits for.
-Copies are priced in hits, as the simulator prices the real cache's. Without the copy barrier,
-on each candidate's own step clock (``step_clock``, ``_clock_layer``): every layer starts after
-its dense part, the candidate's held experts run on the GPU and the rest on the CPU, slowed ``f``
-times (C_DMA_SLOW: host-to-device DMA reads host memory) while its link is busy, and its copies
-queue on its link when their layer ends (a stage re-rank's at the step's start); the link's
-backlog carries into the next step. What the slow-down cost its CPU experts, over what one hit
-saves (``t_cpu(1) - t_gpu(1)``), is the price. Why: a copy costs what CPU work it overlaps, and
-that depends on the candidate. At ECR 50 % a cache that hits 87 % of the time runs few CPU
+Copies are priced in hits, as the simulator prices the real cache's: on each candidate's own
+step clock (``step_clock``, ``_clock_layer``): every layer starts after its dense part, the
+candidate's held experts run on the GPU and the rest on the CPU, slowed ``f`` times (C_DMA_SLOW:
+host-to-device DMA reads host memory) while its link is busy, and its copies queue on its link
+when their layer ends (a stage re-rank's at the step's start); the link's backlog carries into
+the next step. Under the copy barrier (the engine's native layer: each decode waits for every
+copy queued before it) the link's run past the step and a re-rank's copies are instead a stall
+of the next decode. What the slow-down and the stall cost, over what one hit saves
+(``t_cpu(1) - t_gpu(1)``), is the price. Why: a copy costs what CPU work it overlaps, and that
+depends on the candidate. At ECR 50 % a cache that hits 87 % of the time runs few CPU
 experts and its copies mostly overlap none; a price per copy charged ``lrfu-16``'s extra copies
 more than its extra hits earned, and the cache followed ``lrfu-64``, 1.5 % slower
 (``drawn-2-14``, ECR 50 %, batch 1; docs/POLICIES.md, "Copies priced on a step clock").
@@ -64,9 +66,9 @@ times ``1 - 1/f``) over what one hit saves. It prices a switch's copies, and, wi
 off (or a fixed ``copy_cost``), every copy: a candidate that copies much keeps the link busy, its
 copies queue and their whole transfer slows CPU experts, so each candidate's copies are priced by
 its own link load (its copy rate times ``t_xfer`` over an estimated step, ``copy_charge``), from
-``copy_cost`` on an idle link towards the busy-link price. Under the copy barrier (the engine's
-native layer: each decode waits for every copy queued before it) a step's copies are priced as
-that step pays them instead, on a link clock of the candidate's own: a copy issued after layer
+``copy_cost`` on an idle link towards the busy-link price. Under the copy barrier with the step
+clock off a step's copies are priced as that step pays them instead, on a link clock of the
+candidate's own in copy times (``barrier_stalls``): a copy issued after layer
 ``l`` of ``L`` starts at ``(l + 1) / L`` of the estimated step (``CTL_HIDDEN_COPIES`` copy times)
 or when the link frees; one that finds the link idle costs ``copy_cost``, one queued behind
 another the busy-link price (``CTL_QUEUED_COST``: its whole transfer slows CPU experts), and the
@@ -154,7 +156,7 @@ CTL_CACHE_SWITCH_COST = 14  # under the barrier, CTL_SWITCH_COST of a switch to 
 CTL_QUEUED_COST = 15  # under the barrier, a copy queued behind another's price in hits (no dense part hides it)
 CTL_LEAD_KEEP = 16  # under the barrier, the weight a past lead's observation keeps per step (0: no forecast)
 CTL_LEAD_PRIOR = 17  # steps the lead forecast's prior (slope 1, intercept 0) is worth
-CTL_CLOCK = 18  # 1: without the barrier, a candidate's copies are priced on its own step clock (seconds)
+CTL_CLOCK = 18  # a candidate's copies are priced on its own step clock (seconds): 1 its link's backlog carries, 2 (the barrier) it is a stall
 N_CTL = 19
 
 
@@ -232,11 +234,12 @@ class AdaptiveConfig:
     # prompt's routing, and the cache followed it with a burst of copies (fitted device costs,
     # ECR 50 %: a second request at 174.5 tok/s against static-hot's 233.5; charged, 233.5)
     charge_placements: bool = True
-    # under the copy barrier, a step's copies are priced on the candidate's own link clock: the
-    # idle price for one that finds the link free, the busy-link price for one queued behind
-    # another, the whole transfer for the time the clock runs past the step (the next decode
-    # waits for it); off: priced as without the barrier (the step clock, or with it off the
-    # averaged link load)
+    # under the copy barrier with the step clock off, a step's copies are priced on the
+    # candidate's own link clock in copy times: the idle price for one that finds the link free,
+    # the busy-link price for one queued behind another, the whole transfer for the time the clock
+    # runs past the step (the next decode waits for it); off: by the averaged link load
+    # (copy_charge). The step clock prices the same three things in seconds, as the simulator
+    # does (below)
     barrier_stalls: bool = True
     # where the calibration replay chose the layout: each candidate's score starts at its mean
     # net gain per step in that replay, worth this many steps (0: none), instead of 0 and plain
@@ -265,11 +268,15 @@ class AdaptiveConfig:
     lead_memory_steps: float = 1024.0
     # the fitted line starts as the score lead itself (slope 1, intercept 0), worth this many steps
     lead_prior_steps: float = 512.0
-    # without the barrier, each candidate's copies are priced on its own step clock, as the
-    # simulator prices the real cache's: the seconds they slow the CPU experts that run while
-    # its link is busy; off: copy_charge's price per copy by the averaged link load. On, every
-    # set's geometric mean saem / best other rose by 0.03-0.14 % (docs/POLICIES.md, "Copies
-    # priced on a step clock")
+    # each candidate's copies are priced on its own step clock, as the simulator prices the real
+    # cache's: the seconds they slow the CPU experts that run while its link is busy, and under
+    # the copy barrier the seconds its link runs past the step, which the next decode waits for;
+    # off: copy_charge's price per copy by the averaged link load, or under the barrier the link
+    # clock in copy times (barrier_stalls). On, every set's geometric mean saem / best other rose
+    # by 0.03-0.14 % without the barrier; under it five of six sets' rose by 0.01-0.05 % (the
+    # copy-time clock charged a queued copy its whole transfer's slow-down where few CPU experts
+    # ran: drawn-2-14, ECR 50 %, batch 1, 0.988x -> 0.998x temporal-cpu) and the device family's
+    # fell by 0.11 % (docs/POLICIES.md, "Copies priced on a step clock", "... under the barrier")
     step_clock: bool = True
     # at a batch above 1, a layout with more whole resident layers is chosen only where its
     # calibration replay runs more than this share faster than every layout with fewer (the
@@ -400,11 +407,14 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
     queued = ctl[CTL_QUEUED_COST]
     link = np.zeros(C, np.float64)
     dma = np.zeros(C, np.float64)
-    clock = ctl[CTL_CLOCK] > 0 and hidden == 0
+    clock = ctl[CTL_CLOCK] > 0
+    stalls = ctl[CTL_CLOCK] > 1
     R = gain_of.shape[0] // 3
     now = np.zeros(C, np.float64)
-    if clock:
-        for c in range(C):
+    for c in range(C):
+        if stalls:  # a placement's copies are issued between steps: the next decode waits for them
+            dma[c] = cand[c, CAND_PLACED] * t_xfer(cost)
+        elif clock:
             link[c] = cand[c, CAND_BACKLOG] + cand[c, CAND_PLACED] * t_xfer(cost)
     if hidden > 0:
         for c in range(C):
@@ -552,7 +562,10 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
             net[c] -= dma[c] + max(link[c] - hidden, 0.0) * (ctl[CTL_COPY_COST_FULL] - queued)
         elif clock:  # the seconds its copies slowed the step by, over what one hit saves
             now[c] += cost[C_STEP_S]
-            cand[c, CAND_BACKLOG] = max(link[c] - now[c], 0.0)
+            if stalls:  # the barrier: the next decode waits for the link, whole
+                dma[c] += max(link[c] - now[c], 0.0)
+            else:
+                cand[c, CAND_BACKLOG] = max(link[c] - now[c], 0.0)
             net[c] -= dma[c] / (gain_of[R + 1] - gain_of[2 * R + 1])
         else:
             net[c] -= made[c] * copy_charge(kappa, ctl[CTL_COPY_COST_FULL], cand[c, CAND_RATE] * ctl[CTL_LINK_SHARE],
@@ -570,8 +583,9 @@ def _clock_layer(now, link, c, gpu_s, cpu_s, n_cpu, n_in, cost):
     then ``n_in`` copies issued at the layer's end. Advances ``now[c]`` and ``link[c]``; returns
     the seconds the link added to the layer (its end less its end on an idle link)."""
     t = now[c] + cost[C_DENSE_LAYER_S]
-    end = layer_end(t, t + gpu_s, cpu_s, n_cpu, cost, link[c])
     idle = layer_end(t, t + gpu_s, cpu_s, n_cpu, cost, -np.inf)
+    # a link free when the layer starts slows none of it (most layers: the copies come in bursts)
+    end = idle if link[c] <= t else layer_end(t, t + gpu_s, cpu_s, n_cpu, cost, link[c])
     now[c] = end
     if n_in > 0:
         link[c] = max(end, link[c]) + n_in * t_xfer(cost)
@@ -969,7 +983,13 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             if self.adaptive.copy_cost is None else self.adaptive.copy_cost
         self._ctl[CTL_LINK_SHARE] = t_xfer(ctx.cost.array) / estimated_step_s(ctx, state.n_slots)
         self._ctl[CTL_LOAD_SLOPE] = self.adaptive.load_slope
-        if barrier and self.adaptive.barrier_stalls:
+        # copies are priced on each candidate's step clock (a fixed copy_cost is one price per
+        # copy, as it says); under the barrier the link's run past the step is a stall
+        clock = self.adaptive.step_clock and self.adaptive.copy_cost is None and \
+            t_cpu(1, ctx.cost.array) > t_gpu(1, ctx.cost.array)
+        if clock:
+            self._ctl[CTL_CLOCK] = 2.0 if barrier else 1.0
+        elif barrier and self.adaptive.barrier_stalls:
             self._ctl[CTL_HIDDEN_COPIES] = 1.0 / self._ctl[CTL_LINK_SHARE]
             # a queued copy hides behind no dense part: its whole transfer slows CPU experts, at
             # copy_price as the idle price is (without the barrier, copy_charge's busy-link price)
@@ -989,10 +1009,6 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         self._gain_of, self._ctl[CTL_SYNC_GAIN] = clock_tables(ctx.cost.array, max(int(ctx.batch), 1))
         self._gain_rows = len(self._gain_of) // 3  # a plain int: no NumPy attribute read per step
         cost = ctx.cost.array
-        # without the barrier, copies are priced on each candidate's step clock (a fixed copy_cost
-        # is one price per copy, as it says)
-        if self.adaptive.step_clock and self.adaptive.copy_cost is None and t_cpu(1, cost) > t_gpu(1, cost):
-            self._ctl[CTL_CLOCK] = 1.0
         self._behind = np.ones(ctx.n_layer, np.uint8)
         E = ctx.n_expert
         self._scratch = scratch_buffer(E)
