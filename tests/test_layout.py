@@ -10,7 +10,7 @@ import pytest
 
 from saem_gguf.costmodel import C_SYNC, HW_PRESETS, MODEL_PRESETS, CostModel, t_gpu
 from saem_gguf.policies import make_policy
-from saem_gguf.policies.adaptive import CTL_SCORED, resident_layers
+from saem_gguf.policies.adaptive import CTL_FIRST_SWITCH, CTL_SCORED, resident_layers
 from saem_gguf.policies.base import PolicyContext
 from saem_gguf.policies.cue_profiles import START
 from saem_gguf.policies.layout import choose_layout, expert_use_probability, layer_time_table, whole_layer_grid
@@ -413,7 +413,7 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     candidate's score starts at its mean over those replays' steps; a leader named in the options
     wins; without a replay (uniform layout) or without the barrier it is lrfu-16, temporal-cpu's
     rule. The scores start at the replay's means with or without the barrier, and at 0 without a
-    replay."""
+    replay; under the barrier the first_switch steps are the run's own, not the prior's."""
     L, E, K = 6, 32, 4
     # paper-length stages: here the replay's most-led rule is lrfu-64, not the default lrfu-16
     calib = make_stage_traces(SyntheticConfig(n_layer=L, n_expert=E, top_k=K, n_sequences=4, seed=10))
@@ -434,6 +434,8 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     np.testing.assert_allclose(pol.replay_score, mean, rtol=1e-12)
     np.testing.assert_array_equal(pol._score, pol.replay_score)
     assert pol._ctl[CTL_SCORED] == pol.adaptive.prior_steps == 16
+    # and the run's own first steps, not the prior's, must pass before it may switch away
+    assert pol._ctl[CTL_FIRST_SWITCH] == pol.adaptive.first_switch + 16 == 24
     unprimed = make_policy("saem", prior_steps=0)
     unprimed.start(ctx)
     assert not unprimed._score.any() and unprimed._ctl[CTL_SCORED] == 0
@@ -456,6 +458,7 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     mean = sum(p.mean_scores() * p.scored_steps() for p in held_plain) / sum(p.scored_steps() for p in held_plain)
     np.testing.assert_allclose(no_barrier._score, mean, rtol=1e-12)
     assert no_barrier._ctl[CTL_SCORED] == 16
+    assert no_barrier._ctl[CTL_FIRST_SWITCH] == no_barrier.adaptive.first_switch  # the prior's steps count
 
 
 def test_simulate_gives_saem_its_calibration_sample_to_replay():

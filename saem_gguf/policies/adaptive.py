@@ -134,7 +134,7 @@ CAND_REF = 2  # KIND_DECAY: the step the keys are scaled to
 CAND_RATE = 3  # copies per step, averaged like the score: how busy the candidate keeps the link
 CAND_PLACED = 4  # copies a fixed set's re-rank made since the last step (the stage rule's placements)
 CAND_NET_SUM = 5  # its step gains net of copies, summed over every step scored (a replay's mean: the prior)
-CAND_BACKLOG = 6  # the step clock: seconds its link stays busy past the end of the last step
+CAND_BACKLOG = 6  # the step clock without the barrier: seconds its link stays busy past the end of the last step
 N_CAND = 7
 
 # Control block of the kernel (float64 array ``ctl``)
@@ -151,12 +151,12 @@ CTL_FIRST_SWITCH = 9  # steps scored before the leader may change
 CTL_COPY_COST_FULL = 10  # a copy's cost in hits when its whole transfer slows CPU experts (a busy link)
 CTL_LINK_SHARE = 11  # share of an estimated step the link needs for one copy (t_xfer / step time)
 CTL_LOAD_SLOPE = 12  # how much of the busy-link price a copy pays per unit of load (copy_charge)
-CTL_HIDDEN_COPIES = 13  # under the copy barrier, an estimated step in copy times: where the link clock ends (0: no barrier)
+CTL_HIDDEN_COPIES = 13  # barrier, step clock off: an estimated step in copy times, where the link clock ends (0: off)
 CTL_CACHE_SWITCH_COST = 14  # under the barrier, CTL_SWITCH_COST of a switch to a cache leader (0: the same)
 CTL_QUEUED_COST = 15  # under the barrier, a copy queued behind another's price in hits (no dense part hides it)
 CTL_LEAD_KEEP = 16  # under the barrier, the weight a past lead's observation keeps per step (0: no forecast)
 CTL_LEAD_PRIOR = 17  # steps the lead forecast's prior (slope 1, intercept 0) is worth
-CTL_CLOCK = 18  # a candidate's copies are priced on its own step clock (seconds): 1 its link's backlog carries, 2 (the barrier) it is a stall
+CTL_CLOCK = 18  # copies priced on each candidate's step clock: 1 its link's backlog carries, 2 (barrier) a stall
 N_CTL = 19
 
 
@@ -222,7 +222,8 @@ class AdaptiveConfig:
     # (slots_for), else DEFAULT_START_LEADER when it is a candidate, else the stage rule
     start_leader: str | None = None
     # steps scored before the leader may change: the first steps' scores are means of a few
-    # noisy steps, and a cache's copies are charged when made, before the hits they buy
+    # noisy steps, and a cache's copies are charged when made, before the hits they buy (under
+    # the barrier, with the replay's prior, steps of the run itself: the prior does not count)
     first_switch: int = 8
     # with the step clock off, copies are priced by how busy the candidate keeps the link
     # (copy_charge): the mean price of its copies rises from copy_cost to the busy-link price by
@@ -400,9 +401,10 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
                 scale[c] = 1.0
     net = np.zeros(C, np.float64)  # this step's gains minus priced copies, per candidate
     made = np.zeros(C, np.float64)  # copies each candidate made this step
-    # under the barrier, each candidate's link clock (in copy times from the step's start) and the
-    # DMA price of its copies so far: a stage re-rank's placement (CAND_PLACED, made between
-    # steps) is queued at the start
+    # under the barrier with the step clock off, each candidate's link clock (in copy times from
+    # the step's start) and the DMA price of its copies so far: a stage re-rank's placement
+    # (CAND_PLACED, made between steps) is queued at the start; on its step clock, the seconds
+    # its copies slowed the step by (and under the barrier, stalled the next)
     hidden = ctl[CTL_HIDDEN_COPIES]
     queued = ctl[CTL_QUEUED_COST]
     link = np.zeros(C, np.float64)
@@ -557,7 +559,7 @@ def decide_adaptive(rows, g, slot_of, owner, n_slots, cand, c_slot, c_owner, c_k
         made[c] += cand[c, CAND_PLACED]
         cand[c, CAND_PLACED] = 0.0
         cand[c, CAND_RATE] += alpha * (made[c] - cand[c, CAND_RATE])
-        if hidden > 0:  # the barrier: the clock's run past the step holds up the next one, whole
+        if hidden > 0:  # the barrier's copy-time clock: its run past the step holds up the next one, whole
             # (what a copy in it was charged for slowing CPU experts is taken back: none run then)
             net[c] -= dma[c] + max(link[c] - hidden, 0.0) * (ctl[CTL_COPY_COST_FULL] - queued)
         elif clock:  # the seconds its copies slowed the step by, over what one hit saves
@@ -1006,6 +1008,10 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
             self._score[:] = self.replay_score
             self._ctl[CTL_SCORED] = self.adaptive.prior_steps
             self._cand[:, CAND_NET_SUM] = self.replay_score * self.adaptive.prior_steps
+            if barrier:
+                # the leader at start is the replay's most-led, which the means may put a hair
+                # behind another: the run's own first steps, not the prior, decide a switch away
+                self._ctl[CTL_FIRST_SWITCH] += self.adaptive.prior_steps
         self._gain_of, self._ctl[CTL_SYNC_GAIN] = clock_tables(ctx.cost.array, max(int(ctx.batch), 1))
         self._gain_rows = len(self._gain_of) // 3  # a plain int: no NumPy attribute read per step
         cost = ctx.cost.array
