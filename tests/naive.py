@@ -324,6 +324,25 @@ def step_uses(rows: np.ndarray, slot_of: np.ndarray) -> tuple[int, int]:
     return hits, uses
 
 
+def warm_step_lines(rows: np.ndarray, n_slots: np.ndarray, c_slot: np.ndarray, c_key: np.ndarray,
+                    stamp: np.ndarray) -> int:
+    """What the adaptive policy's warm pass sums: for every use (row, layer, k) of a row entry
+    that names an expert, in a layer with cache slots, the expert's first and last candidate
+    slot and its stamp, plus one for each of its first and last candidate keys above 0."""
+    C = c_key.shape[2]
+    total = 0
+    for row in rows.tolist():
+        for layer, experts in enumerate(row):
+            if n_slots[layer] == 0:
+                continue
+            for e in experts:
+                if e < 0:
+                    continue
+                total += int(c_slot[layer, e, 0]) + int(c_slot[layer, e, C - 1]) + int(stamp[layer, e])
+                total += int(c_key[layer, e, 0] > 0) + int(c_key[layer, e, C - 1] > 0)
+    return total
+
+
 def lead_line(scores: list[np.ndarray], net_sums: list[np.ndarray], horizon: int, memory: float, prior: float,
               i: int, j: int, x: float) -> tuple[float, float]:
     """(line, bound) of the next ``horizon`` steps' mean net-gain lead of adaptive-saem candidate

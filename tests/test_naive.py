@@ -13,6 +13,7 @@ from saem_gguf.policies.base import MISS_CPU, MISS_RULE, PolicyContext
 from saem_gguf.policies.ranking import plan_from_scores
 from saem_gguf.policies.adaptive import (
     CAND_NET_SUM, CTL_ALPHA, CTL_COPY_COST, CTL_LEAD_KEEP, AdaptiveSaemPolicy, estimated_step_s, lead_forecast,
+    warm_step_lines,
 )
 from saem_gguf.policies.state import CacheState, RoutingBlock, StepEvents, step_uses
 from saem_gguf.pricing import price_steps
@@ -53,6 +54,21 @@ def test_step_uses_equals_naive(seed):
     st = _random_state(rng, L, E)
     rows = _routing(rng, 3, B, L, E, K)[int(rng.integers(0, 3))]
     assert step_uses(rows, st.slot_of) == naive.step_uses(rows, st.slot_of)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_warm_step_lines_equals_naive(seed):
+    """The adaptive step's warm pass reads the books of the step's uses in cached layers."""
+    rng = np.random.default_rng(seed)
+    L, E, K, B, C = int(rng.integers(1, 6)), int(rng.integers(4, 16)), 2, int(rng.integers(1, 5)), int(rng.integers(1, 8))
+    n_slots = rng.integers(0, 3, L).astype(np.int32)  # some layers with no cache
+    rows = _routing(rng, 3, B, L, E, K)[int(rng.integers(0, 3))]
+    rows[rng.random(rows.shape) < 0.1] = -1  # entries that name no expert
+    c_slot = rng.integers(-1, 4, (L, E, C)).astype(np.int32)
+    c_key = rng.normal(size=(L, E, C))
+    stamp = rng.integers(-1, 1000, (L, E))
+    got = warm_step_lines(rows, n_slots, c_slot, c_key, stamp)
+    assert got == naive.warm_step_lines(rows, n_slots, c_slot, c_key, stamp)
 
 
 @pytest.mark.parametrize("seed", range(40))
