@@ -2,7 +2,7 @@
 every policy at 48 layers x 128 experts x top-8).
 
     python bench/bench_placement_cost.py [--layers 48] [--experts 128] [--top-k 8] [--ecr 25%]
-                                         [-n 200] [--reps 3] [--policies a,b,...] [--json OUT]
+                                         [-n 200] [--reps 3] [--policies a,b,...] [--parts] [--json OUT]
 
 One process, one generated model of that routing shape (tiny matrices, so llama.cpp's decode is
 cheap and the placement's share is visible). For each policy the engine decodes ``-n`` tokens
@@ -25,6 +25,9 @@ token``): it tells the decode's memory traffic from the time passing (on the 2-c
 machine, a virtual machine, idling alone costs as much as a decode: docs/POLICIES_HISTORY.md, per-token
 cost). Each policy's median is also given as a share of the whole token (llama.cpp's decode,
 sampling, detokenizing and the placement, from one on_token call to the next, in the same run).
+``--parts`` adds one more live run per policy and repetition, with clock reads at the joints of
+``on_token`` (``part_times``): the median per token of the stage detector, the link meter, the
+policy's ``observe``, the native copies and the rest, to tell which part a change should go after.
 """
 
 from __future__ import annotations
@@ -126,6 +129,68 @@ def replayed_tokens(eng: Engine, seen: list[tuple], idle_us: float = 0.0) -> lis
     return wall
 
 
+PROMPT = "Wait, let me verify: what is 2 + 3?"
+
+# the joints of Placement.on_token that part_times clocks: (part, object attribute, method names)
+PARTS = (("detector", "pair", ("feed_checked", "feed")), ("detector", "detector", ("feed_checked", "feed")),
+         ("link meter", "link", ("budget", "decided")), ("policy", "policy", ("observe",)),
+         ("copies", None, ("_put_in_force",)))
+PART_NAMES = ("detector", "link meter", "policy", "copies", "rest")
+
+
+def part_times(eng: Engine, prompt: str, n: int) -> dict[str, list[float]]:
+    """Where each decoded token's placement time goes: one more live run of ``n`` tokens with
+    clock reads at the joints of ``Placement.on_token`` (the stage detector or detector pair, the
+    link meter, the policy's ``observe``, the native copies and slot maps; "rest" is what the
+    call took besides, the routing read and its own Python), in microseconds per token. Its
+    clock reads cost time of their own, so its totals are not the wall figures above; the
+    shares tell which part a change should go after."""
+    pl = eng.placement
+    now = time.perf_counter
+    acc = dict.fromkeys(PART_NAMES, 0.0)
+    wrapped: list[tuple[object, str]] = []
+
+    def clocked(obj, name: str, part: str) -> None:
+        inner = getattr(obj, name)
+
+        def call(*args, **kw):
+            t = now()
+            try:
+                return inner(*args, **kw)
+            finally:
+                acc[part] += (now() - t) * 1e6
+        setattr(obj, name, call)
+        wrapped.append((obj, name))
+
+    for part, attr, names in PARTS:
+        obj = pl if attr is None else getattr(pl, attr)
+        if obj is None or (attr == "detector" and pl.pair is not None):  # the pair runs in its place
+            continue
+        for name in names:
+            clocked(obj, name, part)
+    out: dict[str, list[float]] = {k: [] for k in PART_NAMES}
+    inner_token = pl.on_token
+
+    def on_token(piece: bytes):
+        for k in acc:
+            acc[k] = 0.0
+        t = now()
+        r = inner_token(piece)
+        total = (now() - t) * 1e6
+        acc["rest"] = total - sum(acc[k] for k in PART_NAMES if k != "rest")
+        for k in PART_NAMES:
+            out[k].append(acc[k])
+        return r
+
+    pl.on_token = on_token
+    try:
+        eng.generate(prompt, n_predict=n)
+    finally:
+        for obj, name in [(pl, "on_token")] + wrapped:
+            delattr(obj, name)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=48)
@@ -138,6 +203,9 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default=",".join(ENGINE_POLICIES),
                    help="comma-separated; saem:uniform is the default saem with the uniform slot layout "
                         "(the budget's slots in every layer, what a model whose experts dominate gets)")
+    p.add_argument("--parts", action="store_true",
+                   help="also one more live run per policy and repetition with clock reads at the joints of "
+                        "the placement (detector, link meter, policy, copies, rest): medians per token")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     path = ensure_model(ModelSpec(n_layer=a.layers, n_expert=a.experts, n_expert_used=a.top_k, expert_pool=8))
@@ -156,14 +224,17 @@ def main(argv=None) -> int:
                 args = {"layout": layout} if layout else None
                 eng.set_placement(name, int(slots), args)
                 periods: list[float] = []
-                wall, cpu, seen = timed_tokens(eng, "Wait, let me verify: what is 2 + 3?", a.n, periods)
+                wall, cpu, seen = timed_tokens(eng, PROMPT, a.n, periods)
                 eng.set_placement(name, int(slots), args)
                 replay = replayed_tokens(eng, seen)
                 eng.set_placement(name, int(slots), args)
                 idle = replayed_tokens(eng, seen, statistics.median(periods))
-                runs[pol].append({"wall": wall[a.skip:], "cpu": cpu[a.skip:], "replay": replay[a.skip:],
-                                  "idle": idle[a.skip:], "period": periods[a.skip:],
-                                  "loadavg": os.getloadavg()[0]})
+                run = {"wall": wall[a.skip:], "cpu": cpu[a.skip:], "replay": replay[a.skip:], "idle": idle[a.skip:],
+                       "period": periods[a.skip:], "loadavg": os.getloadavg()[0]}
+                if a.parts:
+                    eng.set_placement(name, int(slots), args)
+                    run["parts"] = {k: v[a.skip:] for k, v in part_times(eng, PROMPT, a.n).items()}
+                runs[pol].append(run)
             print(f"  repetition {rep + 1}: load average {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         eng.close()
@@ -194,6 +265,11 @@ def main(argv=None) -> int:
               f"{100 * row['share_of_token']:.1f} % of the token ({row['token_median_us']:.0f} us)  "
               f"per-run medians {min(rep_medians):.1f}-{max(rep_medians):.1f} us  "
               f"(load {min(loads):.2f}-{max(loads):.2f})", flush=True)
+        if a.parts:
+            row["parts_median_us"] = {k: round(statistics.median(x for r in rr for x in r["parts"][k]), 1)
+                                      for k in PART_NAMES}
+            print("  " + " " * 14 + " parts (medians per token, with clock reads): " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in row["parts_median_us"].items()) + " us", flush=True)
     if a.json:
         write_text_atomic(a.json, json.dumps(rows, indent=1))
     return 0

@@ -49,3 +49,33 @@ def test_replay_repeats_the_live_runs_placement(policy):
         assert getattr(after_idle.stats, field) == getattr(live.stats, field), field
     assert np.array_equal(again._native, live._native)
     assert np.array_equal(after_idle._native, live._native)
+
+
+def test_part_times_clock_the_same_run_and_leave_the_placement_as_it_was():
+    """--parts: the run with clock reads at the joints makes the same decisions as the timed run
+    (the wrappers pass every call and its result through), clocks every part of every token, and
+    takes its wrappers off afterwards."""
+    b = load_bench("bench_placement_cost")
+    path = ensure_model(ModelSpec(n_layer=4, n_expert=16, n_expert_used=2))
+    eng = Engine(EngineConfig(model=path, n_ctx=128, n_threads=1, ecr=0.25, progress=False), log=lambda m: None)
+    args = {"layout": "uniform"}  # caches in every layer, so the run copies (see above)
+    try:
+        eng.set_placement("saem", 4, args)
+        wall, _, _ = b.timed_tokens(eng, b.PROMPT, 40)
+        timed = eng.placement
+        eng.set_placement("saem", 4, args)
+        parts = b.part_times(eng, b.PROMPT, 40)
+        clocked = eng.placement
+    finally:
+        eng.close()
+    assert set(parts) == set(b.PART_NAMES)
+    assert all(len(v) == len(wall) for v in parts.values())
+    assert all(t > 0 for t in parts["detector"]) and all(t > 0 for t in parts["policy"])
+    assert all(t > 0 for t in parts["link meter"])
+    assert all(t >= -1e-6 for t in parts["rest"])
+    assert timed.stats.copies > 0 and sum(t > 0 for t in parts["copies"]) > 0
+    for field in ("tokens", "accesses", "hits", "copies", "bytes_moved", "boundaries", "plans"):
+        assert getattr(clocked.stats, field) == getattr(timed.stats, field), field
+    assert np.array_equal(clocked._native, timed._native)
+    for obj in (clocked, clocked.policy, clocked.link, clocked.pair or clocked.detector):
+        assert not {"on_token", "observe", "budget", "decided", "feed", "feed_checked", "_put_in_force"} & set(vars(obj))
