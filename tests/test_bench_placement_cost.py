@@ -4,6 +4,7 @@ work without a decode between tokens."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -79,3 +80,24 @@ def test_part_times_clock_the_same_run_and_leave_the_placement_as_it_was():
     assert np.array_equal(clocked._native, timed._native)
     for obj in (clocked, clocked.policy, clocked.link, clocked.pair or clocked.detector):
         assert not {"on_token", "observe", "budget", "decided", "feed", "feed_checked", "_put_in_force"} & set(vars(obj))
+
+
+def test_part_times_count_a_detector_call_once_on_the_on_step_path(monkeypatch):
+    """A step that goes through Placement.on_step feeds the detector with ``feed``, which calls
+    its own ``feed_checked``: both are clocked, and the detector part counts the call once. On a
+    clock that moves one tick per read, once is one tick a token (counted twice, four)."""
+    b = load_bench("bench_placement_cost")
+    path = ensure_model(ModelSpec(n_layer=4, n_expert=16, n_expert_used=2))
+    eng = Engine(EngineConfig(model=path, n_ctx=128, n_threads=1, ecr=0.25, progress=False), log=lambda m: None)
+    try:
+        eng.set_placement("saem", 4, None)
+        pl = eng.placement
+        pl.on_token = lambda piece: pl.on_step(pl.last_routing(), [piece], [0])  # part_times takes it off
+        ticks = itertools.count()
+        monkeypatch.setattr(time, "perf_counter", lambda: float(next(ticks)))
+        parts = b.part_times(eng, b.PROMPT, 20)
+    finally:
+        monkeypatch.undo()
+        eng.close()
+    assert len(parts["detector"]) >= 15
+    assert all(t == 1e6 for t in parts["detector"]), parts["detector"]
