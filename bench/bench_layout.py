@@ -37,8 +37,8 @@ from saem_gguf.simulator import SimConfig, default_cost, simulate  # noqa: E402
 
 def measure(task: tuple) -> list[dict]:
     """The rows of one family at one ECR (every batch): the chosen layout and each of the grid."""
-    fam, ecr, batches, points, trace, seed, cues, drawn = task
-    ts, calib = family_traces(fam, trace, seed, drawn)
+    fam, ecr, batches, points, trace, seed, cues, drawn, shape = task
+    ts, calib = family_traces(fam, trace, seed, drawn, shape)
     cost = default_cost(ts)
     L, E = int(ts.signature.n_layer), int(ts.signature.n_expert)
     cfg = SimConfig(policies=("saem",), ecrs=(ecr,), batches=batches)
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     if a.points < 1 or a.jobs < 1:
         p.error("--points and --jobs must be at least 1")
     fams, drawn = selected_families(p, a)
-    tasks = [(f, 100.0 * e, a.batch, a.points, a.trace, a.seed, a.cues, drawn) for f in fams for e in a.ecr]
+    tasks = [(f, 100.0 * e, a.batch, a.points, a.trace, a.seed, a.cues, drawn, a.shape) for f in fams
+             for e in a.ecr]
     print(f"{'family':<18} {'ECR %':>6} {'batch':>5} {'chosen':>6} {'tok/s':>7} {'best of grid':>18} "
           f"{'chosen/best':>11} {'uniform/best':>12}")
     out = []

@@ -4,6 +4,7 @@ policy, ``n-cpu-moe`` and the oracle, per trace family x ECR x batch (issue 12, 
     python bench/bench_policies.py [--trace default60.npz] [--families a,b,...] [--jobs 2] [--json OUT]
     python bench/bench_policies.py --search 24 [--seed 0] [--jobs 2] [--json OUT]
     python bench/bench_policies.py ... --reuse OLD.json [--saem '{"copy_price": 0.75}']
+    python bench/bench_policies.py --shape mixtral-8x7b ...   # the families on another model's shape
 
 ``--reuse``: re-simulate ``saem`` alone (with ``--saem``'s keyword arguments, a JSON object) and
 compare it with the other policies' tokens/s stored in OLD.json, a ``--json`` output of the same
@@ -62,7 +63,7 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 import numpy as np  # noqa: E402
 
 from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
-from saem_gguf.costmodel import get_hw  # noqa: E402
+from saem_gguf.costmodel import MODEL_PRESETS, get_hw  # noqa: E402
 from saem_gguf.errors import SaemError  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies import POLICIES, make_policy  # noqa: E402
@@ -111,9 +112,12 @@ def drawn_families(n: int, seed: int) -> dict[str, SyntheticConfig]:
     return out
 
 
-def family_traces(name: str, trace: str | None, seed: int, drawn: dict[str, SyntheticConfig] | None = None):
+def family_traces(name: str, trace: str | None, seed: int, drawn: dict[str, SyntheticConfig] | None = None,
+                  shape: str | None = None):
     """(replayed traces, calibration traces) of family ``name``: 8 sequences and 4 of another seed
-    for a synthetic family (a drawn one has its own seed); the model trace split 3:1."""
+    for a synthetic family (a drawn one has its own seed), routed with the layers, experts and
+    top-k of model preset ``shape`` (default Qwen3-30B-A3B's 48 x 128, top-8); the model trace
+    split 3:1."""
     if name == "model":
         if not trace:
             raise SystemExit("the model family needs --trace")
@@ -122,6 +126,9 @@ def family_traces(name: str, trace: str | None, seed: int, drawn: dict[str, Synt
         base = dataclasses.replace(drawn[name], n_sequences=8)
     else:
         base = dataclasses.replace(SYNTHETIC[name], n_sequences=8, seed=seed)
+    if shape is not None:
+        m = MODEL_PRESETS[shape]
+        base = dataclasses.replace(base, n_layer=m.n_layer, n_expert=m.n_expert, top_k=m.n_expert_used)
     calib = dataclasses.replace(base, n_sequences=4, seed=base.seed + 1_000_003)
     return make_stage_traces(base), make_stage_traces(calib)
 
@@ -146,6 +153,9 @@ def add_workload_args(p: argparse.ArgumentParser, ecr: str) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic families (of the draw with --search)")
     p.add_argument("--search", type=int, default=0, metavar="N",
                    help="N randomly drawn generator settings instead of --families")
+    p.add_argument("--shape", choices=sorted(MODEL_PRESETS), default=None,
+                   help="route the synthetic families with this model's layers, experts and top-k, and price "
+                        "them with its expert size (default: qwen3-30b-a3b, 48 x 128, top-8)")
 
 
 def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[str], dict[str, SyntheticConfig]]:
@@ -165,8 +175,8 @@ def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tupl
 def measure(task: tuple) -> list[dict]:
     """The rows of one family (every ECR x batch): saem's tokens/s and its ratios to the others
     (``stored``: the others' tokens/s per (ECR, batch), from a --reuse file; saem alone is run)."""
-    fam, ecrs, batches, trace, seed, cues, drawn, saem_kwargs, stored, hw = task
-    ts, calib = family_traces(fam, trace, seed, drawn)
+    fam, ecrs, batches, trace, seed, cues, drawn, saem_kwargs, stored, hw, shape = task
+    ts, calib = family_traces(fam, trace, seed, drawn, shape)
     names = ("saem",) if stored else ("saem", *OTHERS, "oracle")
     cfg = SimConfig(policies=names, ecrs=ecrs, batches=batches)
     if fam == "model":
@@ -258,7 +268,8 @@ def main(argv=None) -> int:
     fams, drawn = selected_families(p, a)
     ecrs = tuple(100.0 * e for e in a.ecr)  # SimConfig counts in percent
     stored = stored_runs(p, a.reuse, fams, ecrs, a.batch) if a.reuse else {}
-    tasks = [(f, ecrs, a.batch, a.trace, a.seed, a.cues, drawn, saem_kwargs, stored.get(f), a.hw) for f in fams]
+    tasks = [(f, ecrs, a.batch, a.trace, a.seed, a.cues, drawn, saem_kwargs, stored.get(f), a.hw, a.shape)
+             for f in fams]
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
           f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")
     out = []

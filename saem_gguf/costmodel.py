@@ -120,6 +120,7 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "ernie-4.5-21b-a3b": ModelShape("ernie-4.5-21b-a3b", 27, 64, 6, 2560, 1536, 2560, 512, 103424,
                                     n_shared_ff=3072),
     "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 32, 4, 2880, 2880, 4096, 512, 201088, qtype="MXFP4"),
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 8, 2, 4096, 14336, 4096, 1024, 32000),
 }
 
 

@@ -126,3 +126,18 @@ def test_reuse_needs_every_cell(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bp.main(["--families", "synthetic", "--ecr", "25%", "--batch", "1,8", "--reuse", str(old)])
     assert "has no run of synthetic at ECR 25 %, batch 8" in capsys.readouterr().err
+
+
+def test_shape_routes_and_prices_a_family_with_another_models_shape():
+    # --shape: the family's routing has the preset's layers, experts and top-k, and the cost model
+    # (found from the routing shape, as simulate finds it) prices that model's expert size
+    drawn = bp.drawn_families(1, 2)
+    name = "drawn-2-0"
+    small = {name: dataclasses.replace(drawn[name], stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)}
+    ts, calib = bp.family_traces(name, None, 0, small, "mixtral-8x7b")
+    for t in (ts, calib):
+        assert (t.signature.n_layer, t.signature.n_expert, t.signature.n_expert_used) == (32, 8, 2)
+        assert all(s.experts.shape[1:] == (32, 2) and s.experts.max() < 8 for s in t.sequences)
+    assert bp.default_cost(ts).expert_bytes == bp.MODEL_PRESETS["mixtral-8x7b"].expert_bytes()
+    plain, _ = bp.family_traces(name, None, 0, small)
+    assert plain.signature.n_expert == 128
