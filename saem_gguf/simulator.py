@@ -255,8 +255,10 @@ def calibration_sample(ts: TraceSet, max_tokens: int = CALIBRATION_REPLAY_TOKENS
     every sequence of ``ts`` with its prompt and its first ``n`` decoded tokens (all of a shorter
     one), ``n`` the largest that keeps the decoded tokens within ``max_tokens``. Every
     sequence's opening rather than the first sequences whole: one long sequence would otherwise
-    stand for the set (measured: docs/POLICIES.md, "Is the chosen layout the best one?"). A
-    calibration profile embeds it (stage.calibrate), so the engine replays what the simulator does."""
+    stand for the set (measured: docs/POLICIES.md, "Is the chosen layout the best one?"). Its
+    meta keeps every sequence's whole decoded length (``request_lengths``: a replay at a batch
+    above 1 decodes as a lockstep batch of such requests, split_to_batch). A calibration profile
+    embeds it (stage.calibrate), so the engine replays what the simulator does."""
     decoded = np.array([sq.n_tokens - sq.prompt_len for sq in ts.sequences], np.int64)
     lo, hi = 0, int(decoded.max(initial=0))
     while lo < hi:  # the largest per-sequence cut within the budget
@@ -264,44 +266,129 @@ def calibration_sample(ts: TraceSet, max_tokens: int = CALIBRATION_REPLAY_TOKENS
         lo, hi = (mid, hi) if int(np.minimum(decoded, mid).sum()) <= max_tokens else (lo, mid - 1)
     out = [_cut(sq, sq.prompt_len + lo) for sq in ts.sequences] if lo > 0 else []
     meta = {"boundary_cues": sequence_cues(ts)} if "boundary_cues" in ts.meta and out else {}
+    if out:  # how long the requests ran, uncut: how a lockstep batch of them thins out (split_to_batch)
+        meta["request_lengths"] = decoded.tolist()
     return TraceSet(signature=ts.signature, sequences=out, source=ts.source, meta=meta)
 
 
 def split_to_batch(ts: TraceSet, batch: int) -> TraceSet:
-    """``ts`` with the decoded tokens of its longest sequences split in two, the longest first,
-    until it has ``batch`` sequences (or none has two decoded tokens left to split): the same
-    tokens, decoded ``batch`` at a time. Why: a replay of fewer sequences than the batch
-    decodes them at a fraction of the batch's concurrency, so it prices the experts a batch
-    shares, and the layers a whole residency saves, as a smaller batch's (a batch-8 replay of
-    bench_policies' 4 calibration sequences chose no whole layer where 8 ran faster:
-    docs/POLICIES.md, "A cross-fitted replay as wide as the batch"). A second part starts a
-    stage of its own, uncued, and has no prompt."""
+    """``ts``'s decoded tokens cut into ``batch`` sequences where it has fewer: the same tokens,
+    decoded ``batch`` at a time, in parts whose lengths are in proportion to what a lockstep batch
+    of ``batch`` requests decodes in each row (``lockstep_lengths`` of ``ts.meta``'s
+    ``request_lengths``), or, where ``ts`` does not say how long its requests ran, in near-equal
+    parts (the longest sequence's decoded tokens split in two, the longest first, until there are
+    ``batch`` or none has two left).
+
+    Why split: a replay of fewer sequences than the batch decodes them at a fraction of the
+    batch's concurrency, so it prices the experts a batch shares, and the layers a whole residency
+    saves, as a smaller batch's (a batch-8 replay of bench_policies' 4 calibration sequences chose
+    no whole layer where 8 ran faster: docs/POLICIES.md, "A cross-fitted replay as wide as the
+    batch"). Why not equal parts: a lockstep batch thins out as its shorter requests end, so it
+    decodes at less than its width for much of its time; equal parts priced every step at the
+    full width and put whole layers first where the run, thinned out, is faster on caches
+    (docs/POLICIES.md, "A replay that thins out as a lockstep batch does"). A part other than a
+    sequence's first starts a stage of its own, uncued, and has no prompt."""
     seqs = list(ts.sequences)
-    cues = sequence_cues(ts)
-    while len(seqs) < batch:
-        decoded = [sq.n_tokens - sq.prompt_len for sq in seqs]
-        i = int(np.argmax(decoded)) if seqs else 0
-        if not seqs or decoded[i] < 2:
-            break
-        sq, at = seqs[i], seqs[i].prompt_len + decoded[i] // 2
-        starts = np.asarray(sq.stage_starts)
-        head_cues = tail_cues = None
-        if cues[i] is not None:
-            head_cues = [c for s, c in zip(starts.tolist(), cues[i]) if s < at]
-            tail_cues = [c for s, c in zip(starts.tolist(), cues[i]) if s >= at]
-            if not starts[starts == at].size:
-                tail_cues = [None, *tail_cues]
-        tail_starts = np.unique(np.concatenate([[0], starts[starts >= at] - at])).astype(np.int32)
-        tail = SequenceTrace(token_ids=sq.token_ids[at:], pieces=sq.pieces[at:], experts=sq.experts[at:],
-                             weights=None if sq.weights is None else sq.weights[at:], stage_starts=tail_starts)
-        seqs[i] = _cut(sq, at)
-        cues[i] = head_cues
-        seqs.append(tail)
-        cues.append(tail_cues)
-    if len(seqs) == len(ts.sequences):
+    if len(seqs) >= batch:
         return ts
-    meta = {"boundary_cues": cues} if "boundary_cues" in ts.meta else {}
-    return TraceSet(signature=ts.signature, sequences=seqs, source=ts.source, meta=meta)
+    lengths = ts.meta.get("request_lengths")
+    empty = sum(sq.n_tokens == sq.prompt_len for sq in seqs)  # a row each, as they are (nothing to cut)
+    rows = lockstep_lengths(lengths, batch - empty) if lengths and batch > empty else None
+    parts = _lockstep_parts(ts, rows) if rows is not None and rows.sum() > 0 else _halved_parts(ts, batch)
+    if len(parts) == len(seqs):
+        return ts
+    cues = sequence_cues(ts)
+    out, out_cues = [], []
+    for i, lo, hi in parts:
+        part, part_cues = _slice(seqs[i], cues[i], lo, hi)
+        out.append(part)
+        out_cues.append(part_cues)
+    meta = {"boundary_cues": out_cues} if "boundary_cues" in ts.meta else {}
+    return TraceSet(signature=ts.signature, sequences=out, source=ts.source, meta=meta)
+
+
+def lockstep_lengths(request_lengths, batch: int) -> np.ndarray:
+    """float64 [batch]: the expected decoded lengths of a lockstep batch's rows, longest first,
+    when its ``batch`` requests' lengths are drawn (with replacement) from ``request_lengths``:
+    the expected order statistics of the empirical distribution, exactly (``P(X_(k) <= x)`` is
+    the chance that at least ``k`` of the ``batch`` draws are at most ``x``, a binomial tail).
+    Row ``k`` decodes while at least ``k`` requests run, so these are how the batch thins out."""
+    v = np.sort(np.asarray(request_lengths, np.float64))
+    if v.size == 0:
+        raise SaemError("lockstep_lengths: no request length")
+    x = np.unique(v)
+    F = np.searchsorted(v, x, side="right") / v.size  # P(length <= x)
+    j = np.arange(batch + 1)
+    binom = np.array([math.comb(batch, int(i)) for i in j], np.float64)
+    # pmf[i, m] = P(exactly j[i] of the batch's draws are at most x[m])
+    pmf = binom[:, None] * F[None, :] ** j[:, None] * (1.0 - F[None, :]) ** (batch - j)[:, None]
+    out = np.empty(batch)
+    for k in range(1, batch + 1):  # the k-th shortest
+        cdf = pmf[k:].sum(axis=0)  # P(X_(k) <= x)
+        out[batch - k] = float(np.diff(cdf, prepend=0.0) @ x)
+    return out
+
+
+def _lockstep_parts(ts: TraceSet, rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """``ts``'s tokens as parts ``(sequence, first token, end)`` that come to ``len(rows)`` parts
+    with decoded lengths in proportion to ``rows``: each row's share of the decoded tokens goes,
+    longest first, to the sequence with the most tokens still unassigned, and a sequence's shares
+    are then scaled to fill it exactly (no token left out, none repeated, no part empty). Every
+    sequence's first part (its prompt and first decoded tokens) comes first, in ``ts``'s order."""
+    decoded = np.array([sq.n_tokens - sq.prompt_len for sq in ts.sequences], np.float64)
+    shares = np.sort(rows)[::-1] / rows.sum() * decoded.sum()
+    free, given = decoded.copy(), [[] for _ in ts.sequences]
+    for share in shares:
+        i = int(np.argmax(free))
+        given[i].append(share)
+        free[i] -= share
+    heads, rest = [], []
+    for i, (sq, d, g) in enumerate(zip(ts.sequences, decoded, given)):
+        ends = np.round(np.cumsum(g) / max(sum(g), 1e-300) * d).astype(np.int64) + sq.prompt_len
+        cuts = sorted({e for e in ends[:-1].tolist() if sq.prompt_len < e < sq.n_tokens})
+        bounds = [0, *cuts, sq.n_tokens]  # a sequence given no share, or nothing decoded, stays whole
+        for lo, hi in zip(bounds, bounds[1:]):
+            (rest if lo else heads).append((i, lo, hi))
+    return heads + rest
+
+
+def _halved_parts(ts: TraceSet, batch: int) -> list[tuple[int, int, int]]:
+    """``ts``'s tokens as parts ``(sequence, first token, end)``: the part with the most decoded
+    tokens halved, the first such on a tie, until there are ``batch`` or none has two; a part
+    keeps its place and its second half goes last."""
+    parts = [(i, 0, sq.n_tokens) for i, sq in enumerate(ts.sequences)]
+
+    def decoded(p: tuple[int, int, int]) -> int:
+        return p[2] - max(p[1], ts.sequences[p[0]].prompt_len)
+
+    while len(parts) < batch and parts:
+        k = max(range(len(parts)), key=lambda q: (decoded(parts[q]), -q))
+        n = decoded(parts[k])
+        if n < 2:
+            break
+        i, lo, hi = parts[k]
+        at = hi - n + n // 2
+        parts[k] = (i, lo, at)
+        parts.append((i, at, hi))
+    return parts
+
+
+def _slice(sq: SequenceTrace, cues: list | None, lo: int, hi: int) -> tuple[SequenceTrace, list | None]:
+    """Tokens ``[lo, hi)`` of ``sq`` as a sequence, with its share of ``sq``'s recorded cues
+    (``cues``, one per stage start, or None): the first part keeps the prompt; a later one has
+    none and starts a stage of its own, uncued where no recorded stage starts at ``lo``."""
+    if lo == 0:
+        head = _cut(sq, hi)
+        return head, None if cues is None else [c for s, c in zip(np.asarray(sq.stage_starts).tolist(), cues) if s < hi]
+    starts = np.asarray(sq.stage_starts)
+    inside = (starts >= lo) & (starts < hi)
+    part = SequenceTrace(token_ids=sq.token_ids[lo:hi], pieces=sq.pieces[lo:hi], experts=sq.experts[lo:hi],
+                         weights=None if sq.weights is None else sq.weights[lo:hi],
+                         stage_starts=np.unique(np.concatenate([[0], starts[inside] - lo])).astype(np.int32))
+    if cues is None:
+        return part, None
+    part_cues = [c for s, c in zip(starts.tolist(), cues) if lo <= s < hi]
+    return part, part_cues if starts[starts == lo].size else [None, *part_cues]
 
 
 def _cut(sq: SequenceTrace, n: int) -> SequenceTrace:
@@ -394,10 +481,12 @@ class CalibrationReplay:
 
 
 def _subset(ts: TraceSet, which) -> TraceSet:
-    """``ts``'s sequences ``which`` (with their recorded cues)."""
+    """``ts``'s sequences ``which`` (with their recorded cues, and the request lengths of all)."""
     which = list(which)
     cues = sequence_cues(ts)
     meta = {"boundary_cues": [cues[i] for i in which]} if "boundary_cues" in ts.meta else {}
+    if "request_lengths" in ts.meta:  # every request's, not the subset's: a fold's requests are few
+        meta["request_lengths"] = ts.meta["request_lengths"]
     return TraceSet(signature=ts.signature, sequences=[ts.sequences[i] for i in which], source=ts.source, meta=meta)
 
 

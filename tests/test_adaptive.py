@@ -3,6 +3,7 @@ one that serves best."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -434,13 +435,37 @@ def test_a_calibration_too_short_to_replay_leaves_the_layout_to_the_static_estim
 
 
 def test_at_a_batch_whole_layers_must_replay_faster_by_the_margin():
-    """bench_policies' seed-1 draw, family 9 (the hot set moving every 4 tokens), ECR 25 %, batch
-    8: split to the batch, its 4 calibration sequences replay as two short folds, mostly the
-    caches' first steps, and the fastest replay had 10 whole layers, where the run is fastest
-    on 4 (0.987x lfu-cpu). The fewest whole layers within layout_margin (0.2 %) of the fastest
-    replay is 8, and the cache runs 0.6 % faster there."""
-    tok_s = _drawn_cell("drawn-1-9", 1, 25.0, 8)
-    assert tok_s("saem") > 1.004 * tok_s("saem", layout_margin=0.0)
+    """bench_policies' seed-1 draw, family 21, ECR 12.5 %, batch 8: split to the batch, its 4
+    calibration sequences replay as two short folds, and the fastest replay had 4 whole layers
+    (0.11 % above 1), where the run is fastest on none and slows with each whole layer (1.0041x
+    lfu-cpu on 4). The fewest whole layers within layout_margin (0.2 %) of the fastest replay is
+    1, and the cache runs 0.4 % faster there. (The margin's first cell, drawn-1-9 at 25 %, no
+    longer needs it: replayed as a lockstep batch thins out, 8 whole layers lead by more.)"""
+    tok_s = _drawn_cell("drawn-1-21", 1, 12.5, 8)
+    assert tok_s("saem") > 1.003 * tok_s("saem", layout_margin=0.0)
+
+
+def test_at_a_batch_the_layout_is_replayed_as_a_lockstep_batch_thins_out(monkeypatch):
+    """bench_policies' short-nocue family on Mixtral-8x7B's shape (32 layers x 8 experts, top-2),
+    ECR 50 %, batch 8. The run's 8 requests decode 25 to 157 tokens each, so its lockstep batch
+    runs 62 % full; cut into 8 near-equal parts the calibration replay ran full, where whole
+    layers pay most, and chose 8 (0.984x lfu-cpu, fastest on none). Cut in proportion to a
+    lockstep batch of the calibration's request lengths (simulator.lockstep_lengths), it
+    chooses 3 and runs 1 % faster."""
+    bp = load_bench("bench_policies")
+    ts, calib = bp.family_traces("short-nocue", None, 0, shape="mixtral-8x7b")
+    cost = default_cost(ts)
+
+    def tok_s():
+        return simulate(ts, SimConfig(policies=("saem",), ecrs=(50.0,), batches=(8,)), cost, calib).rows[0]
+
+    lockstep = tok_s()
+    real_sample = simulator.calibration_sample
+    monkeypatch.setattr(simulator, "calibration_sample", lambda ts_: dataclasses.replace(
+        real_sample(ts_), meta={k: v for k, v in real_sample(ts_).meta.items() if k != "request_lengths"}))
+    equal = tok_s()
+    assert lockstep["whole_layers"] < equal["whole_layers"]
+    assert lockstep["tok_s"] > 1.01 * equal["tok_s"]
 
 
 def test_the_lead_forecast_does_not_extrapolate_a_catching_up_cache():

@@ -4,6 +4,7 @@ pricing layouts, from a cache in every layer to whole layers resident as n-cpu-m
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from saem_gguf.policies.layout import choose_layout, expert_use_probability, lay
 from saem_gguf import simulator
 from saem_gguf.simulator import (
     MIN_REPLAY_TOKENS, CalibrationReplay, SimConfig, calibration_counts, calibration_pricer, calibration_replay,
-    calibration_sample, detector_events, sequence_cues, simulate, split_to_batch,
+    calibration_sample, detector_events, lockstep_lengths, sequence_cues, simulate, split_to_batch,
 )
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces
 
@@ -221,12 +222,13 @@ def _fold_replays(sample, ctx, layout, batch=1):
 
 
 def test_a_calibration_replay_decodes_as_many_sequences_at_once_as_the_batch():
-    """A sample of fewer sequences than the batch is replayed with its longest sequences' decoded
-    tokens cut in two until the batch is full: the same tokens (the same counts), every part a
-    sequence of its own whose recorded cues still match its stage starts, one block as wide as
-    the batch. A batch the sample fills, and a sequence of one decoded token, are left whole."""
+    """A sample of fewer sequences than the batch, that does not say how long its requests ran,
+    is replayed with its longest sequences' decoded tokens cut in two until the batch is full: the
+    same tokens (the same counts), every part a sequence of its own whose recorded cues still
+    match its stage starts, one block as wide as the batch. A batch the sample fills, and a
+    sequence of one decoded token, are left whole."""
     L, E, K = 6, 32, 4
-    sample = calibration_sample(_calibration(L, E, K), 1500)
+    sample = _without_request_lengths(calibration_sample(_calibration(L, E, K), 1500))
     assert len(sample.sequences) == 3
     wide = split_to_batch(sample, 8)
     assert len(wide.sequences) == 8
@@ -242,6 +244,80 @@ def test_a_calibration_replay_decodes_as_many_sequences_at_once_as_the_batch():
     assert split_to_batch(sample, 3) is sample and len(CalibrationReplay(sample).blocks(1)) == 3
     one = calibration_sample(_calibration(L, E, K, n_sequences=1), 1)  # one decoded token
     assert [sq.n_tokens - sq.prompt_len for sq in one.sequences] == [1] and split_to_batch(one, 8) is one
+
+
+def _without_request_lengths(ts):
+    return dataclasses.replace(ts, meta={k: v for k, v in ts.meta.items() if k != "request_lengths"})
+
+
+def _lockstep_lengths_by_enumeration(lengths, batch):
+    """lockstep_lengths the slow, obvious way: every one of the len(lengths) ** batch equally
+    likely batches drawn with replacement, its rows sorted longest first, averaged."""
+    draws = np.array(list(itertools.product(lengths, repeat=batch)), np.float64)
+    return np.sort(draws, axis=1)[:, ::-1].mean(axis=0)
+
+
+@pytest.mark.parametrize("lengths,batch", [([5], 3), ([1, 2], 1), ([100, 30, 30, 7], 3), ([9, 400, 52], 5),
+                                           ([3, 3, 3], 4), ([1000, 10, 250, 40, 1], 4)])
+def test_lockstep_lengths_are_the_expected_rows_of_a_drawn_batch(lengths, batch):
+    np.testing.assert_allclose(lockstep_lengths(lengths, batch), _lockstep_lengths_by_enumeration(lengths, batch),
+                               rtol=1e-12)
+
+
+def test_lockstep_lengths_against_enumeration_on_random_inputs():
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        lengths = rng.integers(1, 3000, rng.integers(1, 6)).tolist()
+        batch = int(rng.integers(1, 6))
+        np.testing.assert_allclose(lockstep_lengths(lengths, batch), _lockstep_lengths_by_enumeration(lengths, batch),
+                                   rtol=1e-12)
+
+
+def test_a_calibration_replay_thins_out_as_a_lockstep_batch_of_its_requests_does():
+    """A sample that says how long its requests ran (calibration_sample keeps every sequence's whole
+    decoded length) is cut into as many parts as the batch, in proportion to the rows of a lockstep
+    batch of such requests (lockstep_lengths): the same tokens, every part a sequence whose cues
+    match its stage starts, every sequence's first part (with its prompt) first; one block as wide
+    as the batch, whose rows end as the batch's would, not together. Each fold keeps every
+    request's length."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K, n_sequences=4, seed=11)
+    sample = calibration_sample(calib, 1500)
+    assert sample.meta["request_lengths"] == [sq.n_tokens - sq.prompt_len for sq in calib.sequences]
+    for batch in (5, 8):
+        wide = split_to_batch(sample, batch)
+        assert len(wide.sequences) == batch
+        np.testing.assert_array_equal(calibration_counts(wide, L, E), calibration_counts(sample, L, E))
+        assert [sq.prompt_len for sq in wide.sequences[:4]] == [sq.prompt_len for sq in sample.sequences]
+        assert all(sq.prompt_len == 0 for sq in wide.sequences[4:])
+        for sq, cues in zip(wide.sequences, sequence_cues(wide)):
+            assert sq.stage_starts[0] == 0 and cues is not None and len(cues) == len(sq.stage_starts)
+        rows = np.sort([sq.n_tokens - sq.prompt_len for sq in wide.sequences])[::-1]
+        assert rows[-1] < 0.8 * rows[0]  # the batch thins out
+        (block,) = CalibrationReplay(sample).blocks(batch)
+        active = (block.routing[:, :, 0, 0] >= 0).sum(axis=1)
+        assert active[0] == batch and active[-1] < batch
+    for fold in CalibrationReplay(sample).folds():
+        assert fold.replay.sample.meta["request_lengths"] == sample.meta["request_lengths"]
+        assert len(fold.replay.blocks(8)[0].routing[0]) == 8
+    # one sequence: its parts are the rows' lengths to the cut's rounding (several sequences are
+    # cut each in proportion to the rows it got, so that no part crosses two requests)
+    one = dataclasses.replace(sample, sequences=sample.sequences[:1], meta={"request_lengths": [40, 300, 90]})
+    wide = split_to_batch(one, 6)
+    want = lockstep_lengths([40, 300, 90], 6)
+    want = want / want.sum() * one.decoded_tokens
+    assert [sq.prompt_len for sq in wide.sequences] == [one.sequences[0].prompt_len] + [0] * 5
+    assert np.abs(np.sort([sq.n_tokens - sq.prompt_len for sq in wide.sequences])[::-1] - want).max() <= 1
+    # a request that decoded nothing is a row as it is; lengths of nothing cut into halves
+    head = sample.sequences[0]
+    asked = dataclasses.replace(head, token_ids=head.token_ids[:head.prompt_len], pieces=head.pieces[:head.prompt_len],
+                                experts=head.experts[:head.prompt_len], stage_starts=np.zeros(1, np.int32))
+    for lengths in ([0, 120, 40], [0, 0]):
+        some = dataclasses.replace(sample, sequences=[asked, *sample.sequences[1:]],
+                                   meta={**sample.meta, "request_lengths": lengths})
+        wide = split_to_batch(some, 8)
+        assert len(wide.sequences) == 8 and wide.sequences[0] is asked
+        np.testing.assert_array_equal(calibration_counts(wide, L, E), calibration_counts(some, L, E))
 
 
 def test_the_calibration_replay_prices_each_fold_on_the_other_folds_counts():
