@@ -179,7 +179,7 @@ def build_blocks(ts: TraceSet, batch: int, events: str = "cued", cues: list | No
 
     for g0 in range(0, len(seqs), batch):
         group = list(range(g0, min(len(seqs), g0 + batch)))
-        n_dec = [seqs[i].n_tokens - seqs[i].prompt_len for i in group]
+        n_dec = [seqs[i].decoded_tokens for i in group]
         S = max(n_dec) if n_dec else 0
         if S <= 0:
             continue
@@ -259,7 +259,7 @@ def calibration_sample(ts: TraceSet, max_tokens: int = CALIBRATION_REPLAY_TOKENS
     meta keeps every sequence's whole decoded length (``request_lengths``: a replay at a batch
     above 1 decodes as a lockstep batch of such requests, split_to_batch). A calibration profile
     embeds it (stage.calibrate), so the engine replays what the simulator does."""
-    decoded = np.array([sq.n_tokens - sq.prompt_len for sq in ts.sequences], np.int64)
+    decoded = np.array([sq.decoded_tokens for sq in ts.sequences], np.int64)
     lo, hi = 0, int(decoded.max(initial=0))
     while lo < hi:  # the largest per-sequence cut within the budget
         mid = (lo + hi + 1) // 2
@@ -335,7 +335,7 @@ def _lockstep_parts(ts: TraceSet, rows: np.ndarray) -> list[tuple[int, int, int]
     longest first, to the sequence with the most tokens still unassigned, and a sequence's shares
     are then scaled to fill it exactly (no token left out, none repeated, no part empty). Every
     sequence's first part (its prompt and first decoded tokens) comes first, in ``ts``'s order."""
-    decoded = np.array([sq.n_tokens - sq.prompt_len for sq in ts.sequences], np.float64)
+    decoded = np.array([sq.decoded_tokens for sq in ts.sequences], np.float64)
     shares = np.sort(rows)[::-1] / rows.sum() * decoded.sum()
     free, given = decoded.copy(), [[] for _ in ts.sequences]
     for share in shares:

@@ -46,6 +46,11 @@ class SequenceTrace:
     def n_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def decoded_tokens(self) -> int:
+        """Tokens decoded after the prompt."""
+        return self.n_tokens - int(self.prompt_len)
+
 
 @dataclass
 class TraceSet:
@@ -57,7 +62,7 @@ class TraceSet:
     @property
     def decoded_tokens(self) -> int:
         """The sequences' decoded tokens (their prompts left out)."""
-        return int(sum(sq.n_tokens - sq.prompt_len for sq in self.sequences))
+        return sum(sq.decoded_tokens for sq in self.sequences)
 
 
 # --------------------------------------------------------------------------------------------

@@ -356,7 +356,7 @@ def test_packaged_profile_calibrates_the_embedded_model(model_file):
     assert prof.signature.arch == "qwen3moe" and prof.signature.n_expert == 32
     assert prof.stats["cue_profiles"]["counts"]
     sample = prof.routing.sequences  # simulator.calibration_sample: at most CALIBRATION_REPLAY_TOKENS decoded
-    assert len(sample) == 40 and 4000 < sum(s.n_tokens - s.prompt_len for s in sample) <= 4096
+    assert len(sample) == 40 and 4000 < sum(s.decoded_tokens for s in sample) <= 4096
     for policy in ("static-hot", "saem-cue"):
         eng = Engine(EngineConfig(policy=policy, ecr=0.25, n_threads=2, progress=False), log=lambda m: None)
         try:

@@ -63,8 +63,8 @@ def test_a_calibrated_runs_bench_is_replayed_with_its_calibration(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps({**bench, "profile": "bench.profile.json"}))
     assert fdr.run_calibration(RUN) is None
     calib = fdr.run_calibration(tmp_path)
-    full = [s.n_tokens - s.prompt_len for s in load_traces(str(RUN / "trace_long.npz")).sequences[1:5]]
-    assert [s.n_tokens - s.prompt_len for s in calib.sequences] == [min(n, 600) for n in full]
+    full = [s.decoded_tokens for s in load_traces(str(RUN / "trace_long.npz")).sequences[1:5]]
+    assert [s.decoded_tokens for s in calib.sequences] == [min(n, 600) for n in full]
     ts = load_traces(str(tmp_path / "trace.npz"))
     sim = fdr.simulate_run(ts, HW_PRESETS["h200-server"], ("static-hot",), [0.25], calib)
     assert sim[("static-hot", 0.25)]["hit_rate"] > 0.25

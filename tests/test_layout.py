@@ -235,7 +235,7 @@ def test_a_calibration_replay_decodes_as_many_sequences_at_once_as_the_batch():
     assert sum(sq.n_tokens for sq in wide.sequences) == sum(sq.n_tokens for sq in sample.sequences)
     np.testing.assert_array_equal(calibration_counts(wide, L, E), calibration_counts(sample, L, E))
     assert sorted(sq.prompt_len for sq in wide.sequences) == [0] * 5 + sorted(sq.prompt_len for sq in sample.sequences)
-    decoded = sorted(sq.n_tokens - sq.prompt_len for sq in wide.sequences)
+    decoded = sorted(sq.decoded_tokens for sq in wide.sequences)
     assert decoded[-1] - decoded[0] <= max(sq.n_tokens for sq in sample.sequences) // 2  # the longest were cut
     for sq, cues in zip(wide.sequences, sequence_cues(wide)):
         assert sq.stage_starts[0] == 0 and cues is not None and len(cues) == len(sq.stage_starts)
@@ -243,7 +243,7 @@ def test_a_calibration_replay_decodes_as_many_sequences_at_once_as_the_batch():
     assert len(blocks) == 1 and blocks[0].routing.shape[1] == 8
     assert split_to_batch(sample, 3) is sample and len(CalibrationReplay(sample).blocks(1)) == 3
     one = calibration_sample(_calibration(L, E, K, n_sequences=1), 1)  # one decoded token
-    assert [sq.n_tokens - sq.prompt_len for sq in one.sequences] == [1] and split_to_batch(one, 8) is one
+    assert [sq.decoded_tokens for sq in one.sequences] == [1] and split_to_batch(one, 8) is one
 
 
 def _without_request_lengths(ts):
@@ -283,7 +283,7 @@ def test_a_calibration_replay_thins_out_as_a_lockstep_batch_of_its_requests_does
     L, E, K = 6, 32, 4
     calib = _calibration(L, E, K, n_sequences=4, seed=11)
     sample = calibration_sample(calib, 1500)
-    assert sample.meta["request_lengths"] == [sq.n_tokens - sq.prompt_len for sq in calib.sequences]
+    assert sample.meta["request_lengths"] == [sq.decoded_tokens for sq in calib.sequences]
     for batch in (5, 8):
         wide = split_to_batch(sample, batch)
         assert len(wide.sequences) == batch
@@ -292,7 +292,7 @@ def test_a_calibration_replay_thins_out_as_a_lockstep_batch_of_its_requests_does
         assert all(sq.prompt_len == 0 for sq in wide.sequences[4:])
         for sq, cues in zip(wide.sequences, sequence_cues(wide)):
             assert sq.stage_starts[0] == 0 and cues is not None and len(cues) == len(sq.stage_starts)
-        rows = np.sort([sq.n_tokens - sq.prompt_len for sq in wide.sequences])[::-1]
+        rows = np.sort([sq.decoded_tokens for sq in wide.sequences])[::-1]
         assert rows[-1] < 0.8 * rows[0]  # the batch thins out
         (block,) = CalibrationReplay(sample).blocks(batch)
         active = (block.routing[:, :, 0, 0] >= 0).sum(axis=1)
@@ -307,7 +307,7 @@ def test_a_calibration_replay_thins_out_as_a_lockstep_batch_of_its_requests_does
     want = lockstep_lengths([40, 300, 90], 6)
     want = want / want.sum() * one.decoded_tokens
     assert [sq.prompt_len for sq in wide.sequences] == [one.sequences[0].prompt_len] + [0] * 5
-    assert np.abs(np.sort([sq.n_tokens - sq.prompt_len for sq in wide.sequences])[::-1] - want).max() <= 1
+    assert np.abs(np.sort([sq.decoded_tokens for sq in wide.sequences])[::-1] - want).max() <= 1
     # a request that decoded nothing is a row as it is; lengths of nothing cut into halves
     head = sample.sequences[0]
     asked = dataclasses.replace(head, token_ids=head.token_ids[:head.prompt_len], pieces=head.pieces[:head.prompt_len],

@@ -94,7 +94,7 @@ def test_simulator_makes_the_engines_decisions(llama_cpp, questions, policy, ecr
     ts = TraceSet(signature=sig, sequences=seqs, source="engine")
     events = detector_events(ts, template=detector)
     blocks = build_blocks(ts, 1, "detector", detected=events)
-    assert [b.n_steps for b in blocks] == [s.n_tokens - s.prompt_len for s in seqs]
+    assert [b.n_steps for b in blocks] == [s.decoded_tokens for s in seqs]
     sim = make_policy(policy)
     state = sim.start(ctx)
     assert np.array_equal(state.n_slots, live_layout), "the simulator chose another slot layout"

@@ -165,7 +165,7 @@ def test_implicit_boundaries_fire_without_cues(synth):
     ctx = PolicyContext(n_layer=4, n_expert=16, top_k=2, n_slots=np.full(4, 4), cost=default_cost(ts, model="qwen3-30b-a3b"),
                         calib_counts=None)
     pol = make_policy("saem-implicit")
-    state = pol.start(ctx)
+    pol.start(ctx)
     acct = Accounting()
     replay(pol, blocks, acct)
     assert sum(r == "implicit" for _, r in pol.boundaries) >= 2
@@ -194,7 +194,7 @@ def test_detector_events(synth):
     ctx = PolicyContext(n_layer=48, n_expert=128, top_k=8, n_slots=np.full(48, 16), cost=default_cost(ts),
                         calib_counts=None)
     pol = make_policy("saem-implicit")
-    state = pol.start(ctx)
+    pol.start(ctx)
     acct = Accounting()
     replay(pol, blocks, acct)
     reasons = [r for _, r in pol.boundaries]
@@ -352,7 +352,7 @@ def test_calibration_sample_keeps_every_sequences_opening():
         smp = calibration_sample(ts, cap)
         validate_traces(smp)
         cut = max(k for k in range(max(decoded) + 1) if sum(min(d, k) for d in decoded) <= cap)
-        assert [s.n_tokens - s.prompt_len for s in smp.sequences] == [min(d, cut) for d in decoded]
+        assert [s.decoded_tokens for s in smp.sequences] == [min(d, cut) for d in decoded]
         for part, whole in zip(smp.sequences, ts.sequences):
             k = part.n_tokens
             assert part.prompt_len == 5 and np.array_equal(part.experts, whole.experts[:k])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -126,6 +127,16 @@ def test_a_profile_carries_its_calibration_sample(tmp_path, planted_traces):
     for a, b in zip(back.sequences, sample.sequences):
         assert np.array_equal(a.experts, b.experts) and a.pieces == b.pieces and a.prompt_len == b.prompt_len
         assert a.weights is None and a.stage_starts.tolist() == b.stage_starts.tolist()
+    assert back.meta["request_lengths"] == [sq.decoded_tokens for sq in planted_traces.sequences]
+    # request lengths a hand edit broke are refused at load, not when a batched replay reads them
+    d = json.loads(p.read_text())
+    for bad in ([], [None] * len(sample.sequences), [True] * len(sample.sequences),
+                [0] * len(sample.sequences), [10**6] * (len(sample.sequences) + 1), "many"):
+        edited = dataclasses.replace(sample, meta={**sample.meta, "request_lengths": bad})
+        d["stats"]["calibration_routing"] = encode_routing(edited)
+        p.write_text(json.dumps(d))
+        with pytest.raises(SaemError, match="calibration_routing: request_lengths"):
+            Profile.load(p)
     other = make_stage_traces(SyntheticConfig(n_layer=12, n_sequences=1, stage_len_scale=0.05))
     d = json.loads(p.read_text())
     d["stats"]["calibration_routing"] = encode_routing(other)

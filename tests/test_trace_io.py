@@ -51,6 +51,8 @@ def test_round_trip(tmp_path):
         assert np.array_equal(a.stage_starts, b.stage_starts) and a.prompt_len == b.prompt_len
     hdr = read_header(str(p))
     assert hdr["format"] == "saem-trace" and hdr["version"] == TRACE_FORMAT_VERSION and hdr["n_tokens"] == 11
+    # a prompt's tokens are not decoded ones
+    assert [s.decoded_tokens for s in back.sequences] == [5, 4, 0] and back.decoded_tokens == 9
 
 
 def test_round_trip_synthetic(tmp_path):

@@ -213,6 +213,16 @@ def decode_routing(text, sig: ModelSignature, where: str) -> TraceSet:
     ts = traces_from_bytes(data, where, expect=sig)
     if not ts.sequences:
         raise SaemError(f"{where}: holds no sequence")
+    lengths = ts.meta.get("request_lengths")
+    if lengths is not None:
+        # every sampled request's whole decoded length (simulator.calibration_sample): at least
+        # what the sample kept of it, else a replay at a batch would cut parts that do not exist
+        ok = isinstance(lengths, list) and len(lengths) == len(ts.sequences) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= sq.decoded_tokens
+            for n, sq in zip(lengths, ts.sequences))
+        if not ok:
+            raise SaemError(f"{where}: request_lengths must be one whole number per sequence, each at least "
+                            "the tokens the sample decoded of it")
     return ts
 
 
@@ -309,7 +319,7 @@ def calibrate(sequences: Sequence[SequenceTrace], n_expert: int, candidates: Cue
         ev = matcher.match_sequence(s.pieces[s.prompt_len:], start_token=s.prompt_len)
         occ.append(list(zip(ev.cue.tolist(), ev.token.tolist())))
         spans.append((s.prompt_len, s.n_tokens))
-        n_gen += s.n_tokens - s.prompt_len
+        n_gen += s.decoded_tokens
     n_seq = len(sequences)
     C = len(candidates)
 
