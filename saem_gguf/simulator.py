@@ -292,7 +292,7 @@ def split_to_batch(ts: TraceSet, batch: int) -> TraceSet:
     if len(seqs) >= batch:
         return ts
     lengths = ts.meta.get("request_lengths")
-    empty = sum(sq.n_tokens == sq.prompt_len for sq in seqs)  # a row each, as they are (nothing to cut)
+    empty = sum(sq.decoded_tokens == 0 for sq in seqs)  # a row each, as they are (nothing to cut)
     rows = lockstep_lengths(lengths, batch - empty) if lengths and batch > empty else None
     parts = _lockstep_parts(ts, rows) if rows is not None and rows.sum() > 0 else _halved_parts(ts, batch)
     if len(parts) == len(seqs):
@@ -377,16 +377,17 @@ def _slice(sq: SequenceTrace, cues: list | None, lo: int, hi: int) -> tuple[Sequ
     """Tokens ``[lo, hi)`` of ``sq`` as a sequence, with its share of ``sq``'s recorded cues
     (``cues``, one per stage start, or None): the first part keeps the prompt; a later one has
     none and starts a stage of its own, uncued where no recorded stage starts at ``lo``."""
-    if lo == 0:
-        head = _cut(sq, hi)
-        return head, None if cues is None else [c for s, c in zip(np.asarray(sq.stage_starts).tolist(), cues) if s < hi]
     starts = np.asarray(sq.stage_starts)
-    inside = (starts >= lo) & (starts < hi)
-    part = SequenceTrace(token_ids=sq.token_ids[lo:hi], pieces=sq.pieces[lo:hi], experts=sq.experts[lo:hi],
-                         weights=None if sq.weights is None else sq.weights[lo:hi],
-                         stage_starts=np.unique(np.concatenate([[0], starts[inside] - lo])).astype(np.int32))
+    if lo == 0:
+        part = _cut(sq, hi)
+    else:
+        inside = (starts >= lo) & (starts < hi)
+        part = SequenceTrace(token_ids=sq.token_ids[lo:hi], pieces=sq.pieces[lo:hi], experts=sq.experts[lo:hi],
+                             weights=None if sq.weights is None else sq.weights[lo:hi],
+                             stage_starts=np.unique(np.concatenate([[0], starts[inside] - lo])).astype(np.int32))
     if cues is None:
         return part, None
+    # the first part's cues are those of the stages it keeps (a sequence's first stage starts at 0)
     part_cues = [c for s, c in zip(starts.tolist(), cues) if lo <= s < hi]
     return part, part_cues if starts[starts == lo].size else [None, *part_cues]
 
