@@ -482,6 +482,33 @@ def test_at_a_batch_a_layout_needs_the_margin_over_fewer_whole_layers(batch):
     assert int((wide.start(ctx).n_slots == E).sum()) == (2 if batch == 1 else 0)
 
 
+def test_a_short_replay_widens_the_margin_by_its_steps():
+    """At a batch the margin is layout_warmup_steps over the replay's decode steps where that is
+    wider than layout_margin: the same replay prices (a near-tie, 2 fastest, 1 within 0.4 %)
+    choose 1 under a margin of 0.6 % and 2 under layout_margin's 0.2 %. The replays are real, and
+    their steps are the steps every fold decoded."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K, n_sequences=4)
+    sample = calibration_sample(calib, 1500)
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                        calib_counts=calibration_counts(calib, L, E), batch=2)
+    real = calibration_pricer(CalibrationReplay(sample), ctx)
+    steps = sum(blk.n_steps for fold in CalibrationReplay(sample).folds() for blk in fold.replay.blocks(2))
+    assert steps > 0
+    set_price = {0: 99.0, 1: 99.6, 2: 100.0, 3: 99.95}
+
+    def pricer(make):
+        _, replayed = real(make)
+        return set_price[resident_layers(replayed[0].adaptive.layout)], replayed
+
+    ctx.replay_calibration = pricer
+    for warmup, margin, whole in ((0.006 * steps, 0.006, 1), (0.001 * steps, 0.002, 2)):
+        pol = make_policy("saem", layout_warmup_steps=warmup)
+        state = pol.start(ctx)
+        assert pol.layout_margin_used == pytest.approx(margin, rel=1e-12)
+        assert int((state.n_slots == E).sum()) == whole
+
+
 def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     """Under the copy barrier (the engine's), saem's real cache starts following the candidate
     that led the most steps when the policy replayed its calibration routing under the layout it

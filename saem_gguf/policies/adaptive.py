@@ -83,7 +83,8 @@ the switching copies and the lag of the average: robust by construction, not by 
 The budget's split over the layers (``layout``, decided at load): where the context can replay
 the calibration routing (``PolicyContext.replay_calibration``), the count of whole resident
 layers under which this policy itself replays it fastest (at a batch above 1, the fewest within
-``layout_margin`` of the fastest); else layout.py's static estimate.
+a margin of the fastest: ``layout_margin``, wider for a short replay, ``layout_warmup_steps``);
+else layout.py's static estimate.
 """
 
 from __future__ import annotations
@@ -290,6 +291,16 @@ class AdaptiveConfig:
     # the batch-1 cells of the seed-1 and seed-3 draws 0.02 % slower, down to -0.6 %;
     # docs/POLICIES.md, "A margin for whole layers at a batch")
     layout_margin: float = 0.002
+    # ... and at least this many steps over the decode steps the replay ran (its folds' summed:
+    # 1.2 / 164 = 0.73 % for drawn-4-2's), so the margin widens as the replay shortens. Why: the
+    # caches' first steps, before they hold what the routing uses, cost about a fixed time, which
+    # a replay of few steps weighs as a large share where the run, longer, spreads it thin; whole
+    # resident layers pay no such cost. Fitted on the seed-4 draw (docs/POLICIES.md). A fixed wider
+    # margin (0.005) lifted the short replays' worst cells but put the long ones further below
+    # n-cpu-moe (drawn-2-15, ECR 12.5 %, and Mixtral's fastdrift-nocue, 763-912 replayed steps,
+    # where whole layers do win); this one leaves a replay of 600 or more steps at layout_margin
+    # (docs/POLICIES.md, "A margin that widens as the replay shortens")
+    layout_warmup_steps: float = 1.2
 
     def __post_init__(self) -> None:
         # a zero horizon divides by zero; a memory under one step keeps nothing (the forecast off,
@@ -305,6 +316,8 @@ class AdaptiveConfig:
                 raise ValueError(f"{name} must be 0 or more, not {getattr(self, name)}")
         if not 0 <= self.layout_margin < 1:
             raise ValueError(f"layout_margin must be at least 0 and below 1, not {self.layout_margin}")
+        if not self.layout_warmup_steps >= 0:
+            raise ValueError(f"layout_warmup_steps must be 0 or more, not {self.layout_warmup_steps}")
         if self.copy_cost is not None and not self.copy_cost >= 0:
             raise ValueError(f"copy_cost must be 0 or more (or None: from the cost model), not {self.copy_cost}")
 
@@ -868,7 +881,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                  charge_placements: bool = True, barrier_stalls: bool = True, prior_steps: float = 16.0,
                  cache_switch_price: float = 1.0, lead_memory_steps: float = 1024.0,
                  lead_prior_steps: float = 512.0, step_clock: bool = True, layout_margin: float = 0.002,
-                 **overrides) -> None:
+                 layout_warmup_steps: float = 1.2, **overrides) -> None:
         super().__init__(config, **overrides)
         # what a copy of this policy under another layout is built from (_replayed_layout)
         self._args = dict(config=config, horizon_steps=horizon_steps, switch_margin=switch_margin,
@@ -878,10 +891,13 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                           charge_placements=charge_placements, barrier_stalls=barrier_stalls,
                           prior_steps=prior_steps, cache_switch_price=cache_switch_price,
                           lead_memory_steps=lead_memory_steps, lead_prior_steps=lead_prior_steps,
-                          step_clock=step_clock, layout_margin=layout_margin, **overrides)
+                          step_clock=step_clock, layout_margin=layout_margin,
+                          layout_warmup_steps=layout_warmup_steps, **overrides)
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
+        # the margin those prices were read within (_replayed_layout; 0 at batch 1)
+        self.layout_margin_used = 0.0
         # the steps each candidate led in the replay of the chosen layout, its folds' summed
         # (start's leader)
         self.replay_led: dict[str, int] = {}
@@ -900,7 +916,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                                        cache_switch_price=float(cache_switch_price),
                                        lead_memory_steps=float(lead_memory_steps),
                                        lead_prior_steps=float(lead_prior_steps),
-                                       step_clock=bool(step_clock), layout_margin=float(layout_margin))
+                                       step_clock=bool(step_clock), layout_margin=float(layout_margin),
+                                       layout_warmup_steps=float(layout_warmup_steps))
         self._resident = resident_layers(layout)
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
@@ -930,7 +947,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
     def _replayed_layout(self, ctx: PolicyContext) -> int:
         """The count of whole resident layers (of layout.whole_layer_grid) under which this policy
         replays the calibration routing fastest; the fewest on a tie, and at a batch above 1 the
-        fewest within ``layout_margin`` of the fastest (AdaptiveConfig).
+        fewest within the margin of the fastest (``layout_margin``, or ``layout_warmup_steps``
+        over the replay's decode steps where that is wider: AdaptiveConfig).
 
         Why not the static estimate alone: it prices the calibrated hot experts as if they stayed
         hot, so it cannot tell routing a cache follows (whole layers waste the bytes) from routing
@@ -941,13 +959,19 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if whole_max == 0:  # no whole layer fits: the uniform layout is the only one
             return 0
         led, means = {}, {}
+        steps = 0.0
         for n in whole_layer_grid(whole_max):
             self.layout_prices[n], replayed = ctx.replay_calibration(
                 lambda n=n: type(self)(**self._args, layout=f"resident-{n}"))
             led[n] = {c: sum(p.led_steps()[c] for p in replayed) for c in self.adaptive.candidates}
             means[n] = mean_over_replays(replayed)
+            # the replay's decode steps, the same at every layout (a replayed copy has no prior, so
+            # the steps it scored are the steps it decoded)
+            steps = sum(p.scored_steps() for p in replayed)
         best = max(self.layout_prices.values())
-        margin = self.adaptive.layout_margin if ctx.batch > 1 else 0.0
+        margin = max(self.adaptive.layout_margin, self.adaptive.layout_warmup_steps / max(steps, 1.0)) \
+            if ctx.batch > 1 else 0.0
+        self.layout_margin_used = margin
         n = min(n for n, tok in self.layout_prices.items() if tok >= best * (1.0 - margin))
         self.replay_led = led[n]
         self.replay_score = means[n]
