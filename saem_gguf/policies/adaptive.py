@@ -959,15 +959,14 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         if whole_max == 0:  # no whole layer fits: the uniform layout is the only one
             return 0
         led, means = {}, {}
-        steps = 0.0
         for n in whole_layer_grid(whole_max):
             self.layout_prices[n], replayed = ctx.replay_calibration(
                 lambda n=n: type(self)(**self._args, layout=f"resident-{n}"))
             led[n] = {c: sum(p.led_steps()[c] for p in replayed) for c in self.adaptive.candidates}
             means[n] = mean_over_replays(replayed)
-            # the replay's decode steps, the same at every layout (a replayed copy has no prior, so
-            # the steps it scored are the steps it decoded)
-            steps = sum(p.scored_steps() for p in replayed)
+        # the replay's decode steps, the same at every layout, so read off the last one's (a
+        # replayed copy has no prior, so the steps it scored are the steps it decoded)
+        steps = sum(p.scored_steps() for p in replayed)
         best = max(self.layout_prices.values())
         margin = max(self.adaptive.layout_margin, self.adaptive.layout_warmup_steps / max(steps, 1.0)) \
             if ctx.batch > 1 else 0.0
