@@ -528,11 +528,34 @@ def test_a_lead_that_does_not_last_does_not_switch_the_cache():
 
 def test_the_layout_replay_builds_its_copies_with_every_knob():
     """The calibration replay prices each layout on a copy of the policy built from its
-    arguments (``_args``): every knob of ``AdaptiveSaemPolicy`` but the layout must reach it, or
-    the replay chooses the layout for another policy (``step_clock`` once did not)."""
-    import inspect
+    arguments (``_args``): every knob but the layout must reach the copy, or the replay chooses
+    the layout for another policy (``step_clock`` once did not). Every knob is set off its
+    default here, the stage rule's too, and the copy must hold the same configuration."""
+    from dataclasses import fields, replace
 
-    knobs = set(inspect.signature(AdaptiveSaemPolicy.__init__).parameters) - {"self", "layout", "overrides"}
-    pol = AdaptiveSaemPolicy(step_clock=False)
-    assert knobs <= set(pol._args), knobs - set(pol._args)
-    assert pol._args["step_clock"] is False
+    from saem_gguf.policies.adaptive import ADAPTIVE_KNOBS, AdaptiveConfig
+
+    off_default = {"horizon_steps": 32.0, "switch_margin": 2.0, "warm_start": False,
+                   "candidates": ("stage", "lfu"), "prior_tokens": 16.0, "copy_cost": 0.3, "copy_price": 0.7,
+                   "layout": "uniform", "start_leader": "lfu", "first_switch": 3, "load_slope": 0.25,
+                   "charge_placements": False, "barrier_stalls": False, "prior_steps": 4.0,
+                   "cache_switch_price": 0.5, "lead_memory_steps": 64.0, "lead_prior_steps": 8.0,
+                   "step_clock": False, "layout_margin": 0.01, "layout_warmup_steps": 2.0}
+    assert set(off_default) == ADAPTIVE_KNOBS == {f.name for f in fields(AdaptiveConfig)} - {"stage"}
+    pol = AdaptiveSaemPolicy(min_gap_steps=5, **off_default)
+    assert all(getattr(pol.adaptive, k) == v for k, v in off_default.items())
+    assert pol.cfg.min_gap_steps == 5
+    copy = type(pol)(**pol._args, layout="resident-2")
+    assert copy.adaptive == replace(pol.adaptive, layout="resident-2")
+    assert copy.cfg == pol.cfg
+
+
+def test_knobs_are_held_as_their_defaults_types():
+    """JSON gives 64 for 64.0 and lists for tuples: the configuration holds its own types."""
+    pol = AdaptiveSaemPolicy(horizon_steps=64, first_switch=8.0, candidates=["stage", "lfu"], warm_start=1,
+                             copy_cost=1)
+    assert type(pol.adaptive.horizon_steps) is float and type(pol.adaptive.first_switch) is int
+    assert pol.adaptive.candidates == ("stage", "lfu") and pol.adaptive.warm_start is True
+    assert type(pol.adaptive.copy_cost) is float
+    with pytest.raises(TypeError, match="horizon_step"):
+        AdaptiveSaemPolicy(horizon_step=64.0)  # a misspelt knob is no SaemConfig field either

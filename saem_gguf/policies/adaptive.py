@@ -90,7 +90,7 @@ else layout.py's static estimate.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 from numba import njit
@@ -303,6 +303,17 @@ class AdaptiveConfig:
     layout_warmup_steps: float = 1.2
 
     def __post_init__(self) -> None:
+        # knobs come from JSON (bench --saem) and Python callers as any number type: each is held
+        # as its default's type, so a policy copied from them (_replayed_layout) is the same one
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(f.default, bool):
+                setattr(self, f.name, bool(v))
+            elif isinstance(f.default, (int, float)):
+                setattr(self, f.name, type(f.default)(v))
+        if self.copy_cost is not None:
+            self.copy_cost = float(self.copy_cost)
+        self.candidates = tuple(self.candidates)
         # a zero horizon divides by zero; a memory under one step keeps nothing (the forecast off,
         # silently, where 0 is the way to say so); the rest are prices, margins and counts
         if not self.horizon_steps > 0:
@@ -320,6 +331,10 @@ class AdaptiveConfig:
             raise ValueError(f"layout_warmup_steps must be 0 or more, not {self.layout_warmup_steps}")
         if self.copy_cost is not None and not self.copy_cost >= 0:
             raise ValueError(f"copy_cost must be 0 or more (or None: from the cost model), not {self.copy_cost}")
+
+
+# AdaptiveSaemPolicy's own keywords: every AdaptiveConfig field but the stage rule's config
+ADAPTIVE_KNOBS = frozenset(f.name for f in fields(AdaptiveConfig)) - {"stage"}
 
 
 @njit(cache=True)
@@ -874,25 +889,13 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
                "the cache follows whichever served best lately")
     default_config = SaemConfig()
 
-    def __init__(self, config: SaemConfig | None = None, horizon_steps: float = 64.0, switch_margin: float = 1.0,
-                 warm_start: bool = True, candidates: tuple[str, ...] = DEFAULT_CANDIDATES, prior_tokens: float = 64.0,
-                 copy_cost: float | None = None, copy_price: float = 0.5, layout: str = "auto",
-                 start_leader: str | None = None, first_switch: int = 8, load_slope: float = 0.5,
-                 charge_placements: bool = True, barrier_stalls: bool = True, prior_steps: float = 16.0,
-                 cache_switch_price: float = 1.0, lead_memory_steps: float = 1024.0,
-                 lead_prior_steps: float = 512.0, step_clock: bool = True, layout_margin: float = 0.002,
-                 layout_warmup_steps: float = 1.2, **overrides) -> None:
-        super().__init__(config, **overrides)
+    def __init__(self, config: SaemConfig | None = None, **knobs) -> None:
+        """``knobs``: AdaptiveConfig's fields by name (its defaults where not given); any other
+        keyword overrides a field of the stage rule's SaemConfig, as for SaemCuePolicy."""
+        super().__init__(config, **{k: v for k, v in knobs.items() if k not in ADAPTIVE_KNOBS})
+        self.adaptive = AdaptiveConfig(stage=self.cfg, **{k: v for k, v in knobs.items() if k in ADAPTIVE_KNOBS})
         # what a copy of this policy under another layout is built from (_replayed_layout)
-        self._args = dict(config=config, horizon_steps=horizon_steps, switch_margin=switch_margin,
-                          warm_start=warm_start, candidates=candidates, prior_tokens=prior_tokens,
-                          copy_cost=copy_cost, copy_price=copy_price, start_leader=start_leader,
-                          first_switch=first_switch, load_slope=load_slope,
-                          charge_placements=charge_placements, barrier_stalls=barrier_stalls,
-                          prior_steps=prior_steps, cache_switch_price=cache_switch_price,
-                          lead_memory_steps=lead_memory_steps, lead_prior_steps=lead_prior_steps,
-                          step_clock=step_clock, layout_margin=layout_margin,
-                          layout_warmup_steps=layout_warmup_steps, **overrides)
+        self._args = dict(config=config, **{k: v for k, v in knobs.items() if k != "layout"})
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
@@ -904,21 +907,8 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         # each candidate's mean net gain per step over that replay's steps (the scores' prior), when
         # there was one
         self.replay_score: np.ndarray | None = None
-        self.adaptive = AdaptiveConfig(stage=self.cfg, horizon_steps=float(horizon_steps),
-                                       switch_margin=float(switch_margin), warm_start=bool(warm_start),
-                                       candidates=tuple(candidates), prior_tokens=float(prior_tokens),
-                                       copy_cost=copy_cost, copy_price=float(copy_price), layout=layout,
-                                       start_leader=start_leader, first_switch=int(first_switch),
-                                       load_slope=float(load_slope),
-                                       charge_placements=bool(charge_placements),
-                                       barrier_stalls=bool(barrier_stalls),
-                                       prior_steps=float(prior_steps),
-                                       cache_switch_price=float(cache_switch_price),
-                                       lead_memory_steps=float(lead_memory_steps),
-                                       lead_prior_steps=float(lead_prior_steps),
-                                       step_clock=bool(step_clock), layout_margin=float(layout_margin),
-                                       layout_warmup_steps=float(layout_warmup_steps))
-        self._resident = resident_layers(layout)
+        self._resident = resident_layers(self.adaptive.layout)
+        candidates, start_leader = self.adaptive.candidates, self.adaptive.start_leader
         if not candidates or candidates[0] != "stage":
             raise ValueError("the stage rule must be the first candidate (its shadow cache is candidate 0)")
         self.candidates = [(c, *candidate_kind(c)) for c in candidates]
