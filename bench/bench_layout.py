@@ -28,24 +28,31 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 import numpy as np  # noqa: E402
 
-from bench_policies import add_workload_args, family_traces, selected_families, task_pool  # noqa: E402
+from bench_policies import Workload, add_workload_args, selected_families, task_pool  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
 from saem_gguf.policies.layout import GRID_POINTS, max_whole_layers, whole_layer_grid  # noqa: E402
-from saem_gguf.simulator import SimConfig, default_cost, simulate  # noqa: E402
+from saem_gguf.simulator import default_cost, simulate  # noqa: E402
 
 
-def measure(task: tuple) -> list[dict]:
+@dataclasses.dataclass
+class LayoutTask:
+    """One family at one ECR (every batch), a --jobs worker's unit of work."""
+    workload: Workload
+    ecr: float  # percent, as SimConfig counts
+    batches: tuple[int, ...]
+    points: int  # layouts in the grid
+
+
+def measure(task: LayoutTask) -> list[dict]:
     """The rows of one family at one ECR (every batch): the chosen layout and each of the grid."""
-    fam, ecr, batches, points, trace, seed, cues, drawn, shape = task
-    ts, calib = family_traces(fam, trace, seed, drawn, shape)
+    fam, ecr, batches = task.workload.family, task.ecr, task.batches
+    ts, calib = task.workload.traces()
     cost = default_cost(ts)
     L, E = int(ts.signature.n_layer), int(ts.signature.n_expert)
-    cfg = SimConfig(policies=("saem",), ecrs=(ecr,), batches=batches)
-    if fam == "model":
-        cfg = dataclasses.replace(cfg, cues=cues)
+    cfg = task.workload.sim_config(("saem",), (ecr,), batches)
     budget = np.full(L, budget_slots(ecr, E), np.int32)
-    layouts = {"auto": None, **{f"resident-{n}": n for n in whole_layer_grid(max_whole_layers(budget, E), points)}}
+    layouts = {"auto": None, **{f"resident-{n}": n for n in whole_layer_grid(max_whole_layers(budget, E), task.points)}}
     tok, whole = {}, {}
     for layout in layouts:
         res = simulate(ts, cfg, cost, calib=calib, policy_kwargs={"saem": {"layout": layout}})
@@ -73,8 +80,7 @@ def main(argv=None) -> int:
     if a.points < 1 or a.jobs < 1:
         p.error("--points and --jobs must be at least 1")
     fams, drawn = selected_families(p, a)
-    tasks = [(f, 100.0 * e, a.batch, a.points, a.trace, a.seed, a.cues, drawn, a.shape) for f in fams
-             for e in a.ecr]
+    tasks = [LayoutTask(Workload.of(a, f, drawn), 100.0 * e, tuple(a.batch), a.points) for f in fams for e in a.ecr]
     print(f"{'family':<18} {'ECR %':>6} {'batch':>5} {'chosen':>6} {'tok/s':>7} {'best of grid':>18} "
           f"{'chosen/best':>11} {'uniform/best':>12}")
     out = []

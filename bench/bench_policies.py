@@ -133,6 +133,31 @@ def family_traces(name: str, trace: str | None, seed: int, drawn: dict[str, Synt
     return make_stage_traces(base), make_stage_traces(calib)
 
 
+@dataclasses.dataclass
+class Workload:
+    """One family's traces as the command line names them (``family_traces``); a --jobs worker
+    is sent this and rebuilds the traces itself."""
+    family: str
+    trace: str | None  # recorded traces of the model family
+    seed: int  # of the synthetic families (of the draw with --search)
+    cues: str  # cue set of the model family's stage detector
+    drawn: dict[str, SyntheticConfig]  # --search's settings by family name (empty without)
+    shape: str | None  # the model preset whose layers, experts and top-k route the synthetic families
+
+    @classmethod
+    def of(cls, a: argparse.Namespace, family: str, drawn: dict[str, SyntheticConfig]) -> "Workload":
+        return cls(family, a.trace, a.seed, a.cues, drawn, a.shape)
+
+    def traces(self):
+        """(replayed traces, calibration traces)."""
+        return family_traces(self.family, self.trace, self.seed, self.drawn, self.shape)
+
+    def sim_config(self, policies: tuple[str, ...], ecrs: tuple[float, ...], batches) -> SimConfig:
+        """``simulate``'s configuration for this family (the model family's detector on its cue set)."""
+        cfg = SimConfig(policies=policies, ecrs=ecrs, batches=tuple(batches))
+        return dataclasses.replace(cfg, cues=self.cues) if self.family == "model" else cfg
+
+
 def _changed_fields(cfg: SyntheticConfig) -> dict:
     """The settings of a drawn family that differ from the generator's defaults (``drift_keep``
     only where the hot set drifts: without ``drift_every`` it has no effect)."""
@@ -172,19 +197,29 @@ def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tupl
     return fams, drawn
 
 
-def measure(task: tuple) -> list[dict]:
+@dataclasses.dataclass
+class FamilyTask:
+    """One family's simulations (every ECR x batch), a --jobs worker's unit of work."""
+    workload: Workload
+    ecrs: tuple[float, ...]  # percent, as SimConfig counts
+    batches: tuple[int, ...]
+    saem_kwargs: dict  # --saem
+    stored: dict[tuple[float, int], dict[str, float]] | None  # --reuse: the others' tok/s per (ECR %, batch)
+    hw: str | None  # --hw: the hardware preset or profile that prices the runs
+
+
+def measure(task: FamilyTask) -> list[dict]:
     """The rows of one family (every ECR x batch): saem's tokens/s and its ratios to the others
-    (``stored``: the others' tokens/s per (ECR, batch), from a --reuse file; saem alone is run)."""
-    fam, ecrs, batches, trace, seed, cues, drawn, saem_kwargs, stored, hw, shape = task
-    ts, calib = family_traces(fam, trace, seed, drawn, shape)
+    (``task.stored``: the others' tokens/s from a --reuse file; saem alone is run then)."""
+    fam, batches, stored = task.workload.family, task.batches, task.stored
+    ts, calib = task.workload.traces()
     names = ("saem",) if stored else ("saem", *OTHERS, "oracle")
-    cfg = SimConfig(policies=names, ecrs=ecrs, batches=batches)
-    if fam == "model":
-        cfg = dataclasses.replace(cfg, cues=cues)
-    res = simulate(ts, cfg, default_cost(ts, hw), calib=calib, policy_kwargs={"saem": saem_kwargs})
+    cfg = task.workload.sim_config(names, task.ecrs, batches)
+    res = simulate(ts, cfg, default_cost(ts, task.hw), calib=calib, policy_kwargs={"saem": task.saem_kwargs})
+    drawn = task.workload.drawn
     rows = []
     for B in batches:
-        for e in ecrs:
+        for e in task.ecrs:
             runs = {r["policy"]: r for r in res.select(batch=B, ecr=e)}
             tok = {**stored[(e, B)], "saem": runs["saem"]["tok_s"]} if stored else \
                 {name: r["tok_s"] for name, r in runs.items()}
@@ -268,7 +303,7 @@ def main(argv=None) -> int:
     fams, drawn = selected_families(p, a)
     ecrs = tuple(100.0 * e for e in a.ecr)  # SimConfig counts in percent
     stored = stored_runs(p, a.reuse, fams, ecrs, a.batch) if a.reuse else {}
-    tasks = [(f, ecrs, a.batch, a.trace, a.seed, a.cues, drawn, saem_kwargs, stored.get(f), a.hw, a.shape)
+    tasks = [FamilyTask(Workload.of(a, f, drawn), ecrs, tuple(a.batch), saem_kwargs, stored.get(f), a.hw)
              for f in fams]
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
           f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")
