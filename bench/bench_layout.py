@@ -75,7 +75,6 @@ def main(argv=None) -> int:
     add_workload_args(p, "25%,50%")
     p.add_argument("--points", type=int, default=GRID_POINTS, help="layouts in the grid, uniform to all whole layers")
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (at most one per free core)")
-    p.add_argument("--json", help="write every row here")
     a = p.parse_args(argv)
     if a.points < 1 or a.jobs < 1:
         p.error("--points and --jobs must be at least 1")

@@ -65,7 +65,7 @@ import numpy as np  # noqa: E402
 from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
 from saem_gguf.costmodel import MODEL_PRESETS, get_hw  # noqa: E402
 from saem_gguf.errors import SaemError  # noqa: E402
-from saem_gguf.fileio import write_text_atomic  # noqa: E402
+from saem_gguf.fileio import check_output_path, write_text_atomic  # noqa: E402
 from saem_gguf.policies import POLICIES, make_policy  # noqa: E402
 from saem_gguf.simulator import NOT_IMPLEMENTABLE, SimConfig, default_cost, simulate, split_calibration  # noqa: E402
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces  # noqa: E402
@@ -181,19 +181,32 @@ def add_workload_args(p: argparse.ArgumentParser, ecr: str) -> None:
     p.add_argument("--shape", choices=sorted(MODEL_PRESETS), default=None,
                    help="route the synthetic families with this model's layers, experts and top-k, and price "
                         "them with its expert size (default: qwen3-30b-a3b, 48 x 128, top-8)")
+    p.add_argument("--json", help="write every row here")
 
 
 def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[str], dict[str, SyntheticConfig]]:
-    """(family names, the drawn settings among them) of add_workload_args' options; an unknown
-    name or a batch size below 1 is argparse's one-line error. ``model`` is skipped without
-    ``--trace``."""
+    """(family names, the drawn settings among them) of add_workload_args' options. ``model`` is
+    skipped without ``--trace``. Whatever would fail later, after minutes of simulation or in a
+    worker (an unknown name, a batch size below 1, a negative --search, nothing to run, a --trace
+    that is no trace file, a --json that cannot be written), is argparse's one-line error now."""
     if not a.batch or min(a.batch) < 1:
         p.error("--batch values must be >= 1")
+    if a.search < 0:
+        p.error(f"--search must be 0 (the named families) or more, not {a.search}")
     drawn = drawn_families(a.search, a.seed) if a.search > 0 else {}
     fams = list(drawn) if drawn else [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
     unknown = [f for f in fams if f not in SYNTHETIC and f != "model" and f not in drawn]
     if unknown:
         p.error(f"unknown families: {', '.join(unknown)} (known: {', '.join([*SYNTHETIC, 'model'])})")
+    if not fams:
+        p.error("no family to run (the model family needs --trace)")
+    try:
+        if "model" in fams:
+            load_traces(a.trace)
+        if a.json:
+            check_output_path(a.json, "--json")
+    except SaemError as e:
+        p.error(str(e))
     return fams, drawn
 
 
@@ -276,7 +289,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p, "6.25%,12.5%,25%,50%")
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (at most one per free core)")
-    p.add_argument("--json", help="write every row here")
     p.add_argument("--reuse", metavar="OLD.json", help="re-simulate saem alone against the other policies' "
                    "tokens/s stored in this --json output of the same workloads")
     p.add_argument("--saem", default="{}", metavar="JSON", help="keyword arguments of the saem policy, a JSON "

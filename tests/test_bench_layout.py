@@ -36,7 +36,8 @@ def test_the_chosen_layout_is_measured_against_every_count(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("args", [["--points", "0"], ["--batch", "a"], ["--batch", ""], ["--batch", "0"],
-                                  ["--families", "nosuch"]])
+                                  ["--families", "nosuch"], ["--search", "-2"], ["--families", "model"],
+                                  ["--json", "/no/such/dir/out.json"]])
 def test_bad_arguments_get_one_line_and_exit_2(args, capsys):
     with pytest.raises(SystemExit) as e:
         bl.main(args)

@@ -112,8 +112,14 @@ def test_reuse_resimulates_saem_alone_against_the_stored_others(tmp_path, small_
     (["--saem", "[1]"], "--saem must be a JSON object"),
     (["--saem", '{"no_such_knob": 1}'], "--saem: "),
     (["--reuse", "MISSING"], "--reuse MISSING: not a bench_policies --json output"),
+    (["--search", "-1"], "--search must be 0"),
+    (["--families", "model"], "no family to run (the model family needs --trace)"),
+    (["--families", "model", "--trace", "MISSING.npz"], "MISSING.npz: no such trace file"),
+    (["--json", "no/such/dir/out.json"], "--json no/such/dir/out.json: directory no/such/dir does not exist"),
 ])
 def test_bad_reuse_or_saem_options_are_one_line(extra, message, capsys, tmp_path, monkeypatch):
+    """Each is refused before any simulation (the last two once came as tracebacks: --json's
+    after every family had run)."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         bp.main(["--families", "synthetic", "--ecr", "25%", *extra])
