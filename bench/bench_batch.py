@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.cli.common import ecr_arg  # noqa: E402
 from saem_gguf.engine import Engine, EngineConfig, SamplingConfig  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
@@ -141,7 +142,7 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true",
                     help="read each event as it comes (a second busy thread, as a server has) instead of "
                          "after the last request ended")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     args = ap.parse_args()
     parallel = [int(x) for x in args.parallel.split(",")]
     base = load_prompts(None)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.defaultmodel.eval.problems import question_lines  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=60, help="held-out questions to trace (60)")
     p.add_argument("--seed", type=int, default=777, help="their seed (777)")
     p.add_argument("--out", type=Path, default=Path("out/bench_default_model"), help="working directory")
-    p.add_argument("--json", type=Path, default=None, help="write the simulate rows and the load average")
+    p.add_argument("--json", type=output_file, default=None, help="write the simulate rows and the load average")
     a = p.parse_args(argv)
     if a.n < 8:
         print("error: -n must be at least 8 (a quarter calibrates, batch 8 replays the rest)", file=sys.stderr)

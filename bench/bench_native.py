@@ -48,6 +48,15 @@ MODES = ("stock", "nocache", "allhost", "mixed")
 # worker (one subprocess = one library, one mode)
 
 
+def _output_file(text: str) -> Path:
+    """--json's type: saem_gguf imported here, not at the top, as a --worker binds its library
+    before importing it (and gets no --json)."""
+    sys.path.insert(0, str(REPO))
+    from saem_gguf.cli.arg_types import output_file
+
+    return output_file(text)
+
+
 def _worker(args: argparse.Namespace) -> int:
     os.environ["SAEM_GGUF_LIB_DIR"] = args.lib
     sys.path.insert(0, str(REPO))
@@ -233,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock-lib", help="directory of the stock libllama.so (default: cached build)")
     ap.add_argument("--saem-lib", help="directory of the patched libllama.so (default: cached build)")
     ap.add_argument("--build", action="store_true", help="build missing variants")
-    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--json", type=_output_file, help="also write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--lib", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -281,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"expert copy host -> slot ({copy['device']}, {copy['expert_nbytes'] / 1e6:.2f} MB per expert): "
           f"sync {copy['copy_sync_gb_s']:.2f} GB/s, async+sync {copy['copy_async_gb_s']:.2f} GB/s")
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
+        from saem_gguf.fileio import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps(summary, indent=2))
     return 0
 
 

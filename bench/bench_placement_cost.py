@@ -43,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.cli.common import ecr_arg  # noqa: E402
 from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--parts", action="store_true",
                    help="also one more live run per policy and repetition with clock reads at the joints of "
                         "the placement (detector, link meter, policy, copies, rest): medians per token")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     a = p.parse_args(argv)
     path = ensure_model(ModelSpec(n_layer=a.layers, n_expert=a.experts, n_expert_used=a.top_k, expert_pool=8))
     eng = Engine(EngineConfig(model=path, n_ctx=a.n + 64, n_threads=1, ecr=a.ecr, progress=False),

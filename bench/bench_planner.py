@@ -18,7 +18,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.costmodel import HW_PRESETS, MODEL_PRESETS, CostModel  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.ranking import plan_from_scores, rank_fill_kernel  # noqa: E402
 from saem_gguf.accounting import Accounting  # noqa: E402
 from saem_gguf.policies.base import PolicyContext, budget_slots  # noqa: E402
@@ -108,7 +110,7 @@ def bench_simulator(quick: bool) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", metavar="OUT", help="write the figures as JSON")
+    ap.add_argument("--json", type=output_file, metavar="OUT", help="write the figures as JSON")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, shorter traces")
     args = ap.parse_args()
     reps = 50 if args.quick else 300
@@ -130,8 +132,8 @@ def main() -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\n(load average {load:.1f} on {os.cpu_count()} CPUs while measuring)")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"planner": planner, "simulator": sim, "loadavg": load, "cpus": os.cpu_count()}, f, indent=1)
+        write_text_atomic(args.json, json.dumps({"planner": planner, "simulator": sim, "loadavg": load,
+                                                 "cpus": os.cpu_count()}, indent=1))
     return 0
 
 

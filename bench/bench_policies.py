@@ -62,10 +62,11 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 import numpy as np  # noqa: E402
 
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
 from saem_gguf.costmodel import MODEL_PRESETS, get_hw  # noqa: E402
 from saem_gguf.errors import SaemError  # noqa: E402
-from saem_gguf.fileio import check_output_path, write_text_atomic  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies import POLICIES, make_policy  # noqa: E402
 from saem_gguf.simulator import NOT_IMPLEMENTABLE, SimConfig, default_cost, simulate, split_calibration  # noqa: E402
 from saem_gguf.synthetic import SyntheticConfig, make_stage_traces  # noqa: E402
@@ -181,14 +182,14 @@ def add_workload_args(p: argparse.ArgumentParser, ecr: str) -> None:
     p.add_argument("--shape", choices=sorted(MODEL_PRESETS), default=None,
                    help="route the synthetic families with this model's layers, experts and top-k, and price "
                         "them with its expert size (default: qwen3-30b-a3b, 48 x 128, top-8)")
-    p.add_argument("--json", help="write every row here")
+    p.add_argument("--json", type=output_file, help="write every row here")
 
 
 def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[str], dict[str, SyntheticConfig]]:
     """(family names, the drawn settings among them) of add_workload_args' options. ``model`` is
-    skipped without ``--trace``. Whatever would fail later, after minutes of simulation or in a
-    worker (an unknown name, a batch size below 1, a negative --search, nothing to run, a --trace
-    that is no trace file, a --json that cannot be written), is argparse's one-line error now."""
+    skipped without ``--trace``. What would fail later, after minutes of simulation or in a worker
+    (an unknown name, a batch size below 1, a negative --search, nothing to run, a --trace that is
+    no trace file) is argparse's one-line error now, as --json's type makes an unwritable path."""
     if not a.batch or min(a.batch) < 1:
         p.error("--batch values must be >= 1")
     if a.search < 0:
@@ -200,13 +201,11 @@ def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tupl
         p.error(f"unknown families: {', '.join(unknown)} (known: {', '.join([*SYNTHETIC, 'model'])})")
     if not fams:
         p.error("no family to run (the model family needs --trace)")
-    try:
-        if "model" in fams:
+    if "model" in fams:
+        try:
             load_traces(a.trace)
-        if a.json:
-            check_output_path(a.json, "--json")
-    except SaemError as e:
-        p.error(str(e))
+        except SaemError as e:
+            p.error(str(e))
     return fams, drawn
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import httpx2 as httpx  # noqa: E402
 
-from saem_gguf.cli.arg_types import bounded_int  # noqa: E402
+from saem_gguf.cli.arg_types import bounded_int, output_file  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from serve_helpers import ServerProcess  # noqa: E402
 
@@ -71,11 +71,9 @@ def main() -> int:
                    help="conversations taking turns on the one slot (1)")
     p.add_argument("--repeat", type=bounded_int(1, 100), default=3, help="repetitions (3)")
     p.add_argument("--max-tokens", type=bounded_int(1, 4096), default=48, help="tokens per answer (48)")
-    p.add_argument("--json", default=None, metavar="OUT", help="write every request's timings as JSON")
+    p.add_argument("--json", type=output_file, default=None, metavar="OUT", help="write every request's timings as JSON")
     p.add_argument("serve_flags", nargs="*", help="flags for serve, after --")
     a = p.parse_args()
-    if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
-        p.error(f"--json {a.json}: no such folder")
     flags = ["-np", "1", "-c", "8192", "--no-warmup", *(["-m", a.model] if a.model else []), *a.serve_flags]
     load = [os.getloadavg()[0]]
     servers = {"ram": ServerProcess(flags).start(), "slot": ServerProcess([*flags, "--cache-ram", "0"]).start()}

@@ -47,6 +47,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=int, default=256 << 20, help="bytes of slack in every limit")
     ap.add_argument("--hw", default="rtx3060-ddr4", help="cost model preset for the policies (no measuring)")
     ap.add_argument("--child-timeout", type=float, default=600)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument("--probe-prefetch", action="store_true",
                     help="only time the ways to read a cold expert (page faults, MADV_RANDOM, MADV_WILLNEED, "
                          "MADV_POPULATE_READ) on --model, and exit")

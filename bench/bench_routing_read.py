@@ -23,7 +23,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from saem_gguf import native_api as na  # noqa: E402
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.testmodels import ensure_model  # noqa: E402
 from saem_gguf.testmodels.spec import ModelSpec  # noqa: E402
 
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--n", type=int, default=2000, help="calls per round")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     a = p.parse_args(argv)
     path = ensure_model(ModelSpec(n_layer=a.layers, n_expert=a.experts, n_expert_used=a.top_k, expert_pool=8))
     eng = Engine(EngineConfig(model=path, n_ctx=256, n_threads=1, ecr=0.25, progress=False), log=lambda m: None)
@@ -64,8 +66,7 @@ def main(argv=None) -> int:
           f"all layers {res['all_layers_us']:.1f} us, per layer {res['per_layer_us']:.1f} us "
           f"({res['ratio']:.1f}x)")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_text_atomic(a.json, json.dumps(res, indent=2))
     return 0
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import httpx2 as httpx  # noqa: E402
 
-from saem_gguf.cli.arg_types import bounded_int  # noqa: E402
+from saem_gguf.cli.arg_types import bounded_int, output_file  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from serve_helpers import ServerProcess  # noqa: E402
 
@@ -215,7 +215,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=bounded_int(1, 100_000), default=32, help="tokens per answer (32)")
     p.add_argument("--ctx-per-seq", type=bounded_int(64, 1 << 20), default=1024,
                    help="context of each sequence; serve gets -c this x np (1024)")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the rows as JSON")
+    p.add_argument("--json", type=output_file, default=None, metavar="OUT", help="write the rows as JSON")
     argv = sys.argv[1:]
     serve_args = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -245,7 +245,7 @@ def main() -> int:
     if args.json:
         write_text_atomic(args.json, json.dumps({"config": {k: v for k, v in vars(args).items()},
                                                  "summary": [asdict(s) for s in summaries],
-                                                 "runs": [[asdict(r) for r in runs] for runs in reps]}, indent=2))
+                                                 "runs": [[asdict(r) for r in runs] for runs in reps]}, indent=2, default=str))
     return 1 if any(s.failed for s in summaries) else 0
 
 

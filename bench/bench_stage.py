@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.stage import (  # noqa: E402
     CueMatcher,
     CueSet,
@@ -67,7 +69,7 @@ def _loadavg() -> tuple[float, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", metavar="OUT", help="also write the figures as JSON")
+    ap.add_argument("--json", type=output_file, metavar="OUT", help="also write the figures as JSON")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per sequence in the streams (default 4096)")
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
@@ -198,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             line += f"   (target {r['target_us']:g} us, ratio {r['ratio_to_target']:.2f})"
         print(line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"shape": [L, E, K], "tokens": T, "load_average": _loadavg(),
-                                               "results": results}, indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps({"shape": [L, E, K], "tokens": T, "load_average": _loadavg(),
+                                                 "results": results}, indent=2) + "\n")
     return 0
 
 

@@ -29,7 +29,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.defaultmodel.evaluate import CUE_KIND, CUE_SET  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.stage.coherence import capacity_of, stage_histogram  # noqa: E402
 from saem_gguf.stage.cues import load_cues  # noqa: E402
 from saem_gguf.stage.matcher import find_cues  # noqa: E402
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("trace")
     p.add_argument("--ecr", type=float, default=0.25, help="cache share of each layer's experts")
     p.add_argument("--calib", type=int, default=15, help="calibration sequences (the first ones)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     a = p.parse_args(argv)
     ts = load_traces(a.trace)
     cues = load_cues(CUE_SET)
@@ -111,8 +113,7 @@ def main(argv=None) -> int:
     for name, v in res["hit_pct"].items():
         print(f"  {name:13s} {v:6.2f} % hit")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_text_atomic(a.json, json.dumps(res, indent=2))
     return 0
 
 

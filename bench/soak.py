@@ -27,7 +27,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from saem_gguf import native_api as na  # noqa: E402
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.testmodels import STAGE_PLANT, ModelSpec, ensure_model  # noqa: E402
 
 POLICIES = ("saem", "lru", "cpu-moe", "lfu", "saem-implicit", "temporal", "static-hot", "gpu-all")
@@ -156,7 +158,7 @@ def main() -> int:
     ap.add_argument("-n", "--n-predict", type=int, default=32, help="tokens per generation (32)")
     ap.add_argument("-m", "--model", type=Path, default=None,
                     help="GGUF (default: a small generated qwen3moe with stage routing)")
-    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--json", type=output_file, default=None, help="write the figures here")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args()
     model = a.model or ensure_model(ModelSpec(arch="qwen3moe", expert_type="q4_0", n_expert=16,
@@ -168,7 +170,7 @@ def main() -> int:
     figures["cache_errors"] = r.cache_errors[:20]
     text = json.dumps(figures, indent=2)
     if a.json:
-        a.json.write_text(text)
+        write_text_atomic(a.json, text)
     print(text)
     return 1 if r.failures() else 0
 

@@ -115,7 +115,7 @@ def test_reuse_resimulates_saem_alone_against_the_stored_others(tmp_path, small_
     (["--search", "-1"], "--search must be 0"),
     (["--families", "model"], "no family to run (the model family needs --trace)"),
     (["--families", "model", "--trace", "MISSING.npz"], "MISSING.npz: no such trace file"),
-    (["--json", "no/such/dir/out.json"], "--json no/such/dir/out.json: directory no/such/dir does not exist"),
+    (["--json", "no/such/dir/out.json"], "argument --json: file no/such/dir/out.json: directory no/such/dir does not exist"),
 ])
 def test_bad_reuse_or_saem_options_are_one_line(extra, message, capsys, tmp_path, monkeypatch):
     """Each is refused before any simulation (the last two once came as tracebacks: --json's

@@ -65,4 +65,4 @@ def test_bench_prompt_cache_runs_conversations_three_ways(tmp_path):
     assert evaluated["ram"] < evaluated["slot"] <= evaluated["off"]
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "bench_prompt_cache.py"), "--json",
                           str(tmp_path / "no" / "x.json")], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "no such folder" in bad.stderr.splitlines()[-1]
+    assert bad.returncode == 2 and "does not exist" in bad.stderr.splitlines()[-1]

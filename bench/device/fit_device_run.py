@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.costmodel import GB, HW_PRESETS, CostModel, HardwareProfile  # noqa: E402
 from saem_gguf.simulator import SimConfig, simulate  # noqa: E402
 from saem_gguf.trace import TraceSet, load_traces, save_traces  # noqa: E402
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the preset the run's engine priced with, for the 'as run' column (rtx4090-ddr5: "
                          "--hw measure takes the GPU side from it)")
     ap.add_argument("--cores", type=int, default=16, help="the device's CPU cores (16: the lent H200 machine)")
-    ap.add_argument("--out", type=Path, default=None, help="fitted profile JSON (default RUN/fitted_hw.json)")
+    ap.add_argument("--out", type=output_file, default=None, help="fitted profile JSON (default RUN/fitted_hw.json)")
     a = ap.parse_args(argv)
     trace = a.run / "trace.npz"
     if a.record or not trace.exists():
