@@ -287,6 +287,9 @@ for _flags, _code, _needle in ((["--ecr", "0"], 1, "--ecr"), (["--ecr", "101%"],
         "simulate", *[str(b.trace["good"]) if x == "TRACE" else x for x in s], "--quiet", *f],
         _code, _needle))
 add(Case("simulate-seqs-zero", lambda b, d: ["simulate", "--synthetic", "--seqs", "0"], 1, "--seqs"))
+# a --calib-frac out of range is wrong with --synthetic too, which holds out --calib-seqs instead
+add(Case("simulate-calib-frac-synthetic", lambda b, d: ["simulate", "--synthetic", "--seqs", "1", "--quiet",
+                                                        "--calib-frac", "1.5"], 1, "--calib-frac"))
 add(Case("simulate-two-sources", lambda b, d: ["simulate", "--synthetic", "--trace", "x"], 2, "not allowed"))
 add(Case("simulate-hw-missing-file", lambda b, d: ["simulate", "--synthetic", "--seqs", "1", "--quiet",
                                                    "--hw", str(d / "hw.json")], 1, "hw"))

@@ -125,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ram_budget == "auto":
         raise SaemError("simulate projects a machine from --hw, not this one: --ram-budget needs a size, "
                         "not auto")
+    if not 0 <= args.calib_frac < 1:  # wrong whatever it would have split, --synthetic's traces too
+        raise SaemError("--calib-frac must be in [0, 1)")
     if args.json and args.json != "-":
         check_output_path(args.json, "--json")
     if args.plot:
@@ -139,8 +141,6 @@ def run(args: argparse.Namespace) -> int:
         if args.calib_trace:
             calib = load_traces(args.calib_trace, expect=ts.signature)
         else:
-            if not 0 <= args.calib_frac < 1:
-                raise SaemError("--calib-frac must be in [0, 1)")
             ts, calib = split_calibration(ts, args.calib_frac)
         if not ts.sequences:
             raise SaemError(f"{args.trace}: no sequences left to replay"
