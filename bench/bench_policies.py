@@ -52,9 +52,10 @@ import argparse
 import dataclasses
 import json
 import os
-import random
-import sys
 import multiprocessing
+import random
+import signal
+import sys
 
 # this folder too: a --jobs worker process imports this script by name (task_pool)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -359,9 +360,28 @@ class _Serial:
 def task_pool(jobs: int):
     """``jobs`` worker processes (a Pool), or, for 1, imap in this process. The workers are
     spawned, not forked: a fork of a process whose Numba or BLAS threads hold a lock can hang
-    (it did, in a pytest process)."""
-    return multiprocessing.get_context("spawn").Pool(jobs) if jobs > 1 else _Serial()
+    (it did, in a pytest process). They start with Ctrl-C ignored (an ignored signal stays so
+    through exec, and Python then installs no handler for it): the terminal sends it to every
+    process of the group, and the parent alone answers (``run_script``), its pool terminating
+    the workers, where each worker printed a traceback of its own."""
+    if jobs == 1:
+        return _Serial()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return multiprocessing.get_context("spawn").Pool(jobs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_script(main) -> int:
+    """A bench script's exit code: ``main()``'s, or for Ctrl-C one line and 130, as the CLI's.
+    Nothing is half-written: --json is written whole, at the end."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"{os.path.basename(sys.argv[0])}: interrupted; nothing written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -147,3 +147,31 @@ def test_shape_routes_and_prices_a_family_with_another_models_shape():
     assert bp.default_cost(ts).expert_bytes == bp.MODEL_PRESETS["mixtral-8x7b"].expert_bytes()
     plain, _ = bp.family_traces(name, None, 0, small)
     assert plain.signature.n_expert == 128
+
+
+def test_ctrl_c_is_one_line_and_130_with_workers(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group: the parent says so in one line and
+    exits 130, no worker prints a traceback, and no --json is written (it was a traceback from
+    the parent and one from each worker)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    p = subprocess.Popen([sys.executable, str(bp.__file__), "--families", "synthetic,stationary,kinds,drift-nocue",
+                          "--ecr", "25%", "--batch", "1", "--jobs", "2", "--json", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        header = p.stdout.readline()
+        first_row = p.stdout.readline()  # a worker has run a task: both are past their start
+        assert header.startswith("family") and first_row.split()[0] in ("synthetic", "stationary")
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 130, err
+    assert err.strip().splitlines() == ["bench_policies.py: interrupted; nothing written"], err
+    assert not out.exists()
