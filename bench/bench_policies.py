@@ -370,7 +370,8 @@ def task_pool(jobs: int):
     try:
         return multiprocessing.get_context("spawn").Pool(jobs)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:  # None: a handler C installed, which Python cannot put back
+            signal.signal(signal.SIGINT, previous)
 
 
 def run_script(main) -> int:

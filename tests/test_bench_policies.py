@@ -161,7 +161,10 @@ def test_ctrl_c_is_one_line_and_130_with_workers(tmp_path):
     out = tmp_path / "rows.json"
     p = subprocess.Popen([sys.executable, str(bp.__file__), "--families", "synthetic,stationary,kinds,drift-nocue",
                           "--ecr", "25%", "--batch", "1", "--jobs", "2", "--json", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         # as a terminal's process: a background job (CI's) starts with SIGINT
+                         # ignored, and an ignored signal stays so through exec
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         header = p.stdout.readline()
         first_row = p.stdout.readline()  # a worker has run a task: both are past their start
