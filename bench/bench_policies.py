@@ -154,9 +154,9 @@ class Workload:
         """(replayed traces, calibration traces)."""
         return family_traces(self.family, self.trace, self.seed, self.drawn, self.shape)
 
-    def sim_config(self, policies: tuple[str, ...], ecrs: tuple[float, ...], batches) -> SimConfig:
+    def sim_config(self, policies: tuple[str, ...], ecrs: tuple[float, ...], batches: tuple[int, ...]) -> SimConfig:
         """``simulate``'s configuration for this family (the model family's detector on its cue set)."""
-        cfg = SimConfig(policies=policies, ecrs=ecrs, batches=tuple(batches))
+        cfg = SimConfig(policies=policies, ecrs=ecrs, batches=batches)
         return dataclasses.replace(cfg, cues=self.cues) if self.family == "model" else cfg
 
 
