@@ -28,7 +28,8 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 import numpy as np  # noqa: E402
 
-from bench_policies import Workload, add_workload_args, run_script, selected_families, task_pool  # noqa: E402
+from bench_policies import Workload, add_workload_args, selected_families, task_pool  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
 from saem_gguf.policies.layout import GRID_POINTS, max_whole_layers, whole_layer_grid  # noqa: E402

@@ -19,6 +19,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from saem_gguf.cli.arg_types import output_file  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.costmodel import HW_PRESETS, MODEL_PRESETS, CostModel  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.ranking import plan_from_scores, rank_fill_kernel  # noqa: E402
@@ -138,4 +139,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

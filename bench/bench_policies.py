@@ -65,6 +65,7 @@ import numpy as np  # noqa: E402
 
 from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.costmodel import MODEL_PRESETS, get_hw  # noqa: E402
 from saem_gguf.errors import SaemError  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
@@ -372,16 +373,6 @@ def task_pool(jobs: int):
     finally:
         if previous is not None:  # None: a handler C installed, which Python cannot put back
             signal.signal(signal.SIGINT, previous)
-
-
-def run_script(main) -> int:
-    """A bench script's exit code: ``main()``'s, or for Ctrl-C one line and 130, as the CLI's.
-    Nothing is half-written: --json is written whole, at the end."""
-    try:
-        return main()
-    except KeyboardInterrupt:
-        print(f"{os.path.basename(sys.argv[0])}: interrupted; nothing written", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from saem_gguf.cli.arg_types import output_file  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
@@ -532,4 +533,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_script(main))

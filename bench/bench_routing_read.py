@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from saem_gguf import native_api as na  # noqa: E402
 from saem_gguf.cli.arg_types import output_file  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.testmodels import ensure_model  # noqa: E402
@@ -71,4 +72,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_script(main))

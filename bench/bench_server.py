@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import httpx2 as httpx  # noqa: E402
 
 from saem_gguf.cli.arg_types import bounded_int, output_file  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from serve_helpers import ServerProcess  # noqa: E402
 
@@ -250,4 +251,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_script(main))

@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from saem_gguf.cli.arg_types import output_file  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.defaultmodel.evaluate import CUE_KIND, CUE_SET  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.stage.coherence import capacity_of, stage_histogram  # noqa: E402
@@ -118,4 +119,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_script(main))

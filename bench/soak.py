@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from saem_gguf import native_api as na  # noqa: E402
 from saem_gguf.cli.arg_types import output_file  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.engine import Engine, EngineConfig  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.testmodels import STAGE_PLANT, ModelSpec, ensure_model  # noqa: E402
@@ -176,4 +177,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_script(main))

@@ -42,6 +42,7 @@ import numpy as np
 
 from saem_gguf import native_api as na
 from saem_gguf.budget import AUTO
+from saem_gguf.cli.script import run_script
 from saem_gguf.engine import Engine, EngineConfig
 from saem_gguf.gpu_memory import gpu_memory
 from saem_gguf.testmodels import STAGE_PLANT, ModelSpec, ensure_model
@@ -506,4 +507,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -46,7 +46,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from saem_gguf.cli.arg_types import output_file  # noqa: E402
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.costmodel import GB, HW_PRESETS, CostModel, HardwareProfile  # noqa: E402
+from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.simulator import SimConfig, simulate  # noqa: E402
 from saem_gguf.trace import TraceSet, load_traces, save_traces  # noqa: E402
 
@@ -259,10 +261,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['policy']} | {ecr} | {r['first_tok_s']:.1f} | {r['first_hit']:.3f} | "
                   f"{r['second_tok_s']:.1f} | {r['second_hit']:.3f} |")
     out = a.out or a.run / "fitted_hw.json"
-    out.write_text(json.dumps(dataclasses.asdict(hw), indent=1) + "\n")
+    write_text_atomic(out, json.dumps(dataclasses.asdict(hw), indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_script(main))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.llama_lib import load_llama_cpp  # noqa: E402
 from saem_gguf.tensor_overrides import TensorOverride, override_array, resolve  # noqa: E402
 from saem_gguf.testmodels.spec import ModelSpec  # noqa: E402
@@ -66,4 +67,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_script(main))
