@@ -5,6 +5,7 @@ policy, ``n-cpu-moe`` and the oracle, per trace family x ECR x batch (issue 12, 
     python bench/bench_policies.py --search 24 [--seed 0] [--jobs 2] [--json OUT]
     python bench/bench_policies.py ... --reuse OLD.json [--saem '{"copy_price": 0.75}']
     python bench/bench_policies.py --shape mixtral-8x7b ...   # the families on another model's shape
+    python bench/bench_policies.py --hw rtx3060-ddr4 [--overlap] [--copy-barrier] ...   # another cost model
 
 ``--reuse``: re-simulate ``saem`` alone (with ``--saem``'s keyword arguments, a JSON object) and
 compare it with the other policies' tokens/s stored in OLD.json, a ``--json`` output of the same
@@ -66,7 +67,7 @@ import numpy as np  # noqa: E402
 from saem_gguf.cli.arg_types import output_file  # noqa: E402
 from saem_gguf.cli.common import ecr_list_arg, int_list_arg  # noqa: E402
 from saem_gguf.cli.script import run_script  # noqa: E402
-from saem_gguf.costmodel import MODEL_PRESETS, get_hw  # noqa: E402
+from saem_gguf.costmodel import MODEL_PRESETS, HardwareProfile, get_hw  # noqa: E402
 from saem_gguf.errors import SaemError  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies import POLICIES, make_policy  # noqa: E402
@@ -219,7 +220,7 @@ class FamilyTask:
     batches: tuple[int, ...]
     saem_kwargs: dict  # --saem
     stored: dict[tuple[float, int], dict[str, float]] | None  # --reuse: the others' tok/s per (ECR %, batch)
-    hw: str | None  # --hw: the hardware preset or profile that prices the runs
+    hw: HardwareProfile  # --hw with --overlap / --copy-barrier: what prices the runs
 
 
 def measure(task: FamilyTask) -> list[dict]:
@@ -296,11 +297,16 @@ def main(argv=None) -> int:
                    "object (e.g. '{\"copy_price\": 0.75}')")
     p.add_argument("--hw", default="rtx4090-ddr5", help="the cost model's hardware: a preset or a profile JSON "
                    "(e.g. bench/device/results/2026-12-04-h200/fitted_hw.json; default rtx4090-ddr5)")
+    p.add_argument("--overlap", action="store_true", help="CPU and GPU experts of a layer run concurrently, "
+                   "as simulate --overlap")
+    p.add_argument("--copy-barrier", action="store_true", help="each decode step waits for every copy issued "
+                   "before it, as simulate --copy-barrier")
     a = p.parse_args(argv)
     try:
-        get_hw(a.hw)
+        hw = get_hw(a.hw)
     except SaemError as e:
         p.error(str(e))
+    hw = hw.replace(cpu_gpu_overlap=hw.cpu_gpu_overlap or a.overlap, copy_barrier=hw.copy_barrier or a.copy_barrier)
     if a.jobs < 1:
         p.error("--jobs must be at least 1")
     try:
@@ -316,7 +322,7 @@ def main(argv=None) -> int:
     fams, drawn = selected_families(p, a)
     ecrs = tuple(100.0 * e for e in a.ecr)  # SimConfig counts in percent
     stored = stored_runs(p, a.reuse, fams, ecrs, a.batch) if a.reuse else {}
-    tasks = [FamilyTask(Workload.of(a, f, drawn), ecrs, tuple(a.batch), saem_kwargs, stored.get(f), a.hw)
+    tasks = [FamilyTask(Workload.of(a, f, drawn), ecrs, tuple(a.batch), saem_kwargs, stored.get(f), hw)
              for f in fams]
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "
           f"{'saem/best':>9} {'saem/n-cpu-moe':>14} {'saem/oracle':>11}")

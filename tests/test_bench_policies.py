@@ -178,3 +178,21 @@ def test_ctrl_c_is_one_line_and_130_with_workers(tmp_path):
     assert p.returncode == 130, err
     assert err.strip().splitlines() == ["bench_policies.py: interrupted"], err
     assert not out.exists()
+
+
+def test_overlap_and_copy_barrier_price_as_a_profile_with_them(tmp_path, small_draws, capsys):
+    """--overlap / --copy-barrier are simulate's: the rows equal those of --hw with a profile file
+    that sets them, and differ from the preset's."""
+    from saem_gguf.costmodel import get_hw
+
+    prof = tmp_path / "hw.json"
+    prof.write_text(json.dumps(dataclasses.asdict(get_hw("rtx4090-ddr5").replace(cpu_gpu_overlap=True,
+                                                                                  copy_barrier=True))))
+    rows = {}
+    for name, flags in (("flags", ["--overlap", "--copy-barrier"]), ("file", ["--hw", str(prof)]), ("plain", [])):
+        out = tmp_path / f"{name}.json"
+        assert bp.main(["--search", "1", "--seed", "5", "--ecr", "25%", "--batch", "1", *flags,
+                        "--json", str(out)]) == 0
+        rows[name] = json.loads(out.read_text())
+    assert rows["flags"] == rows["file"]
+    assert rows["flags"][0]["tok_s"] != rows["plain"][0]["tok_s"]
