@@ -346,7 +346,7 @@ def test_leader_at_start_and_no_switch_in_the_first_steps():
     assert leaders(candidates=("stage", "static", "lfu"))[0][0] == "stage"
     assert leaders(start_leader="static")[0][0] == "static"
     with pytest.raises(ValueError, match="leader at start"):
-        AdaptiveSaemPolicy(start_leader="lrfu-32")  # a valid rule, not a default candidate
+        AdaptiveSaemPolicy(start_leader="lrfu-128")  # a valid rule, not a default candidate
 
 
 @pytest.mark.parametrize("period,churner_best", [(3, False), (12, True)])
@@ -384,6 +384,10 @@ def test_copies_priced_by_link_load(period, churner_best):
             assert time[name] < min(time["flat"], time["lrfu-4"], time["lrfu-16"]), (time, led)
 
 
+# the candidates before the forty-ninth session: the cells below were measured on them
+WITHOUT_LRFU_32 = tuple(c for c in DEFAULT_CANDIDATES if c != "lrfu-32")
+
+
 def _drawn_cell(family: str, seed: int, ecr: float, batch: int, barrier: bool = False):
     """tok_s(policy, **kwargs): simulated tokens/s of one cell of bench_policies' draw ``seed``
     (``--search 24 --seed SEED``), on the bench's traces and cost model (``barrier``: with the
@@ -403,11 +407,14 @@ def test_the_step_clock_follows_the_cache_whose_copies_cost_less_than_they_look(
     to LRFU at a half-life of 16 steps the cache hits 87 % and runs 1.5 % faster than at 64 steps,
     with twice the copies; most of them overlap no CPU expert. Priced per copy by link load the
     policy followed LRFU-64 for 1,215 of 1,272 steps (0.985x temporal-cpu); on each candidate's
-    step clock it runs at least as fast as temporal-cpu (LRFU-16's rule)."""
+    step clock it runs at least as fast as temporal-cpu (LRFU-16's rule). The price per copy is
+    shown on the candidates of then: with LRFU-32 among them (a default since the forty-ninth
+    session) it follows that rule, as fast as temporal-cpu here, whichever way copies are priced."""
     tok_s = _drawn_cell("drawn-2-14", 2, 50.0, 1)
     temporal = tok_s("temporal-cpu")
     assert tok_s("saem") >= temporal
-    assert tok_s("saem", step_clock=False) < 0.99 * temporal
+    assert tok_s("saem", step_clock=False, candidates=WITHOUT_LRFU_32) < 0.99 * temporal
+    assert tok_s("saem", candidates=WITHOUT_LRFU_32) >= temporal
 
 
 def test_under_the_barrier_the_step_clock_prices_a_copy_as_the_step_pays_it():
@@ -420,7 +427,8 @@ def test_under_the_barrier_the_step_clock_prices_a_copy_as_the_step_pays_it():
     tok_s = _drawn_cell("drawn-2-14", 2, 50.0, 1, barrier=True)
     temporal = tok_s("temporal-cpu")
     assert tok_s("saem") >= 0.997 * temporal
-    assert tok_s("saem", step_clock=False) < 0.99 * temporal
+    assert tok_s("saem", step_clock=False, candidates=WITHOUT_LRFU_32) < 0.99 * temporal  # as above
+    assert tok_s("saem", candidates=WITHOUT_LRFU_32) >= 0.997 * temporal
 
 
 def test_a_calibration_too_short_to_replay_leaves_the_layout_to_the_static_estimate(monkeypatch):
@@ -500,11 +508,12 @@ def test_the_lead_forecast_does_not_extrapolate_a_catching_up_cache():
 def test_lru_is_a_candidate_where_its_rule_leads():
     """bench_policies' seed-0 draw, family 3, ECR 50 %, batch 1: lru-cpu's rule is the fastest
     there. Without ``lru`` among the candidates (the default until the step clock priced its many
-    copies as they cost) the cache ran at 0.996x lru-cpu; with it, as fast."""
+    copies as they cost) the cache ran at 0.996x lru-cpu; with it, as fast (0.9994x since lrfu-32
+    became a candidate, which leads a few of the steps there)."""
     tok_s = _drawn_cell("drawn-0-3", 0, 50.0, 1)
     assert "lru" in DEFAULT_CANDIDATES
     lru = tok_s("lru-cpu")
-    assert tok_s("saem") >= 0.9999 * lru
+    assert tok_s("saem") >= 0.999 * lru
     assert tok_s("saem", candidates=tuple(c for c in DEFAULT_CANDIDATES if c != "lru")) < 0.998 * lru
 
 

@@ -518,8 +518,8 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     rule. The scores start at the replay's means with or without the barrier, and at 0 without a
     replay; under the barrier the first_switch steps are the run's own, not the prior's."""
     L, E, K = 6, 32, 4
-    # paper-length stages: here the replay's most-led rule is lrfu-64, not the default lrfu-16
-    calib = make_stage_traces(SyntheticConfig(n_layer=L, n_expert=E, top_k=K, n_sequences=4, seed=10))
+    # paper-length stages: here the replay's most-led rule is lrfu-32, not the default lrfu-16
+    calib = make_stage_traces(SyntheticConfig(n_layer=L, n_expert=E, top_k=K, n_sequences=4, seed=11))
     sample = calibration_sample(calib, 1500)
     barrier = CostModel.from_expert_bytes(SMALL.expert_bytes, SMALL.hw.replace(copy_barrier=True))
     ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 8, np.int32), cost=barrier,
@@ -543,7 +543,7 @@ def test_the_leader_at_start_is_the_rule_that_led_the_calibration_replay():
     unprimed.start(ctx)
     assert not unprimed._score.any() and unprimed._ctl[CTL_SCORED] == 0
     names = [c for c, _, _ in pol.candidates]
-    assert pol.leader == max(names, key=lambda c: (led[c], -names.index(c))) == "lrfu-64"
+    assert pol.leader == max(names, key=lambda c: (led[c], -names.index(c))) == "lrfu-32"
     named = make_policy("saem", start_leader="lfu")
     named.start(ctx)
     assert named.leader == "lfu"

@@ -9,11 +9,12 @@ single rule leads on every workload, but which one leads is visible from the rou
 Candidates, each a full shadow cache (sets only; no pricing):
 
 * ``static``: the calibrated placement, never changed (KTransformers' hot experts);
-* ``lru`` / ``lfu`` / ``lrfu-16`` / ``lrfu-64`` / ``lrfu-256``: the ``-cpu`` caches' rule (caching.py
-  ``admit_after_use``): a miss runs on the CPU and is loaded for the next tokens when its
-  priority beats the coldest resident (LRFU at half-lives of 16, 64 and 256 steps; ``lru``, a
-  default since the step clock priced its many copies as they cost, leads only where its rule
-  is fast);
+* ``lru`` / ``lfu`` / ``lrfu-16`` / ``lrfu-32`` / ``lrfu-64`` / ``lrfu-256``: the ``-cpu`` caches'
+  rule (caching.py ``admit_after_use``): a miss runs on the CPU and is loaded for the next tokens
+  when its priority beats the coldest resident (LRFU at half-lives of 16, 32, 64 and 256 steps;
+  ``lru``, a default since the step clock priced its many copies as they cost, leads only where
+  its rule is fast; ``lrfu-32``, a default since the forty-ninth session, leads where neither
+  neighbour fits and where the two trade the lead);
 * ``stage``: SAEM's rule at every stage boundary (cue events, the stage detector's
   routing-shift events when the block carries them, SAEM's warm-up and long-stage refresh): the
   completed stage's counts, blended with the cue's calibrated stage profile when there is one
@@ -162,7 +163,11 @@ CTL_WARMED = 19  # what warm_step_lines loaded, summed: read by nothing, kept so
 N_CTL = 20
 
 
-DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-64", "lrfu-256", "lru")
+# lrfu-32 between lrfu-16 and lrfu-64 (forty-ninth session): the geometric mean of saem / best
+# other rose 0.14-0.18 % on each of the eight synthetic sets measured on Qwen3-30B-A3B's shape
+# (+0.01 % on Mixtral's, -0.001 % on the embedded model's), and 1 cell of 956 fell by more than
+# 0.1 % (docs/POLICIES.md, "lrfu-32 a candidate")
+DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-32", "lrfu-64", "lrfu-256", "lru")
 # The leader at start when no calibration replay names one (``_start_leader``), when a
 # candidate (else the stage rule). Until the stage rule's first boundary (SAEM's warm-up) its
 # set is the calibrated one, static's; a cache that loads the misses it ran on the CPU is the
