@@ -164,9 +164,9 @@ N_CTL = 20
 
 
 # lrfu-32 between lrfu-16 and lrfu-64 (forty-ninth session): the geometric mean of saem / best
-# other rose 0.14-0.18 % on each of the eight synthetic sets measured on Qwen3-30B-A3B's shape
-# (+0.01 % on Mixtral's, -0.001 % on the embedded model's), and 1 cell of 956 fell by more than
-# 0.1 % (docs/POLICIES.md, "lrfu-32 a candidate")
+# other rose 0.14-0.23 % on each of the ten sets measured on Qwen3-30B-A3B's shape (+0.01 % on
+# Mixtral's), and 4 cells of 1,100 fell by more than 0.1 %, at most 0.41 % (docs/POLICIES.md,
+# "lrfu-32 a candidate")
 DEFAULT_CANDIDATES: tuple[str, ...] = ("stage", "static", "lfu", "lrfu-16", "lrfu-32", "lrfu-64", "lrfu-256", "lru")
 # The leader at start when no calibration replay names one (``_start_leader``), when a
 # candidate (else the stage rule). Until the stage rule's first boundary (SAEM's warm-up) its
