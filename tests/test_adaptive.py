@@ -409,7 +409,7 @@ def test_the_step_clock_follows_the_cache_whose_copies_cost_less_than_they_look(
     policy followed LRFU-64 for 1,215 of 1,272 steps (0.985x temporal-cpu); on each candidate's
     step clock it runs at least as fast as temporal-cpu (LRFU-16's rule). The price per copy is
     shown on the candidates of then: with LRFU-32 among them (a default since the forty-ninth
-    session) it follows that rule, as fast as temporal-cpu here, whichever way copies are priced."""
+    session) the cache runs as fast as temporal-cpu here whichever way copies are priced."""
     tok_s = _drawn_cell("drawn-2-14", 2, 50.0, 1)
     temporal = tok_s("temporal-cpu")
     assert tok_s("saem") >= temporal
@@ -509,7 +509,7 @@ def test_lru_is_a_candidate_where_its_rule_leads():
     """bench_policies' seed-0 draw, family 3, ECR 50 %, batch 1: lru-cpu's rule is the fastest
     there. Without ``lru`` among the candidates (the default until the step clock priced its many
     copies as they cost) the cache ran at 0.996x lru-cpu; with it, as fast (0.9994x since lrfu-32
-    became a candidate, which leads a few of the steps there)."""
+    became a candidate; 1.0000x without it)."""
     tok_s = _drawn_cell("drawn-0-3", 0, 50.0, 1)
     assert "lru" in DEFAULT_CANDIDATES
     lru = tok_s("lru-cpu")
