@@ -10,7 +10,10 @@ policy, ``n-cpu-moe`` and the oracle, per trace family x ECR x batch (issue 12, 
 ``--reuse``: re-simulate ``saem`` alone (with ``--saem``'s keyword arguments, a JSON object) and
 compare it with the other policies' tokens/s stored in OLD.json, a ``--json`` output of the same
 workloads (a change to ``saem`` leaves the others' runs as they were, and they are most of the
-time); the rows of OLD.json's other workloads are ignored, a workload missing from it is an error.
+time); the rows of OLD.json's other workloads are ignored, a workload missing from it is an error,
+and so are rows priced on another cost model (``--hw``, ``--overlap``, ``--copy-barrier``) or
+routed with another ``--shape`` (each row records both; older files, which do not, are taken as
+they are).
 
 Families (synthetic ones are generated like ``simulate --synthetic``: 8 sequences replayed, 4
 calibration sequences from another seed):
@@ -242,7 +245,8 @@ def measure(task: FamilyTask) -> list[dict]:
             row = {"family": fam, "ecr": e, "batch": B, "saem": tok["saem"], "best_other": best,
                    "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
                    "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
-                   "tok_s": tok, "saem_whole_layers": runs["saem"]["whole_layers"]}
+                   "tok_s": tok, "saem_whole_layers": runs["saem"]["whole_layers"],
+                   "hw": dataclasses.asdict(task.hw), "shape": task.workload.shape}
             if fam in drawn:
                 row["config"] = _changed_fields(drawn[fam])
             rows.append(row)
@@ -250,15 +254,26 @@ def measure(task: FamilyTask) -> list[dict]:
 
 
 def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tuple[float, ...],
-                batches: list[int]) -> dict[str, dict[tuple[float, int], dict[str, float]]]:
+                batches: list[int], hw: HardwareProfile,
+                shape: str | None) -> dict[str, dict[tuple[float, int], dict[str, float]]]:
     """{family: {(ECR %, batch): {policy: tok/s}}} of a --json output, for --reuse; every
-    family x ECR x batch asked for must be there (argparse's one-line error otherwise)."""
+    family x ECR x batch asked for must be there, priced on the same cost model (``hw``, with
+    its overlap and barrier) and routed with the same model shape, where the file says (files
+    written before it said are taken as they are); argparse's one-line error otherwise."""
     try:
         with open(path, encoding="utf-8") as f:
             rows = json.load(f)
         runs = {(r["family"], float(r["ecr"]), int(r["batch"])): dict(r["tok_s"]) for r in rows}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        other_hw = next((r["hw"] for r in rows if "hw" in r and r["hw"] != dataclasses.asdict(hw)), None)
+        other_shape = next((r["shape"] for r in rows if "shape" in r and r["shape"] != shape), False)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         p.error(f"--reuse {path}: not a bench_policies --json output ({e})")
+    if other_hw is not None:
+        p.error(f"--reuse {path} was priced on another cost model ({_hw_label(other_hw)}), not "
+                f"{_hw_label(dataclasses.asdict(hw))}: give the same --hw / --overlap / --copy-barrier")
+    if other_shape is not False:
+        p.error(f"--reuse {path} was routed with --shape {other_shape or 'qwen3-30b-a3b (the default)'}, "
+                f"not {shape or 'the default'}")
     out: dict[str, dict[tuple[float, int], dict[str, float]]] = {}
     for fam in fams:
         for e in ecrs:
@@ -267,6 +282,12 @@ def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tu
                     p.error(f"--reuse {path} has no run of {fam} at ECR {e:g} %, batch {B}")
                 out.setdefault(fam, {})[(e, B)] = runs[(fam, e, B)]
     return out
+
+
+def _hw_label(hw: dict) -> str:
+    """A cost model's name and switches, as an error names it."""
+    flags = [f for f, on in (("overlap", hw.get("cpu_gpu_overlap")), ("copy barrier", hw.get("copy_barrier"))) if on]
+    return f"{hw.get('name', '?')}{' with ' + ' and '.join(flags) if flags else ''}"
 
 
 def summary(rows: list[dict]) -> dict:
@@ -321,7 +342,7 @@ def main(argv=None) -> int:
         p.error(f"--saem: {e}")
     fams, drawn = selected_families(p, a)
     ecrs = tuple(100.0 * e for e in a.ecr)  # SimConfig counts in percent
-    stored = stored_runs(p, a.reuse, fams, ecrs, a.batch) if a.reuse else {}
+    stored = stored_runs(p, a.reuse, fams, ecrs, a.batch, hw, a.shape) if a.reuse else {}
     tasks = [FamilyTask(Workload.of(a, f, drawn), ecrs, tuple(a.batch), saem_kwargs, stored.get(f), hw)
              for f in fams]
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "

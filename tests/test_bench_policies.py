@@ -134,6 +134,29 @@ def test_reuse_needs_every_cell(tmp_path, capsys):
     assert "has no run of synthetic at ECR 25 %, batch 8" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("stored, flags, message", [
+    ({"hw": "overlap"}, [], "was priced on another cost model (rtx4090-ddr5 with overlap), not rtx4090-ddr5"),
+    ({"hw": "plain"}, ["--copy-barrier"], "not rtx4090-ddr5 with copy barrier"),
+    ({"hw": "plain"}, ["--hw", "rtx3060-ddr4"], "another cost model (rtx4090-ddr5), not rtx3060-ddr4"),
+    ({"hw": "plain", "shape": "mixtral-8x7b"}, [], "was routed with --shape mixtral-8x7b, not the default"),
+    ({"hw": "plain", "shape": None}, ["--shape", "gpt-oss-20b"], "--shape qwen3-30b-a3b (the default), not gpt-oss-20b"),
+])
+def test_reuse_refuses_runs_of_another_cost_model_or_shape(stored, flags, message, tmp_path, capsys):
+    """Ratios against other policies' runs priced or routed otherwise would be silently wrong."""
+    from saem_gguf.costmodel import get_hw
+
+    hw = get_hw("rtx4090-ddr5")
+    row = {"family": "synthetic", "ecr": 25.0, "batch": 1, "tok_s": {"lfu-cpu": 1.0},
+           "hw": dataclasses.asdict(hw.replace(cpu_gpu_overlap=True) if stored["hw"] == "overlap" else hw)}
+    if "shape" in stored:
+        row["shape"] = stored["shape"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps([row]))
+    with pytest.raises(SystemExit) as e:
+        bp.main(["--families", "synthetic", "--ecr", "25%", "--batch", "1", "--reuse", str(old), *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_shape_routes_and_prices_a_family_with_another_models_shape():
     # --shape: the family's routing has the preset's layers, experts and top-k, and the cost model
     # (found from the routing shape, as simulate finds it) prices that model's expert size
