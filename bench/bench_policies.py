@@ -327,7 +327,7 @@ def main(argv=None) -> int:
         hw = get_hw(a.hw)
     except SaemError as e:
         p.error(str(e))
-    hw = hw.replace(cpu_gpu_overlap=hw.cpu_gpu_overlap or a.overlap, copy_barrier=hw.copy_barrier or a.copy_barrier)
+    hw = hw.with_switches(a.overlap, a.copy_barrier)
     if a.jobs < 1:
         p.error("--jobs must be at least 1")
     try:

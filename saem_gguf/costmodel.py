@@ -173,6 +173,12 @@ class HardwareProfile:
     def replace(self, **kw) -> "HardwareProfile":
         return dataclasses.replace(self, **kw)
 
+    def with_switches(self, overlap: bool = False, copy_barrier: bool = False) -> "HardwareProfile":
+        """This profile with ``--overlap`` / ``--copy-barrier`` turned on where asked (a switch the
+        profile already has stays on): the flags of ``simulate`` and ``bench_policies.py``."""
+        return self.replace(cpu_gpu_overlap=self.cpu_gpu_overlap or overlap,
+                            copy_barrier=self.copy_barrier or copy_barrier)
+
 
 HW_PRESETS: dict[str, HardwareProfile] = {
     # Consumer desktop: PCIe 4.0 x16 (~25 GB/s pinned), dual-channel DDR5-6000.

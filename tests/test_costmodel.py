@@ -182,3 +182,12 @@ def test_an_implausible_measurement_is_not_cached(tmp_path, monkeypatch, capsys)
     assert measured and not path.exists()
     assert "IMPLAUSIBLE" in hw.notes
     assert "warning: --hw measure" in capsys.readouterr().err
+
+
+def test_cost_switches_turn_on_and_keep_what_the_profile_has():
+    """simulate's and bench_policies' --overlap / --copy-barrier (HardwareProfile.with_switches)."""
+    hw = HW_PRESETS["rtx4090-ddr5"]
+    assert hw.with_switches() == hw and not hw.cpu_gpu_overlap and not hw.copy_barrier
+    on = hw.with_switches(overlap=True, copy_barrier=True)
+    assert on.cpu_gpu_overlap and on.copy_barrier and on.replace(cpu_gpu_overlap=False, copy_barrier=False) == hw
+    assert on.with_switches() == on  # a flag left off does not turn a profile's switch off

@@ -148,11 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
     from saem_gguf.costmodel import get_hw
 
-    hw = get_hw(args.hw)
-    if args.overlap:
-        hw = hw.replace(cpu_gpu_overlap=True)
-    if args.copy_barrier:
-        hw = hw.replace(copy_barrier=True)
+    hw = get_hw(args.hw).with_switches(args.overlap, args.copy_barrier)
     cost = default_cost(ts, hw, args.model, args.quant)
     # the simulator counts ECR in percent of a layer's experts
     cfg = SimConfig(policies=pols, ecrs=tuple(round(100 * e, 9) for e in args.ecr), batches=tuple(args.batch), events=args.events,
