@@ -260,17 +260,18 @@ def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tu
     family x ECR x batch asked for must be there, priced on the same cost model (``hw``, with
     its overlap and barrier) and routed with the same model shape, where the file says (files
     written before it said are taken as they are); argparse's one-line error otherwise."""
+    mine = dataclasses.asdict(hw)  # as each row records it
     try:
         with open(path, encoding="utf-8") as f:
             rows = json.load(f)
         runs = {(r["family"], float(r["ecr"]), int(r["batch"])): dict(r["tok_s"]) for r in rows}
-        other_hw = next((r["hw"] for r in rows if "hw" in r and r["hw"] != dataclasses.asdict(hw)), None)
+        other_hw = next((r["hw"] for r in rows if "hw" in r and r["hw"] != mine), None)
         other_shape = next((r["shape"] for r in rows if "shape" in r and r["shape"] != shape), False)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         p.error(f"--reuse {path}: not a bench_policies --json output ({e})")
     if other_hw is not None:
         p.error(f"--reuse {path} was priced on another cost model ({_hw_label(other_hw)}), not "
-                f"{_hw_label(dataclasses.asdict(hw))}: give the same --hw / --overlap / --copy-barrier")
+                f"{_hw_label(mine)}: give the same --hw / --overlap / --copy-barrier")
     if other_shape is not False:
         p.error(f"--reuse {path} was routed with --shape {other_shape or 'qwen3-30b-a3b (the default)'}, "
                 f"not {shape or 'the default'}")
