@@ -5,6 +5,7 @@ holds (``layout="resident-N"``), per family x ECR x batch (issue 12, item 4).
 
     python bench/bench_layout.py [--families a,b,...] [--trace default60.npz] [--json OUT]
     python bench/bench_layout.py --search 24 [--seed 0] [--jobs 2] [--json OUT]
+    python bench/bench_layout.py --hw rtx3060-ddr4 [--overlap] [--copy-barrier] ...   # another cost model
 
 The families are bench_policies.py's (the named ones, ``model`` with ``--trace``, or ``--search
 N`` drawn settings). ``chosen/best`` is the chosen layout's tokens/s over the best of the grid
@@ -28,7 +29,10 @@ sys.path[:0] = [_HERE, os.path.join(_HERE, "..")]
 
 import numpy as np  # noqa: E402
 
-from bench_policies import Workload, add_workload_args, selected_families, task_pool  # noqa: E402
+from bench_policies import (  # noqa: E402
+    Workload, add_cost_args, add_workload_args, cost_profile, selected_families, task_pool,
+)
+from saem_gguf.costmodel import HardwareProfile  # noqa: E402
 from saem_gguf.cli.script import run_script  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
@@ -43,13 +47,14 @@ class LayoutTask:
     ecr: float  # percent, as SimConfig counts
     batches: tuple[int, ...]
     points: int  # layouts in the grid
+    hw: HardwareProfile  # --hw with --overlap / --copy-barrier: what prices the runs
 
 
 def measure(task: LayoutTask) -> list[dict]:
     """The rows of one family at one ECR (every batch): the chosen layout and each of the grid."""
     fam, ecr, batches = task.workload.family, task.ecr, task.batches
     ts, calib = task.workload.traces()
-    cost = default_cost(ts)
+    cost = default_cost(ts, task.hw)
     L, E = int(ts.signature.n_layer), int(ts.signature.n_expert)
     cfg = task.workload.sim_config(("saem",), (ecr,), batches)
     budget = np.full(L, budget_slots(ecr, E), np.int32)
@@ -67,7 +72,8 @@ def measure(task: LayoutTask) -> list[dict]:
         rows.append({"family": fam, "ecr": ecr, "batch": B, "chosen_whole": whole["auto", B],
                      "chosen_tok_s": tok["auto", B], "best_grid": best, "best_grid_tok_s": tok[best, B],
                      "chosen_vs_best": tok["auto", B] / top, "uniform_vs_best": tok["resident-0", B] / top,
-                     "tok_s": {lay: tok[lay, B] for lay in layouts}})
+                     "tok_s": {lay: tok[lay, B] for lay in layouts},
+                     "hw": dataclasses.asdict(task.hw)})
     return rows
 
 
@@ -76,11 +82,13 @@ def main(argv=None) -> int:
     add_workload_args(p, "25%,50%")
     p.add_argument("--points", type=int, default=GRID_POINTS, help="layouts in the grid, uniform to all whole layers")
     p.add_argument("--jobs", type=int, default=1, help="parallel processes (at most one per free core)")
+    add_cost_args(p)
     a = p.parse_args(argv)
+    hw = cost_profile(p, a)
     if a.points < 1 or a.jobs < 1:
         p.error("--points and --jobs must be at least 1")
     fams, drawn = selected_families(p, a)
-    tasks = [LayoutTask(Workload.of(a, f, drawn), 100.0 * e, tuple(a.batch), a.points) for f in fams for e in a.ecr]
+    tasks = [LayoutTask(Workload.of(a, f, drawn), 100.0 * e, tuple(a.batch), a.points, hw) for f in fams for e in a.ecr]
     print(f"{'family':<18} {'ECR %':>6} {'batch':>5} {'chosen':>6} {'tok/s':>7} {'best of grid':>18} "
           f"{'chosen/best':>11} {'uniform/best':>12}")
     out = []

@@ -309,6 +309,25 @@ def summary(rows: list[dict]) -> dict:
             "geomean_vs_oracle": gmean(np.array([r["vs_oracle"] for r in rows]))}
 
 
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    """The cost model's options, as ``simulate`` has them: ``--hw``, ``--overlap``, ``--copy-barrier``."""
+    p.add_argument("--hw", default="rtx4090-ddr5", help="the cost model's hardware: a preset or a profile JSON "
+                   "(e.g. bench/device/results/2026-12-04-h200/fitted_hw.json; default rtx4090-ddr5)")
+    p.add_argument("--overlap", action="store_true", help="CPU and GPU experts of a layer run concurrently, "
+                   "as simulate --overlap")
+    p.add_argument("--copy-barrier", action="store_true", help="each decode step waits for every copy issued "
+                   "before it, as simulate --copy-barrier")
+
+
+def cost_profile(p: argparse.ArgumentParser, a: argparse.Namespace) -> HardwareProfile:
+    """The hardware profile ``add_cost_args``' options name; a bad ``--hw`` is one usage line."""
+    try:
+        hw = get_hw(a.hw)
+    except SaemError as e:
+        p.error(str(e))
+    return hw.with_switches(a.overlap, a.copy_barrier)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p, "6.25%,12.5%,25%,50%")
@@ -317,18 +336,9 @@ def main(argv=None) -> int:
                    "tokens/s stored in this --json output of the same workloads")
     p.add_argument("--saem", default="{}", metavar="JSON", help="keyword arguments of the saem policy, a JSON "
                    "object (e.g. '{\"copy_price\": 0.75}')")
-    p.add_argument("--hw", default="rtx4090-ddr5", help="the cost model's hardware: a preset or a profile JSON "
-                   "(e.g. bench/device/results/2026-12-04-h200/fitted_hw.json; default rtx4090-ddr5)")
-    p.add_argument("--overlap", action="store_true", help="CPU and GPU experts of a layer run concurrently, "
-                   "as simulate --overlap")
-    p.add_argument("--copy-barrier", action="store_true", help="each decode step waits for every copy issued "
-                   "before it, as simulate --copy-barrier")
+    add_cost_args(p)
     a = p.parse_args(argv)
-    try:
-        hw = get_hw(a.hw)
-    except SaemError as e:
-        p.error(str(e))
-    hw = hw.with_switches(a.overlap, a.copy_barrier)
+    hw = cost_profile(p, a)
     if a.jobs < 1:
         p.error("--jobs must be at least 1")
     try:

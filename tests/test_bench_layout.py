@@ -14,16 +14,21 @@ from bench_scripts import load_bench
 bl = load_bench("bench_layout")
 
 
-def test_the_chosen_layout_is_measured_against_every_count(tmp_path, monkeypatch, capsys):
-    # the bench_policies module bench_layout imported (a test may have loaded another since)
+@pytest.fixture
+def small_draws(monkeypatch):
+    """The drawn families with short stages (a few hundred tokens per sequence), in the
+    bench_policies module bench_layout imported (a test may have loaded another since)."""
     where = bl.selected_families.__globals__
     real = where["drawn_families"]
 
-    def small(n, seed):  # short stages: a few hundred tokens per sequence
+    def small(n, seed):
         return {k: dataclasses.replace(v, stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)
                 for k, v in real(n, seed).items()}
 
     monkeypatch.setitem(where, "drawn_families", small)
+
+
+def test_the_chosen_layout_is_measured_against_every_count(tmp_path, small_draws, capsys):
     out = tmp_path / "rows.json"
     # ECR 6.25 % of 128 experts over 48 layers: 3 whole layers at most, so 4 points cover all
     assert bl.main(["--search", "1", "--seed", "2", "--ecr", "6.25%", "--batch", "1", "--points", "4",
@@ -35,7 +40,26 @@ def test_the_chosen_layout_is_measured_against_every_count(tmp_path, monkeypatch
     assert "chosen/best over 1 cells" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args", [["--points", "0"], ["--batch", "a"], ["--batch", ""], ["--batch", "0"],
+def test_overlap_and_copy_barrier_price_as_a_profile_with_them(tmp_path, small_draws):
+    """--hw / --overlap / --copy-barrier are bench_policies' (and simulate's): the flags give the
+    rows of a profile file that sets them, and other rows than the preset's."""
+    from saem_gguf.costmodel import get_hw
+
+    prof = tmp_path / "hw.json"
+    prof.write_text(json.dumps(dataclasses.asdict(get_hw("rtx4090-ddr5").replace(cpu_gpu_overlap=True,
+                                                                                  copy_barrier=True))))
+    rows = {}
+    for name, flags in (("flags", ["--overlap", "--copy-barrier"]), ("file", ["--hw", str(prof)]), ("plain", [])):
+        out = tmp_path / f"{name}.json"
+        assert bl.main(["--search", "1", "--seed", "2", "--ecr", "6.25%", "--batch", "1", "--points", "2", *flags,
+                        "--json", str(out)]) == 0
+        rows[name] = json.loads(out.read_text())
+    assert rows["flags"] == rows["file"]
+    assert rows["flags"][0]["hw"]["cpu_gpu_overlap"] and not rows["plain"][0]["hw"]["cpu_gpu_overlap"]
+    assert rows["flags"][0]["tok_s"] != rows["plain"][0]["tok_s"]
+
+
+@pytest.mark.parametrize("args", [["--points", "0"], ["--hw", "nosuch"], ["--hw", "/no/such/hw.json"], ["--batch", "a"], ["--batch", ""], ["--batch", "0"],
                                   ["--families", "nosuch"], ["--search", "-2"], ["--families", "model"],
                                   ["--json", "/no/such/dir/out.json"]])
 def test_bad_arguments_get_one_line_and_exit_2(args, capsys):
