@@ -297,4 +297,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--worker" not in sys.argv:  # a worker binds its own library before saem_gguf is imported
+        sys.path.insert(0, str(REPO))
+        from saem_gguf.cli.script import run_script
+
+        raise SystemExit(run_script(main))
     raise SystemExit(main())
