@@ -4,12 +4,11 @@ that entry's, and no ratio exceeds 1."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 
-from bench_scripts import load_bench
+from bench_scripts import load_bench, rows_by_cost_flags, small_drawn_families
 
 bl = load_bench("bench_layout")
 
@@ -19,13 +18,7 @@ def small_draws(monkeypatch):
     """The drawn families with short stages (a few hundred tokens per sequence), in the
     bench_policies module bench_layout imported (a test may have loaded another since)."""
     where = bl.selected_families.__globals__
-    real = where["drawn_families"]
-
-    def small(n, seed):
-        return {k: dataclasses.replace(v, stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)
-                for k, v in real(n, seed).items()}
-
-    monkeypatch.setitem(where, "drawn_families", small)
+    monkeypatch.setitem(where, "drawn_families", small_drawn_families(where["drawn_families"]))
 
 
 def test_the_chosen_layout_is_measured_against_every_count(tmp_path, small_draws, capsys):
@@ -43,17 +36,8 @@ def test_the_chosen_layout_is_measured_against_every_count(tmp_path, small_draws
 def test_overlap_and_copy_barrier_price_as_a_profile_with_them(tmp_path, small_draws):
     """--hw / --overlap / --copy-barrier are bench_policies' (and simulate's): the flags give the
     rows of a profile file that sets them, and other rows than the preset's."""
-    from saem_gguf.costmodel import get_hw
-
-    prof = tmp_path / "hw.json"
-    prof.write_text(json.dumps(dataclasses.asdict(get_hw("rtx4090-ddr5").replace(cpu_gpu_overlap=True,
-                                                                                  copy_barrier=True))))
-    rows = {}
-    for name, flags in (("flags", ["--overlap", "--copy-barrier"]), ("file", ["--hw", str(prof)]), ("plain", [])):
-        out = tmp_path / f"{name}.json"
-        assert bl.main(["--search", "1", "--seed", "2", "--ecr", "6.25%", "--batch", "1", "--points", "2", *flags,
-                        "--json", str(out)]) == 0
-        rows[name] = json.loads(out.read_text())
+    rows = rows_by_cost_flags(bl.main, ["--search", "1", "--seed", "2", "--ecr", "6.25%", "--batch", "1",
+                                        "--points", "2"], tmp_path)
     assert rows["flags"] == rows["file"]
     assert rows["flags"][0]["hw"]["cpu_gpu_overlap"] and not rows["plain"][0]["hw"]["cpu_gpu_overlap"]
     assert rows["flags"][0]["tok_s"] != rows["plain"][0]["tok_s"]

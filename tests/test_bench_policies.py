@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from bench_scripts import load_bench
+from bench_scripts import load_bench, rows_by_cost_flags, small_drawn_families
 
 bp = load_bench("bench_policies")
 
@@ -35,13 +35,7 @@ def test_a_drawn_family_replays_on_its_own_seed():
 @pytest.fixture
 def small_draws(monkeypatch):
     """bench_policies' drawn families made small (short stages): the script's own loop, fast."""
-    real = bp.drawn_families
-
-    def small(n, seed):
-        return {k: dataclasses.replace(v, stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)
-                for k, v in real(n, seed).items()}
-
-    monkeypatch.setattr(bp, "drawn_families", small)
+    monkeypatch.setattr(bp, "drawn_families", small_drawn_families(bp.drawn_families))
 
 
 def test_search_rows_carry_their_setting(tmp_path, small_draws, capsys):
@@ -206,16 +200,6 @@ def test_ctrl_c_is_one_line_and_130_with_workers(tmp_path):
 def test_overlap_and_copy_barrier_price_as_a_profile_with_them(tmp_path, small_draws, capsys):
     """--overlap / --copy-barrier are simulate's: the rows equal those of --hw with a profile file
     that sets them, and differ from the preset's."""
-    from saem_gguf.costmodel import get_hw
-
-    prof = tmp_path / "hw.json"
-    prof.write_text(json.dumps(dataclasses.asdict(get_hw("rtx4090-ddr5").replace(cpu_gpu_overlap=True,
-                                                                                  copy_barrier=True))))
-    rows = {}
-    for name, flags in (("flags", ["--overlap", "--copy-barrier"]), ("file", ["--hw", str(prof)]), ("plain", [])):
-        out = tmp_path / f"{name}.json"
-        assert bp.main(["--search", "1", "--seed", "5", "--ecr", "25%", "--batch", "1", *flags,
-                        "--json", str(out)]) == 0
-        rows[name] = json.loads(out.read_text())
+    rows = rows_by_cost_flags(bp.main, ["--search", "1", "--seed", "5", "--ecr", "25%", "--batch", "1"], tmp_path)
     assert rows["flags"] == rows["file"]
     assert rows["flags"][0]["tok_s"] != rows["plain"][0]["tok_s"]
