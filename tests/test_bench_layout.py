@@ -43,7 +43,8 @@ def test_overlap_and_copy_barrier_price_as_a_profile_with_them(tmp_path, small_d
     assert rows["flags"][0]["tok_s"] != rows["plain"][0]["tok_s"]
 
 
-@pytest.mark.parametrize("args", [["--points", "0"], ["--hw", "nosuch"], ["--hw", "/no/such/hw.json"], ["--batch", "a"], ["--batch", ""], ["--batch", "0"],
+@pytest.mark.parametrize("args", [["--points", "0"], ["--hw", "nosuch"], ["--hw", "/no/such/hw.json"],
+                                  ["--batch", "a"], ["--batch", ""], ["--batch", "0"],
                                   ["--families", "nosuch"], ["--search", "-2"], ["--families", "model"],
                                   ["--json", "/no/such/dir/out.json"]])
 def test_bad_arguments_get_one_line_and_exit_2(args, capsys):

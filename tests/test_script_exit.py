@@ -18,7 +18,8 @@ from saem_gguf.cli.script import run_script
 REPO = Path(__file__).resolve().parents[1]
 # the end of a script run through run_script; bench_native.py's worker binds its own library
 # before it imports saem_gguf, so there the parent alone imports run_script, in this block
-MAIN_BLOCK = re.compile(r'if __name__ == "__main__":\n(?:    .*\n|\n)*?(?:    )+raise SystemExit\(run_script\(main\)\)\n')
+MAIN_BLOCK = re.compile(r'if __name__ == "__main__":\n(?:    .*\n|\n)*?'
+                        r'(?:    )+raise SystemExit\(run_script\(main\)\)\n')
 
 
 def test_every_bench_script_exits_through_run_script():
