@@ -83,9 +83,9 @@ the switching copies and the lag of the average: robust by construction, not by 
 
 The budget's split over the layers (``layout``, decided at load): where the context can replay
 the calibration routing (``PolicyContext.replay_calibration``), the count of whole resident
-layers under which this policy itself replays it fastest (at a batch above 1, the fewest within
-a margin of the fastest: ``layout_margin``, wider for a short replay, ``layout_warmup_steps``);
-else layout.py's static estimate.
+layers under which this policy itself replays it fastest (the fewest within a margin of the
+fastest: for a short replay ``layout_warmup_steps`` over its steps, and at a batch above 1 at
+least ``layout_margin``); else layout.py's static estimate.
 """
 
 from __future__ import annotations
@@ -297,7 +297,10 @@ class AdaptiveConfig:
     # docs/POLICIES.md, "A margin for whole layers at a batch")
     layout_margin: float = 0.002
     # ... and at least this many steps over the decode steps the replay ran (its folds' summed:
-    # 1.2 / 164 = 0.73 % for drawn-4-2's), so the margin widens as the replay shortens. Why: the
+    # 1.2 / 164 = 0.73 % for drawn-4-2's), so the margin widens as the replay shortens; at batch 1
+    # this alone, without layout_margin (a short replay undervalues a cache's slots at any batch:
+    # drawn-6-10, ECR 25 %, batch 1, replayed 315 steps and chose 10 whole layers where the run is
+    # fastest on 6, 0.9932x lfu-cpu; with the margin 6, 1.0014x). Why: the
     # caches' first steps, before they hold what the routing uses, cost about a fixed time, which
     # a replay of few steps weighs as a large share where the run, longer, spreads it thin; whole
     # resident layers pay no such cost. Fitted on the seed-4 draw (docs/POLICIES.md). A fixed wider
@@ -904,7 +907,7 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         # tokens/s of each whole-layer count replayed on the calibration routing, when the layout
         # was chosen so (read by reports and tests)
         self.layout_prices: dict[int, float] = {}
-        # the margin those prices were read within (_replayed_layout; 0 at batch 1)
+        # the margin those prices were read within (_replayed_layout)
         self.layout_margin_used = 0.0
         # the steps each candidate led in the replay of the chosen layout, its folds' summed
         # (start's leader)
@@ -941,9 +944,9 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
 
     def _replayed_layout(self, ctx: PolicyContext) -> int:
         """The count of whole resident layers (of layout.whole_layer_grid) under which this policy
-        replays the calibration routing fastest; the fewest on a tie, and at a batch above 1 the
-        fewest within the margin of the fastest (``layout_margin``, or ``layout_warmup_steps``
-        over the replay's decode steps where that is wider: AdaptiveConfig).
+        replays the calibration routing fastest; the fewest within a margin of the fastest:
+        ``layout_warmup_steps`` over the replay's decode steps, and at a batch above 1 at least
+        ``layout_margin`` (AdaptiveConfig).
 
         Why not the static estimate alone: it prices the calibrated hot experts as if they stayed
         hot, so it cannot tell routing a cache follows (whole layers waste the bytes) from routing
@@ -963,8 +966,9 @@ class AdaptiveSaemPolicy(SaemCuePolicy):
         # replayed copy has no prior, so the steps it scored are the steps it decoded)
         steps = sum(p.scored_steps() for p in replayed)
         best = max(self.layout_prices.values())
-        margin = max(self.adaptive.layout_margin, self.adaptive.layout_warmup_steps / max(steps, 1.0)) \
-            if ctx.batch > 1 else 0.0
+        margin = self.adaptive.layout_warmup_steps / max(steps, 1.0)
+        if ctx.batch > 1:
+            margin = max(self.adaptive.layout_margin, margin)
         self.layout_margin_used = margin
         n = min(n for n, tok in self.layout_prices.items() if tok >= best * (1.0 - margin))
         self.replay_led = led[n]
