@@ -429,9 +429,10 @@ def test_the_engines_replay_cuts_the_fold_profiles_with_the_engines_own_detector
 
 def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_layout():
     """With calibration routing in the context, saem's auto layout is the count of whole layers
-    (of whole_layer_grid) under which the policy itself replays that routing fastest. Each price
-    is what a plain replay of saem held to that count gives (nothing carries over from one
-    replay to the next), and the layout is that count's."""
+    (of whole_layer_grid) under which the policy itself replays that routing fastest (the fewest
+    within the short replay's margin: the tests below). Each price is what a plain replay of
+    saem held to that count gives (nothing carries over from one replay to the next), and the
+    layout is that count's."""
     L, E, K = 6, 32, 4
     calib = _calibration(L, E, K, n_sequences=4)
     sample = calibration_sample(calib, 1500)
@@ -443,7 +444,8 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
     prices = pol.layout_prices
     assert list(prices) == whole_layer_grid(3) == [0, 1, 2, 3]  # 96 slots: 3 whole layers at most
     assert len(set(prices.values())) > 1, "every layout priced alike: the replay measured nothing"
-    best = min(n for n, tok in prices.items() if tok == max(prices.values()))
+    assert 0 < pol.layout_margin_used < 0.01  # layout_warmup_steps over some hundred steps
+    best = min(n for n, tok in prices.items() if tok >= max(prices.values()) * (1 - pol.layout_margin_used))
     assert int((state.n_slots == E).sum()) == best
     expect, _, _ = choose_layout(ctx.calib, K, ctx.n_slots, 1, SMALL.array, resident=best)
     assert state.n_slots.tolist() == expect.tolist()
