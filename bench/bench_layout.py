@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 from bench_policies import (  # noqa: E402
     Workload, add_cost_args, add_workload_args, cost_profile, selected_families, task_pool,
 )
-from saem_gguf.costmodel import HardwareProfile  # noqa: E402
 from saem_gguf.cli.script import run_script  # noqa: E402
+from saem_gguf.costmodel import HardwareProfile  # noqa: E402
 from saem_gguf.fileio import write_text_atomic  # noqa: E402
 from saem_gguf.policies.base import budget_slots  # noqa: E402
 from saem_gguf.policies.layout import GRID_POINTS, max_whole_layers, whole_layer_grid  # noqa: E402
@@ -65,6 +65,7 @@ def measure(task: LayoutTask) -> list[dict]:
         for B in batches:
             row = res.select(batch=B, ecr=ecr)[0]
             tok[layout, B], whole[layout, B] = row["tok_s"], row["whole_layers"]
+    hw = dataclasses.asdict(task.hw)  # each row records what priced it
     rows = []
     for B in batches:
         best = max((lay for lay in layouts if lay != "auto"), key=lambda lay: tok[lay, B])
@@ -73,7 +74,7 @@ def measure(task: LayoutTask) -> list[dict]:
                      "chosen_tok_s": tok["auto", B], "best_grid": best, "best_grid_tok_s": tok[best, B],
                      "chosen_vs_best": tok["auto", B] / top, "uniform_vs_best": tok["resident-0", B] / top,
                      "tok_s": {lay: tok[lay, B] for lay in layouts},
-                     "hw": dataclasses.asdict(task.hw)})
+                     "hw": hw})
     return rows
 
 

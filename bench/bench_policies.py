@@ -235,6 +235,7 @@ def measure(task: FamilyTask) -> list[dict]:
     cfg = task.workload.sim_config(names, task.ecrs, batches)
     res = simulate(ts, cfg, default_cost(ts, task.hw), calib=calib, policy_kwargs={"saem": task.saem_kwargs})
     drawn = task.workload.drawn
+    hw = dataclasses.asdict(task.hw)  # each row records what priced it (--reuse checks it)
     rows = []
     for B in batches:
         for e in task.ecrs:
@@ -246,7 +247,7 @@ def measure(task: FamilyTask) -> list[dict]:
                    "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
                    "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
                    "tok_s": tok, "saem_whole_layers": runs["saem"]["whole_layers"],
-                   "hw": dataclasses.asdict(task.hw), "shape": task.workload.shape}
+                   "hw": hw, "shape": task.workload.shape}
             if fam in drawn:
                 row["config"] = _changed_fields(drawn[fam])
             rows.append(row)
