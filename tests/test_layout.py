@@ -458,18 +458,25 @@ def test_auto_replays_itself_on_the_calibration_routing_and_keeps_the_fastest_la
         assert named.layout_prices == {}
 
 
+def _margin_replay(batch):
+    """(context, calibration sample, its real pricer) of the layout-margin tests: 6 layers of 32
+    experts, top-4, 16 slots a layer, a 4-sequence sample replayed at ``batch``."""
+    L, E, K = 6, 32, 4
+    calib = _calibration(L, E, K, n_sequences=4)
+    sample = calibration_sample(calib, 1500)
+    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
+                        calib_counts=calibration_counts(calib, L, E), batch=batch)
+    return ctx, sample, calibration_pricer(CalibrationReplay(sample), ctx)
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_at_a_batch_a_layout_needs_the_margin_over_fewer_whole_layers(batch):
     """Above batch 1 the count chosen is the fewest whole layers whose replay runs within
     layout_margin of the fastest; at batch 1 layout_margin does not count (the fastest; with
     layout_warmup_steps 0, the short replay's margin, below, is none). The replays are real;
     their prices are set here (a near-tie within the margin, 2 fastest) so that the rules differ."""
-    L, E, K = 6, 32, 4
-    calib = _calibration(L, E, K, n_sequences=4)
-    sample = calibration_sample(calib, 1500)
-    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
-                        calib_counts=calibration_counts(calib, L, E), batch=batch)
-    real = calibration_pricer(CalibrationReplay(sample), ctx)
+    ctx, _, real = _margin_replay(batch)
+    E = ctx.n_expert
     set_price = {0: 99.0, 1: 99.85, 2: 100.0, 3: 99.95}
 
     def pricer(make):
@@ -492,12 +499,8 @@ def test_a_short_replay_widens_the_margin_by_its_steps(batch):
     a margin of 0.6 %, and 2 under 0.1 % (at a batch, layout_margin's 0.2 %). The replays are
     real, and their steps are the steps every fold decoded. Batch 1 too: a short replay
     undervalues a cache's slots there as well (drawn-6-10, ECR 25 %, docs/POLICIES.md)."""
-    L, E, K = 6, 32, 4
-    calib = _calibration(L, E, K, n_sequences=4)
-    sample = calibration_sample(calib, 1500)
-    ctx = PolicyContext(n_layer=L, n_expert=E, top_k=K, n_slots=np.full(L, 16, np.int32), cost=SMALL,
-                        calib_counts=calibration_counts(calib, L, E), batch=batch)
-    real = calibration_pricer(CalibrationReplay(sample), ctx)
+    ctx, sample, real = _margin_replay(batch)
+    E = ctx.n_expert
     steps = sum(blk.n_steps for fold in CalibrationReplay(sample).folds() for blk in fold.replay.blocks(batch))
     assert steps > 0
     set_price = {0: 99.0, 1: 99.6, 2: 100.0, 3: 99.95}
