@@ -65,7 +65,7 @@ def measure(task: LayoutTask) -> list[dict]:
         for B in batches:
             row = res.select(batch=B, ecr=ecr)[0]
             tok[layout, B], whole[layout, B] = row["tok_s"], row["whole_layers"]
-    hw = dataclasses.asdict(task.hw)  # each row records what priced it
+    hw = dataclasses.asdict(task.hw)  # each row records what priced it, and the workload's shape and sample
     rows = []
     for B in batches:
         best = max((lay for lay in layouts if lay != "auto"), key=lambda lay: tok[lay, B])
@@ -74,7 +74,7 @@ def measure(task: LayoutTask) -> list[dict]:
                      "chosen_tok_s": tok["auto", B], "best_grid": best, "best_grid_tok_s": tok[best, B],
                      "chosen_vs_best": tok["auto", B] / top, "uniform_vs_best": tok["resident-0", B] / top,
                      "tok_s": {lay: tok[lay, B] for lay in layouts},
-                     "hw": hw})
+                     "hw": hw, "shape": task.workload.shape, "calib_sequences": task.workload.calib_sequences})
     return rows
 
 

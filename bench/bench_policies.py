@@ -6,17 +6,18 @@ policy, ``n-cpu-moe`` and the oracle, per trace family x ECR x batch (issue 12, 
     python bench/bench_policies.py ... --reuse OLD.json [--saem '{"copy_price": 0.75}']
     python bench/bench_policies.py --shape mixtral-8x7b ...   # the families on another model's shape
     python bench/bench_policies.py --hw rtx3060-ddr4 [--overlap] [--copy-barrier] ...   # another cost model
+    python bench/bench_policies.py --calib-seqs 8 ...   # a larger calibration sample
 
 ``--reuse``: re-simulate ``saem`` alone (with ``--saem``'s keyword arguments, a JSON object) and
 compare it with the other policies' tokens/s stored in OLD.json, a ``--json`` output of the same
 workloads (a change to ``saem`` leaves the others' runs as they were, and they are most of the
 time); the rows of OLD.json's other workloads are ignored, a workload missing from it is an error,
-and so are rows priced on another cost model (``--hw``, ``--overlap``, ``--copy-barrier``) or
-routed with another ``--shape`` (each row records both; older files, which do not, are taken as
-they are).
+and so are rows priced on another cost model (``--hw``, ``--overlap``, ``--copy-barrier``),
+routed with another ``--shape`` or calibrated on another ``--calib-seqs`` (each row records
+all three; older files, which do not, are taken as they are).
 
 Families (synthetic ones are generated like ``simulate --synthetic``: 8 sequences replayed, 4
-calibration sequences from another seed):
+calibration sequences from another seed, ``--calib-seqs`` to say how many):
 
 * ``synthetic``: the paper-shaped default (``simulate --synthetic``);
 * ``stationary``: ``--synthetic --stationary`` (one stage per sequence, no cues);
@@ -79,6 +80,8 @@ from saem_gguf.synthetic import SyntheticConfig, make_stage_traces  # noqa: E402
 from saem_gguf.trace import load_traces  # noqa: E402
 
 OTHERS = tuple(p for p in POLICIES if p != "saem" and p not in NOT_IMPLEMENTABLE)
+# a synthetic family's calibration sequences, as simulate --synthetic's --calib-seqs default
+CALIB_SEQUENCES = 4
 SYNTHETIC = {
     "synthetic": SyntheticConfig(),
     "stationary": SyntheticConfig(stationary=True),
@@ -120,11 +123,11 @@ def drawn_families(n: int, seed: int) -> dict[str, SyntheticConfig]:
 
 
 def family_traces(name: str, trace: str | None, seed: int, drawn: dict[str, SyntheticConfig] | None = None,
-                  shape: str | None = None):
-    """(replayed traces, calibration traces) of family ``name``: 8 sequences and 4 of another seed
-    for a synthetic family (a drawn one has its own seed), routed with the layers, experts and
-    top-k of model preset ``shape`` (default Qwen3-30B-A3B's 48 x 128, top-8); the model trace
-    split 3:1."""
+                  shape: str | None = None, calib_sequences: int = CALIB_SEQUENCES):
+    """(replayed traces, calibration traces) of family ``name``: 8 sequences and
+    ``calib_sequences`` of another seed for a synthetic family (a drawn one has its own seed),
+    routed with the layers, experts and top-k of model preset ``shape`` (default Qwen3-30B-A3B's
+    48 x 128, top-8); the model trace split 3:1."""
     if name == "model":
         if not trace:
             raise SystemExit("the model family needs --trace")
@@ -136,7 +139,7 @@ def family_traces(name: str, trace: str | None, seed: int, drawn: dict[str, Synt
     if shape is not None:
         m = MODEL_PRESETS[shape]
         base = dataclasses.replace(base, n_layer=m.n_layer, n_expert=m.n_expert, top_k=m.n_expert_used)
-    calib = dataclasses.replace(base, n_sequences=4, seed=base.seed + 1_000_003)
+    calib = dataclasses.replace(base, n_sequences=calib_sequences, seed=base.seed + 1_000_003)
     return make_stage_traces(base), make_stage_traces(calib)
 
 
@@ -150,14 +153,15 @@ class Workload:
     cues: str  # cue set of the model family's stage detector
     drawn: dict[str, SyntheticConfig]  # --search's settings by family name (empty without)
     shape: str | None  # the model preset whose layers, experts and top-k route the synthetic families
+    calib_sequences: int = CALIB_SEQUENCES  # a synthetic family's calibration sequences
 
     @classmethod
     def of(cls, a: argparse.Namespace, family: str, drawn: dict[str, SyntheticConfig]) -> "Workload":
-        return cls(family, a.trace, a.seed, a.cues, drawn, a.shape)
+        return cls(family, a.trace, a.seed, a.cues, drawn, a.shape, a.calib_seqs)
 
     def traces(self):
         """(replayed traces, calibration traces)."""
-        return family_traces(self.family, self.trace, self.seed, self.drawn, self.shape)
+        return family_traces(self.family, self.trace, self.seed, self.drawn, self.shape, self.calib_sequences)
 
     def sim_config(self, policies: tuple[str, ...], ecrs: tuple[float, ...], batches: tuple[int, ...]) -> SimConfig:
         """``simulate``'s configuration for this family (the model family's detector on its cue set)."""
@@ -188,6 +192,9 @@ def add_workload_args(p: argparse.ArgumentParser, ecr: str) -> None:
     p.add_argument("--shape", choices=sorted(MODEL_PRESETS), default=None,
                    help="route the synthetic families with this model's layers, experts and top-k, and price "
                         "them with its expert size (default: qwen3-30b-a3b, 48 x 128, top-8)")
+    p.add_argument("--calib-seqs", type=int, default=CALIB_SEQUENCES, metavar="N",
+                   help=f"calibration sequences of a synthetic family (default {CALIB_SEQUENCES}, as simulate "
+                        "--synthetic; the model family's calibration is its trace's last 25 %%)")
     p.add_argument("--json", type=output_file, help="write every row here")
 
 
@@ -200,6 +207,8 @@ def selected_families(p: argparse.ArgumentParser, a: argparse.Namespace) -> tupl
         p.error("--batch values must be >= 1")
     if a.search < 0:
         p.error(f"--search must be 0 (the named families) or more, not {a.search}")
+    if a.calib_seqs < 1:
+        p.error(f"--calib-seqs must be at least 1, not {a.calib_seqs}")
     drawn = drawn_families(a.search, a.seed) if a.search > 0 else {}
     fams = list(drawn) if drawn else [f for f in a.families.split(",") if f and (f != "model" or a.trace)]
     unknown = [f for f in fams if f not in SYNTHETIC and f != "model" and f not in drawn]
@@ -247,7 +256,7 @@ def measure(task: FamilyTask) -> list[dict]:
                    "best_other_tok_s": tok[best], "vs_best": tok["saem"] / tok[best],
                    "vs_n_cpu_moe": tok["saem"] / tok["n-cpu-moe"], "vs_oracle": tok["saem"] / tok["oracle"],
                    "tok_s": tok, "saem_whole_layers": runs["saem"]["whole_layers"],
-                   "hw": hw, "shape": task.workload.shape}
+                   "hw": hw, "shape": task.workload.shape, "calib_sequences": task.workload.calib_sequences}
             if fam in drawn:
                 row["config"] = _changed_fields(drawn[fam])
             rows.append(row)
@@ -255,12 +264,13 @@ def measure(task: FamilyTask) -> list[dict]:
 
 
 def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tuple[float, ...],
-                batches: list[int], hw: HardwareProfile,
-                shape: str | None) -> dict[str, dict[tuple[float, int], dict[str, float]]]:
+                batches: list[int], hw: HardwareProfile, shape: str | None,
+                calib_sequences: int = CALIB_SEQUENCES) -> dict[str, dict[tuple[float, int], dict[str, float]]]:
     """{family: {(ECR %, batch): {policy: tok/s}}} of a --json output, for --reuse; every
     family x ECR x batch asked for must be there, priced on the same cost model (``hw``, with
-    its overlap and barrier) and routed with the same model shape, where the file says (files
-    written before it said are taken as they are); argparse's one-line error otherwise."""
+    its overlap and barrier), routed with the same model shape and calibrated on as many
+    sequences, where the file says (files written before it said are taken as they are);
+    argparse's one-line error otherwise."""
     mine = dataclasses.asdict(hw)  # as each row records it
     try:
         with open(path, encoding="utf-8") as f:
@@ -268,6 +278,8 @@ def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tu
         runs = {(r["family"], float(r["ecr"]), int(r["batch"])): dict(r["tok_s"]) for r in rows}
         other_hw = next((r["hw"] for r in rows if "hw" in r and r["hw"] != mine), None)
         other_shape = next((r["shape"] for r in rows if "shape" in r and r["shape"] != shape), False)
+        other_calib = next((r["calib_sequences"] for r in rows
+                            if r.get("calib_sequences", calib_sequences) != calib_sequences), None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         p.error(f"--reuse {path}: not a bench_policies --json output ({e})")
     if other_hw is not None:
@@ -276,6 +288,9 @@ def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tu
     if other_shape is not False:
         p.error(f"--reuse {path} was routed with --shape {other_shape or 'qwen3-30b-a3b (the default)'}, "
                 f"not {shape or 'the default'}")
+    if other_calib is not None:
+        p.error(f"--reuse {path} was calibrated on {other_calib} sequences a family (--calib-seqs), "
+                f"not {calib_sequences}")
     out: dict[str, dict[tuple[float, int], dict[str, float]]] = {}
     for fam in fams:
         for e in ecrs:
@@ -354,7 +369,7 @@ def main(argv=None) -> int:
         p.error(f"--saem: {e}")
     fams, drawn = selected_families(p, a)
     ecrs = tuple(100.0 * e for e in a.ecr)  # SimConfig counts in percent
-    stored = stored_runs(p, a.reuse, fams, ecrs, a.batch, hw, a.shape) if a.reuse else {}
+    stored = stored_runs(p, a.reuse, fams, ecrs, a.batch, hw, a.shape, a.calib_seqs) if a.reuse else {}
     tasks = [FamilyTask(Workload.of(a, f, drawn), ecrs, tuple(a.batch), saem_kwargs, stored.get(f), hw)
              for f in fams]
     print(f"{'family':<12} {'ECR %':>6} {'batch':>5} {'saem tok/s':>10} {'best other':>22} "

@@ -107,6 +107,7 @@ def test_reuse_resimulates_saem_alone_against_the_stored_others(tmp_path, small_
     (["--saem", '{"no_such_knob": 1}'], "--saem: "),
     (["--reuse", "MISSING"], "--reuse MISSING: not a bench_policies --json output"),
     (["--search", "-1"], "--search must be 0"),
+    (["--calib-seqs", "0"], "--calib-seqs must be at least 1, not 0"),
     (["--families", "model"], "no family to run (the model family needs --trace)"),
     (["--families", "model", "--trace", "MISSING.npz"], "MISSING.npz: no such trace file"),
     (["--json", "no/such/dir/out.json"], "argument --json: file no/such/dir/out.json: directory no/such/dir does not exist"),
@@ -134,6 +135,8 @@ def test_reuse_needs_every_cell(tmp_path, capsys):
     ({"hw": "plain"}, ["--hw", "rtx3060-ddr4"], "another cost model (rtx4090-ddr5), not rtx3060-ddr4"),
     ({"hw": "plain", "shape": "mixtral-8x7b"}, [], "was routed with --shape mixtral-8x7b, not the default"),
     ({"hw": "plain", "shape": None}, ["--shape", "gpt-oss-20b"], "--shape qwen3-30b-a3b (the default), not gpt-oss-20b"),
+    ({"hw": "plain", "calib_sequences": 4}, ["--calib-seqs", "8"], "was calibrated on 4 sequences a family (--calib-seqs), not 8"),
+    ({"hw": "plain", "calib_sequences": 8}, [], "was calibrated on 8 sequences a family (--calib-seqs), not 4"),
 ])
 def test_reuse_refuses_runs_of_another_cost_model_or_shape(stored, flags, message, tmp_path, capsys):
     """Ratios against other policies' runs priced or routed otherwise would be silently wrong."""
@@ -142,8 +145,7 @@ def test_reuse_refuses_runs_of_another_cost_model_or_shape(stored, flags, messag
     hw = get_hw("rtx4090-ddr5")
     row = {"family": "synthetic", "ecr": 25.0, "batch": 1, "tok_s": {"lfu-cpu": 1.0},
            "hw": dataclasses.asdict(hw.replace(cpu_gpu_overlap=True) if stored["hw"] == "overlap" else hw)}
-    if "shape" in stored:
-        row["shape"] = stored["shape"]
+    row.update({k: v for k, v in stored.items() if k != "hw"})
     old = tmp_path / "old.json"
     old.write_text(json.dumps([row]))
     with pytest.raises(SystemExit) as e:
@@ -164,6 +166,24 @@ def test_shape_routes_and_prices_a_family_with_another_models_shape():
     assert bp.default_cost(ts).expert_bytes == bp.MODEL_PRESETS["mixtral-8x7b"].expert_bytes()
     plain, _ = bp.family_traces(name, None, 0, small)
     assert plain.signature.n_expert == 128
+
+
+def test_calib_seqs_sets_a_synthetic_familys_calibration_sample(tmp_path, capsys):
+    # --calib-seqs N: N calibration sequences (simulate --synthetic's --calib-seqs), the replayed 8
+    # unchanged; each row records N, and 4 (the default) is what the rows said before
+    drawn = bp.drawn_families(1, 2)
+    name = "drawn-2-0"
+    small = {name: dataclasses.replace(drawn[name], stage_len_scale=0.05, n_stage_median=2.0, n_stage_mean=3.0)}
+    ts4, calib4 = bp.family_traces(name, None, 0, small)
+    ts8, calib8 = bp.family_traces(name, None, 0, small, calib_sequences=8)
+    assert (len(ts4.sequences), len(calib4.sequences), len(calib8.sequences)) == (8, 4, 8)
+    assert all(np.array_equal(a.experts, b.experts) for a, b in zip(ts4.sequences, ts8.sequences))
+    assert all(np.array_equal(a.experts, b.experts) for a, b in zip(calib4.sequences, calib8.sequences[:4]))
+    out = tmp_path / "rows.json"
+    assert bp.main(["--families", "shift-nocue", "--ecr", "25%", "--batch", "1", "--calib-seqs", "2",
+                    "--json", str(out)]) == 0
+    assert [r["calib_sequences"] for r in json.loads(out.read_text())] == [2]
+    capsys.readouterr()
 
 
 def test_ctrl_c_is_one_line_and_130_with_workers(tmp_path):
