@@ -263,6 +263,15 @@ def measure(task: FamilyTask) -> list[dict]:
     return rows
 
 
+_SAME = object()  # _recorded_other's answer where every row agrees (None is a shape: the default)
+
+
+def _recorded_other(rows: list[dict], key: str, want):
+    """The first value of ``key`` a row records other than ``want``, else _SAME (a row that does
+    not record it, written before rows did, is taken as it is)."""
+    return next((r[key] for r in rows if key in r and r[key] != want), _SAME)
+
+
 def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tuple[float, ...],
                 batches: list[int], hw: HardwareProfile, shape: str | None,
                 calib_sequences: int = CALIB_SEQUENCES) -> dict[str, dict[tuple[float, int], dict[str, float]]]:
@@ -276,19 +285,17 @@ def stored_runs(p: argparse.ArgumentParser, path: str, fams: list[str], ecrs: tu
         with open(path, encoding="utf-8") as f:
             rows = json.load(f)
         runs = {(r["family"], float(r["ecr"]), int(r["batch"])): dict(r["tok_s"]) for r in rows}
-        other_hw = next((r["hw"] for r in rows if "hw" in r and r["hw"] != mine), None)
-        other_shape = next((r["shape"] for r in rows if "shape" in r and r["shape"] != shape), False)
-        other_calib = next((r["calib_sequences"] for r in rows
-                            if r.get("calib_sequences", calib_sequences) != calib_sequences), None)
+        other_hw, other_shape, other_calib = (_recorded_other(rows, key, want) for key, want in
+                                              (("hw", mine), ("shape", shape), ("calib_sequences", calib_sequences)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         p.error(f"--reuse {path}: not a bench_policies --json output ({e})")
-    if other_hw is not None:
+    if other_hw is not _SAME:
         p.error(f"--reuse {path} was priced on another cost model ({_hw_label(other_hw)}), not "
                 f"{_hw_label(mine)}: give the same --hw / --overlap / --copy-barrier")
-    if other_shape is not False:
+    if other_shape is not _SAME:
         p.error(f"--reuse {path} was routed with --shape {other_shape or 'qwen3-30b-a3b (the default)'}, "
                 f"not {shape or 'the default'}")
-    if other_calib is not None:
+    if other_calib is not _SAME:
         p.error(f"--reuse {path} was calibrated on {other_calib} sequences a family (--calib-seqs), "
                 f"not {calib_sequences}")
     out: dict[str, dict[tuple[float, int], dict[str, float]]] = {}
