@@ -45,6 +45,35 @@ def test_incremental_statistic_matches_recomputation():
             np.testing.assert_array_equal(det.stage_histogram(i), det.w[i] + det.r[i])
 
 
+def test_incremental_books_match_recomputation_across_detected_boundaries():
+    # A detected boundary drops the window's oldest tokens (_drop_oldest) and starts the stage
+    # again; the test above runs detect=False and never reaches that path. Here routing jumps
+    # between two disjoint hot sets, so boundaries fire, and after every token each slot's
+    # window counts, used-expert counts and n-log-n sums equal what its ring recomputes.
+    rng = np.random.default_rng(7)
+    L, E, K, W = 3, 24, 2, 16
+    cfg = ImplicitConfig(window=W, min_ref=8, min_stage_tokens=20, baseline_warmup=8, confirm=2)
+    det = ImplicitDetector(2, L, E, K, cfg, detect=True)
+    n_events = 0
+    for step in range(400):
+        hot = np.arange(0, 8) if (step // 60) % 2 == 0 else np.arange(12, 20)
+        ex = np.stack([np.stack([rng.choice(hot, K, replace=False) for _ in range(L)]) for _ in range(2)])
+        n_events += len(det.update(np.array([0, 1]), ex.astype(np.int16)))
+        for i in range(2):
+            w = np.zeros((L, E), np.int64)
+            for slot in range(W):
+                for l in range(L):
+                    for e in det.ring[i, slot, l]:
+                        if e >= 0:
+                            w[l, e] += 1
+            np.testing.assert_array_equal(det.w[i], w)
+            assert int(det.state[i, 3]) * L * K == w.sum()
+            np.testing.assert_array_equal(det.nz[i, 0], (w > 0).sum(axis=1))
+            nlogn = np.where(w > 0, w * np.log(np.maximum(w, 1)), 0.0).sum(axis=1)
+            np.testing.assert_allclose(det.sw[i], nlogn, atol=1e-9)
+    assert n_events >= 4, n_events
+
+
 def planted_recall(events_tokens: np.ndarray, starts: np.ndarray, within: int = 32) -> tuple[int, int]:
     hits = sum(1 for b in starts if np.any((events_tokens >= b) & (events_tokens <= b + within)))
     return hits, len(starts)

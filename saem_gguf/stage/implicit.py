@@ -162,6 +162,19 @@ def _stage_reset(i, ist, cnt, fl, keep_window):
     ist[i, I_ABOVE] = 0
 
 
+@njit(cache=True, inline="always")
+def _window_out(i, l, e, ist, cnt):
+    """One window token's use of expert ``e`` at layer ``l`` of slot ``i`` leaves the window:
+    its count drops by one (and the layer's count of used experts where it reaches 0). Returns
+    the change of the window's n-log-n sum at that layer (``fl[i, l]``). Shared by dropping the
+    oldest tokens and by moving the oldest one to the reference."""
+    x = cnt[i, 0, l, e]
+    cnt[i, 0, l, e] = x - 1
+    if x == 1:
+        ist[i, N_ISTATE + l] -= 1
+    return -_dnlogn(x - 1)
+
+
 @njit(cache=True)
 def _drop_oldest(i, ist, cnt, fl, ring, n):
     """Remove the n oldest tokens of a full window (they are not moved to the reference)."""
@@ -179,11 +192,7 @@ def _drop_oldest(i, ist, cnt, fl, ring, n):
                 e = ring[i, slot, l, k]
                 if e < 0:
                     continue
-                x = cnt[i, 0, l, e]
-                a -= _dnlogn(x - 1)
-                cnt[i, 0, l, e] = x - 1
-                if x == 1:
-                    ist[i, N_ISTATE + l] -= 1
+                a += _window_out(i, l, e, ist, cnt)
                 ring[i, slot, l, k] = -1
             fl[i, l] += a
     ist[i, I_NW] = W - n
@@ -238,11 +247,7 @@ def update_kernel(ist, cnt, fl, ring, seq_idx, experts, prm, ev, score_out):
                     e = ring[i, head, l, k]
                     if e < 0:
                         continue
-                    x = cnt[i, 0, l, e]
-                    a -= _dnlogn(x - 1)
-                    cnt[i, 0, l, e] = x - 1
-                    if x == 1:
-                        ist[i, zw + l] -= 1
+                    a += _window_out(i, l, e, ist, cnt)
                     y = cnt[i, 1, l, e]
                     b += _dnlogn(y)
                     cnt[i, 1, l, e] = y + 1
