@@ -217,7 +217,9 @@ def resolve_seed(seed: int | None) -> int:
 class SamplingConfig:
     """llama.cpp's sampling settings (``common/arg.cpp`` names and defaults), sampled by
     llama-cpp-python's own chain (penalties, then greedy at temp <= 0, else top-k, typical, top-p,
-    min-p, temperature, a seeded draw), so the same settings give llama-cpp-python's tokens.
+    min-p, temperature, a seeded draw), so the same settings give llama-cpp-python's tokens; where
+    ``server_chain`` (a sampler order named, or a sampler that chain lacks turned on), by llama.cpp's
+    common chain instead (saem_gguf.samplers), so they give llama-cli's and llama-server's.
 
     Unlike llama.cpp the default temperature is 0 (greedy: reproducible, placement-independent)."""
 
@@ -245,12 +247,12 @@ class SamplingConfig:
     reasoning_budget: int = -1
     # llama.cpp's --reasoning-budget-message: text forced before the end tag (plain text here)
     reasoning_budget_message: str = ""
-    # llama-server's sampler order (saem_gguf.samplers; `serve` only): None keeps llama-cpp-python's
+    # llama.cpp's sampler order (saem_gguf.samplers; --samplers): None keeps llama-cpp-python's
     # chain (or, where a sampler below is on, llama.cpp's default order); canonical names
     # (samplers.sampler_order) build llama.cpp's common sampler chain in that order
     samplers: tuple[str, ...] | None = None
     # llama.cpp's samplers that llama-cpp-python's chain lacks (common/arg.cpp names and defaults,
-    # each off at its default; `serve` only): one that is on builds llama.cpp's common sampler chain
+    # each off at its default): one that is on builds llama.cpp's common sampler chain
     dry_multiplier: float = 0.0  # DRY repetition penalty; 0: off
     dry_base: float = 1.75
     dry_allowed_length: int = 2
@@ -533,6 +535,9 @@ def _make_llama_class(llama_cpp):
         _saem_logit_bias: list[tuple[int, float]] | None = None  # SamplingConfig.chain_logit_bias
         _saem_budget = None  # the thinking.ReasoningBudget of the next sampler, or None
         _saem_grammar_last = False  # the next sampler checks its grammar after the chain (llama-server's order)
+        # (SamplingConfig, prompt tokens): the next sampler is llama.cpp's common chain for it
+        # (samplers.server_sampler), the prompt fed to it first, as llama-cli samples
+        _saem_common_chain: tuple[SamplingConfig, list[int]] | None = None
         _saem_specials = None
 
         def create_chat_completion(self, messages, *args, **kw):
@@ -589,6 +594,14 @@ def _make_llama_class(llama_cpp):
             return super().create_completion(prompt, *args, **kw)
 
         def _init_sampler(self, *args, grammar=None, **kw):
+            if self._saem_common_chain is not None:
+                from saem_gguf.samplers import feed_prompt, server_sampler
+
+                sampling, prompt = self._saem_common_chain
+                sampler = server_sampler(llama_cpp, self._model.vocab, self.n_vocab(), sampling,
+                                         self._saem_logit_bias or [], self._seed, self._saem_budget)
+                feed_prompt(llama_cpp, sampler, prompt)
+                return sampler
             sampler = super()._init_sampler(*args, **kw)
             chain = sampler.sampler
             if self._saem_logit_bias:
@@ -1238,14 +1251,13 @@ class Engine:
         """Generate from ``prompt`` (text: tokenized by ``prompt_tokens``; a ChatPrompt also brings
         its format's stop strings), as llama-cpp-python's ``create_completion`` does: up to
         ``n_predict`` tokens (-1: until the context is full; capped at the context's room),
-        stopping at any end-of-generation token and at stop strings.
+        stopping at any end-of-generation token and at stop strings. Where
+        ``sampling.server_chain``, drawn by llama.cpp's common chain with the prompt's tokens fed
+        to it first, as llama-cli and llama-server draw (a grammar checked after the draw).
 
         ``reuse_prefix`` keeps the KV cache of a common prefix with the previous call (chat turns);
         otherwise the whole prompt is evaluated, so prompt timings and traces cover all of it."""
         llm = self.llm
-        if sampling.server_chain:  # llama-cpp-python's chain is this method's reference: it has neither
-            raise SaemError("a sampler order, DRY, XTC, top-n-sigma, dynamic temperature and Mirostat are serve's "
-                            "(llama-server's chain); generate and chat sample as llama-cpp-python does")
         stop = sampling.stop
         if isinstance(prompt, ChatPrompt):
             toks, stop = prompt.tokens, stop + prompt.stop
@@ -1308,10 +1320,12 @@ class Engine:
         llm.last_n_tokens_size = sampling.repeat_last_n
         llm._saem_logit_bias = sampling.chain_logit_bias(self.eog_tokens)
         llm._saem_budget = budget
+        if sampling.server_chain:
+            llm._saem_common_chain = (sampling, out.prompt_token_ids)
         text = StopText(stops)
         out.finish_reason = "length"
         grammar = None
-        if sampling.grammar is not None:
+        if sampling.grammar is not None and not sampling.server_chain:  # the common chain brings its own
             from llama_cpp.llama_grammar import LlamaGrammar
 
             grammar = LlamaGrammar.from_string(sampling.grammar)
@@ -1339,6 +1353,7 @@ class Engine:
         finally:
             llm._saem_logit_bias = None
             llm._saem_budget = None
+            llm._saem_common_chain = None
         rest = text.flush()
         if rest:
             yield None, rest

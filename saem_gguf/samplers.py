@@ -131,6 +131,18 @@ def llama_server_chain(lc, vocab, n_vocab: int, sampling: SamplingConfig, logit_
     return chain
 
 
+def feed_prompt(lc, sampler, tokens) -> None:
+    """The prompt's tokens into a sampler chain before its first draw, as llama-server's
+    ``init_sampler`` and llama-cli feed them: the penalties and DRY look back over the prompt too
+    (a grammar does not: grammar.ChainSampler.accept_prompt). Not for ``generate``'s
+    llama-cpp-python chain: llama-cpp-python feeds it none."""
+    if hasattr(sampler, "accept_prompt"):
+        sampler.accept_prompt(tokens)
+        return
+    for token in tokens:
+        lc.llama_sampler_accept(sampler.sampler, token)
+
+
 def server_sampler(lc, vocab, n_vocab: int, sampling: SamplingConfig, logit_bias: list[tuple[int, float]],
                    seed: int, budget=None):
     """``llama_server_chain``, its grammar checked after the draw and applied only where the drawn

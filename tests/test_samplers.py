@@ -1,5 +1,6 @@
 """llama-server's sampler names (saem_gguf.samplers): canonical names, llama.cpp's aliases and
-characters, unknown ones skipped, adaptive_p refused; `serve --samplers` parses them in one line.
+characters, unknown ones skipped, adaptive_p refused; `serve --samplers` parses them in one line;
+generate and chat draw with llama.cpp's common chain where one of its samplers is set.
 The chains themselves are compared with stock llama-server in tests/test_serve_reference.py."""
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def test_serve_refuses_a_bad_samplers_flag_in_one_line():
     assert "Traceback" not in r.stderr
 
 
-def test_what_llama_cpp_pythons_chain_lacks_takes_llama_cpps_chain_and_is_serves():
+def test_what_llama_cpp_pythons_chain_lacks_takes_llama_cpps_chain():
     """A sampler llama-cpp-python's chain lacks, set away from llama.cpp's default (off), or a named
     order, samples with llama.cpp's common chain (samplers.llama_server_chain; compared with stock
-    llama-server in tests/test_serve_reference.py); generate and chat, whose reference is
-    llama-cpp-python, refuse it in one line rather than sample otherwise than asked."""
+    llama-server in tests/test_serve_reference.py), in generate and chat too: the engine draws with
+    it, seeded, and goes back to llama-cpp-python's chain for the next generation."""
     from saem_gguf.default_model import default_model_path
     from saem_gguf.engine import Engine, EngineConfig
 
@@ -54,15 +55,29 @@ def test_what_llama_cpp_pythons_chain_lacks_takes_llama_cpps_chain_and_is_serves
         SamplingConfig(dry_multiplier=float("nan"))
     eng = Engine(EngineConfig(model=default_model_path(), n_ctx=256, progress=False))
     try:
-        with pytest.raises(SaemError, match="are serve's"):
-            eng.stream("hi", 4, SamplingConfig(dry_multiplier=0.8))
-        assert eng.generate("hi", 2).tokens  # the engine goes on
+        prompt = "2 + 2 = 4. 2 + 2 = 4. 2 + 2 ="
+        plain = SamplingConfig(temp=0.9, seed=3)
+        dry = SamplingConfig(temp=0.9, seed=3, dry_multiplier=0.8, dry_allowed_length=1)
+        first = eng.generate(prompt, 16, dry).tokens
+        assert first == eng.generate(prompt, 16, dry).tokens  # seeded: the same draw again
+        assert first != eng.generate(prompt, 16, plain).tokens
+        assert eng.llm._saem_common_chain is None  # not left set for the next sampler
+        # at --temp 0 the common chain's temperature keeps the most likely token alone: greedy
+        greedy = eng.generate(prompt, 16).tokens
+        assert eng.generate(prompt, 16, SamplingConfig(seed=3, samplers=("top_k", "temperature"))).tokens == greedy
     finally:
         eng.close()
 
 
-def test_generate_and_chat_refuse_serves_sampler_flags_by_name():
-    for cmd in ("generate", "chat"):
-        r = run_cli(cmd, "--dry-multiplier", "0.8", "-p", "hi") if cmd == "generate" else \
-            run_cli(cmd, "--mirostat", "2")
-        assert r.returncode == 2 and f"is a llama.cpp flag that {cmd} does not take" in r.stderr, r.stderr
+def test_generate_and_chat_take_llama_cpps_sampler_flags_and_refuse_bad_values_in_one_line():
+    for argv, needle in ((["generate", "-p", "hi", "--mirostat", "3"], "--mirostat"),
+                         (["generate", "-p", "hi", "--dry-multiplier", "nan"], "--dry-multiplier"),
+                         (["chat", "--samplers", "top_k;adaptive_p"], "adaptive_p sampler is not supported"),
+                         (["chat", "--xtc-threshold", "x"], "--xtc-threshold")):
+        r = run_cli(*argv)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and needle in last and "Traceback" not in r.stderr, (argv, r.stderr)
+    r = run_cli("generate", "-p", "hi", "-n", "4", "--temp", "0.8", "-s", "1", "--top-nsigma", "1", "--dry-multiplier",
+                "0.5", "--xtc-probability", "0.5", "--dynatemp-range", "0.3", "--sampling-seq", "edskypmxt",
+                "--no-warmup", "--quiet")
+    assert r.returncode == 0, r.stderr

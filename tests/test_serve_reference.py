@@ -440,6 +440,56 @@ def test_samplers_llama_cpp_python_lacks_draw_as_llama_server(pair, fields, seed
     assert plain[0]["content"] == plain[1]["content"] != ours["content"]
 
 
+@pytest.mark.parametrize("flags, fields", [
+    (["--dry-multiplier", "0.8", "--dry-allowed-length", "1"], {"dry_multiplier": 0.8, "dry_allowed_length": 1}),
+    # a --dry-base below 1 is ignored (llama.cpp's arg.cpp), the breakers replace the defaults
+    (["--dry-multiplier", "1.5", "--dry-base", "0.5", "--dry-sequence-breaker", "\n", "--dry-sequence-breaker", ".",
+      "--dry-penalty-last-n", "16"],
+     {"dry_multiplier": 1.5, "dry_sequence_breakers": ["\n", "."], "dry_penalty_last_n": 16}),
+    (["--xtc-probability", "0.9", "--xtc-threshold", "0.05"], {"xtc_probability": 0.9, "xtc_threshold": 0.05}),
+    (["--top-nsigma", "0.5"], {"top_n_sigma": 0.5}),
+    (["--dynatemp-range", "0.8", "--dynatemp-exp", "1.5"], {"dynatemp_range": 0.8, "dynatemp_exponent": 1.5}),
+    (["--mirostat", "1", "--mirostat-ent", "3", "--mirostat-lr", "0.2"],
+     {"mirostat": 1, "mirostat_tau": 3.0, "mirostat_eta": 0.2}),
+    (["--samplers", "xtc;dry;temperature", "--dry-multiplier", "0.8", "--xtc-probability", "0.5", "--xtc-threshold",
+      "0.05"], {"samplers": ["xtc", "dry", "temperature"], "dry_multiplier": 0.8, "xtc_probability": 0.5,
+                "xtc_threshold": 0.05}),
+    (["--sampling-seq", "et"], {"samplers": "et"}),
+], ids=["dry", "dry-base-below-1-breakers", "xtc", "top-n-sigma", "dynatemp", "mirostat", "named-order", "sampling-seq"])
+def test_generate_with_llama_cpp_samplers_draws_as_llama_server(pair, flags, fields):
+    """generate's sampler order, DRY, XTC, top-n-sigma, dynamic temperature and Mirostat flags draw
+    with llama.cpp's common chain, the prompt fed to it first (the repeat penalty looks back over
+    it), as llama-cli and llama-server draw: the same tokens as a stock llama-server request with
+    the same settings. Each setting changes what is drawn."""
+    common = ["--temp", "0.9", "-s", "3", "--repeat-penalty", "1.1", "-n", "24"]
+    body = {"prompt": REPEATING, "n_predict": 24, "temperature": 0.9, "seed": 3, "repeat_penalty": 1.1,
+            "return_tokens": True}
+
+    def generate(*extra: str) -> dict:
+        r = run_cli("generate", "-p", REPEATING, *common, *extra, "--json", "--quiet")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    ours = generate(*flags)
+    stock = httpx.post(pair[0] + "/completion", json={**body, **fields}, timeout=300).json()
+    assert ours["tokens"] == stock["tokens"] and ours["text"] == stock["content"]
+    assert ours["finish_reason"] == ("length" if stock["stop_type"] == "limit" else "stop")
+    assert ours["tokens"] != generate()["tokens"]
+
+
+def test_chat_prompt_with_llama_cpp_samplers_draws_as_llama_server(pair):
+    """generate --chat with a llama.cpp sampler: the chat prompt's tokens (template markup parsed,
+    the message literal) fed to the common chain, drawn as llama-server draws from those tokens."""
+    r = run_cli("generate", "--chat", "-p", "What is 12 + 7?", "--temp", "0.8", "-s", "5", "--dry-multiplier", "0.8",
+                "--repeat-penalty", "1.2", "-n", "32", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    ours = json.loads(r.stdout)
+    stock = httpx.post(pair[0] + "/completion", timeout=300, json={
+        "prompt": ours["prompt_tokens"], "n_predict": 32, "temperature": 0.8, "seed": 5, "dry_multiplier": 0.8,
+        "repeat_penalty": 1.2, "return_tokens": True}).json()
+    assert ours["tokens"] == stock["tokens"]
+
+
 @pytest.mark.parametrize("flags", [
     ["--dry-multiplier", "1.0", "--dry-allowed-length", "1", "--dry-sequence-breaker", "none", "--xtc-probability",
      "0.5", "--xtc-threshold", "0.05", "--sampler-seq", "edkxt"],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from saem_gguf.chat import ChatSession, run_repl
-from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
-                                  sampling_config)
+from saem_gguf.cli.common import (add_chat_args, add_llama_sampler_args, add_model_args, add_placement_args,
+                                  add_sampling_args, sampling_config)
 from saem_gguf.cli.engine_args import open_engine
 
 
@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hide-thinking", action="store_true",
                    help="fold <think>...</think> into one line saying how much was hidden")
     add_sampling_args(p, n_predict=-1)  # llama-cli's default: a reply runs to its end of turn
+    add_llama_sampler_args(p)
+    p.add_argument("--no-warmup", action="store_true",
+                   help="accepted for llama.cpp's command lines: chat runs no warm-up decode")
     add_placement_args(p)
     p.set_defaults(func=run)
 

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from saem_gguf.budget import ECR_HELP, parse_ecr, parse_ecr_list, parse_size, parse_vram_budget
-from saem_gguf.cli.arg_types import finite_float, non_negative_float
+from saem_gguf.cli.arg_types import bounded_int, finite_float, non_negative_float
 from saem_gguf.engine import KV_CACHE_TYPES, ROPE_SCALING, RopeConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.numa import LLAMA_NUMA_STRATEGIES
+from saem_gguf.samplers import cli_sampler_order, sampler_order
 
 if TYPE_CHECKING:
     from saem_gguf.engine import SamplingConfig
@@ -478,6 +479,95 @@ def chat_template_kwargs(args: argparse.Namespace) -> tuple[tuple[str, object], 
     return tuple(variables.items())
 
 
+def _samplers(text: str) -> tuple[str, ...]:
+    """llama.cpp's --samplers: names separated by ';' (unknown ones skipped, as llama.cpp)."""
+    try:
+        return cli_sampler_order(text)
+    except SaemError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _sampling_seq(text: str) -> tuple[str, ...]:
+    """llama.cpp's --sampling-seq: one character per sampler (e.g. edskypmxt)."""
+    try:
+        return sampler_order(text)
+    except SaemError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class _DryBreakers(argparse.Action):
+    """llama.cpp's --dry-sequence-breaker: the first one given replaces the defaults, each adds
+    one, "none" clears them."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        given = getattr(namespace, self.dest) or []  # None: the defaults, not given yet
+        setattr(namespace, self.dest, [] if value == "none" else [*given, value])
+
+
+def add_llama_sampler_args(p: argparse.ArgumentParser, request_defaults: bool = False) -> None:
+    """llama.cpp's sampler order and the samplers of its common chain that llama-cpp-python's
+    lacks (their flags, names and defaults; each off at its default). Any of them set draws with
+    llama.cpp's common chain (SamplingConfig.server_chain); under ``request_defaults`` (serve)
+    they are the settings of a request that does not set its own."""
+    g = p.add_argument_group(
+        "llama.cpp's sampler order and samplers beyond llama-cpp-python's (off by default; any of them set "
+        "draws with llama.cpp's common chain, as " + ("llama-server; the defaults of a request)"
+                                                      if request_defaults else "llama-cli)"))
+    g.add_argument("--samplers", type=_samplers, default=None, metavar="SEQUENCE",
+                   help="sampler order" + (" for requests that name none" if request_defaults else "")
+                        + ", names separated by ';' (e.g. penalties;top_k;top_p;min_p;temperature; also dry, "
+                          "typ_p, top_n_sigma, xtc, infill): the chain llama.cpp's common sampler builds, a "
+                          "sampler left out not applied (default: llama-cpp-python's chain, which draws as "
+                          "llama.cpp's default order)")
+    g.add_argument("--sampler-seq", "--sampling-seq", dest="samplers", type=_sampling_seq, metavar="SEQUENCE",
+                   help="--samplers as one character each (e.g. edskypmxt), as llama.cpp's")
+    g.add_argument("--dry-multiplier", type=finite_float, default=0.0, metavar="N",
+                   help="DRY repetition penalty multiplier (0.0 = disabled)")
+    g.add_argument("--dry-base", type=finite_float, default=1.75, metavar="N",
+                   help="DRY base value (1.75; below 1.0 ignored, as llama.cpp)")
+    g.add_argument("--dry-allowed-length", type=bounded_int(0, 1 << 30), default=2, metavar="N",
+                   help="repetitions longer than this are penalized by DRY (2)")
+    g.add_argument("--dry-penalty-last-n", type=bounded_int(0, 1 << 30), default=64, metavar="N",
+                   help="tokens DRY scans for repetitions (64, 0 = disabled)")
+    g.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action=_DryBreakers, default=None,
+                   metavar="STRING",
+                   help="a DRY sequence breaker; the first replaces the defaults ('\\n', ':', '\"', '*'), "
+                        "'none' clears them")
+    g.add_argument("--xtc-probability", type=finite_float, default=0.0, metavar="N",
+                   help="XTC probability (0.0 = disabled)")
+    g.add_argument("--xtc-threshold", type=finite_float, default=0.1, metavar="N",
+                   help="XTC threshold (0.1; above 0.5 disables XTC)")
+    g.add_argument("--top-nsigma", "--top-n-sigma", dest="top_n_sigma", type=finite_float, default=-1.0,
+                   metavar="N", help="top-n-sigma sampling (-1.0 = disabled)")
+    g.add_argument("--dynatemp-range", type=finite_float, default=0.0, metavar="N",
+                   help="dynamic temperature range (0.0 = disabled)")
+    g.add_argument("--dynatemp-exp", dest="dynatemp_exponent", type=finite_float, default=1.0, metavar="N",
+                   help="dynamic temperature exponent (1.0)")
+    g.add_argument("--mirostat", type=bounded_int(0, 2), default=0, metavar="N",
+                   help="Mirostat sampling: 1 Mirostat, 2 Mirostat 2.0 (top-k, top-p, ... then not applied; "
+                        "0 = disabled)")
+    g.add_argument("--mirostat-lr", dest="mirostat_eta", type=finite_float, default=0.1, metavar="N",
+                   help="Mirostat learning rate, parameter eta (0.1)")
+    g.add_argument("--mirostat-ent", dest="mirostat_tau", type=finite_float, default=5.0, metavar="N",
+                   help="Mirostat target entropy, parameter tau (5.0)")
+
+
+def llama_sampler_settings(args: argparse.Namespace) -> dict:
+    """``add_llama_sampler_args``' values, as SamplingConfig fields (none for a command without
+    them)."""
+    if not hasattr(args, "dry_multiplier"):
+        return {}
+    out = {"samplers": args.samplers}
+    out.update({name: getattr(args, name) for name in (
+        "dry_multiplier", "dry_allowed_length", "dry_penalty_last_n", "xtc_probability", "xtc_threshold",
+        "top_n_sigma", "dynatemp_range", "dynatemp_exponent", "mirostat", "mirostat_eta", "mirostat_tau")})
+    if args.dry_base >= 1.0:
+        out["dry_base"] = args.dry_base
+    if args.dry_sequence_breakers is not None:
+        out["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers)
+    return out
+
+
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:
     from saem_gguf.engine import SamplingConfig
 
@@ -487,7 +577,8 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
                           frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos,
                           stop=tuple(args.reverse_prompt), grammar=grammar_arg(args),
                           logit_bias=tuple(args.logit_bias), reasoning_budget=getattr(args, "reasoning_budget", -1),
-                          reasoning_budget_message=getattr(args, "reasoning_budget_message", ""))
+                          reasoning_budget_message=getattr(args, "reasoning_budget_message", ""),
+                          **llama_sampler_settings(args))
 
 
 def grammar_arg(args: argparse.Namespace) -> str | None:

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
-                                  sampling_config)
+from saem_gguf.cli.common import (add_chat_args, add_llama_sampler_args, add_model_args, add_placement_args,
+                                  add_sampling_args, sampling_config)
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.errors import SaemError
 
@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print JSON: text, token ids, finish_reason, seed, timings, stats")
     add_chat_args(p)
     add_sampling_args(p)
+    add_llama_sampler_args(p)
+    p.add_argument("--no-warmup", action="store_true",
+                   help="accepted for llama.cpp's command lines: generate runs no warm-up decode")
     add_placement_args(p)
     p.set_defaults(func=run)
 

@@ -10,13 +10,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from saem_gguf.cli.arg_types import bounded_int, finite_float, non_negative_float
-from saem_gguf.cli.common import (add_chat_args, add_model_args, add_placement_args, add_sampling_args,
-                                  sampling_config, unit_float)
+from saem_gguf.cli.arg_types import bounded_int, non_negative_float
+from saem_gguf.cli.common import (add_chat_args, add_llama_sampler_args, add_model_args, add_placement_args,
+                                  add_sampling_args, sampling_config, unit_float)
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.engine import MAX_PARALLEL
-from saem_gguf.errors import SaemError
-from saem_gguf.samplers import cli_sampler_order, sampler_order
 from saem_gguf.serving.reasoning import FORMATS
 
 DEFAULT_PORT = 8080  # llama-server's
@@ -44,78 +42,6 @@ def _api_key_file(path: str) -> tuple[str, ...]:
     if not keys:
         raise argparse.ArgumentTypeError(f"no API key in {path!r}")
     return keys
-
-
-def _samplers(text: str) -> tuple[str, ...]:
-    """llama.cpp's --samplers: names separated by ';' (unknown ones skipped, as llama.cpp)."""
-    try:
-        return cli_sampler_order(text)
-    except SaemError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _sampling_seq(text: str) -> tuple[str, ...]:
-    """llama.cpp's --sampling-seq: one character per sampler (e.g. edskypmxt)."""
-    try:
-        return sampler_order(text)
-    except SaemError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-class _DryBreakers(argparse.Action):
-    """llama.cpp's --dry-sequence-breaker: the first one given replaces the defaults, each adds
-    one, "none" clears them."""
-
-    def __call__(self, parser, namespace, value, option_string=None) -> None:
-        given = getattr(namespace, self.dest) or []  # None: the defaults, not given yet
-        setattr(namespace, self.dest, [] if value == "none" else [*given, value])
-
-
-def add_llama_sampler_args(p: argparse.ArgumentParser) -> None:
-    """The samplers of llama.cpp's common chain that llama-cpp-python's lacks (its flags, names and
-    defaults; each off at its default): the defaults of a request that does not set them."""
-    g = p.add_argument_group("llama.cpp's samplers beyond llama-cpp-python's (serve only; off by default)")
-    g.add_argument("--dry-multiplier", type=finite_float, default=0.0, metavar="N",
-                   help="DRY repetition penalty multiplier (0.0 = disabled)")
-    g.add_argument("--dry-base", type=finite_float, default=1.75, metavar="N",
-                   help="DRY base value (1.75; below 1.0 ignored, as llama.cpp)")
-    g.add_argument("--dry-allowed-length", type=bounded_int(0, 1 << 30), default=2, metavar="N",
-                   help="repetitions longer than this are penalized by DRY (2)")
-    g.add_argument("--dry-penalty-last-n", type=bounded_int(0, 1 << 30), default=64, metavar="N",
-                   help="tokens DRY scans for repetitions (64, 0 = disabled)")
-    g.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action=_DryBreakers, default=None,
-                   metavar="STRING",
-                   help="a DRY sequence breaker; the first replaces the defaults ('\\n', ':', '\"', '*'), "
-                        "'none' clears them")
-    g.add_argument("--xtc-probability", type=finite_float, default=0.0, metavar="N",
-                   help="XTC probability (0.0 = disabled)")
-    g.add_argument("--xtc-threshold", type=finite_float, default=0.1, metavar="N",
-                   help="XTC threshold (0.1; above 0.5 disables XTC)")
-    g.add_argument("--top-nsigma", "--top-n-sigma", dest="top_n_sigma", type=finite_float, default=-1.0,
-                   metavar="N", help="top-n-sigma sampling (-1.0 = disabled)")
-    g.add_argument("--dynatemp-range", type=finite_float, default=0.0, metavar="N",
-                   help="dynamic temperature range (0.0 = disabled)")
-    g.add_argument("--dynatemp-exp", dest="dynatemp_exponent", type=finite_float, default=1.0, metavar="N",
-                   help="dynamic temperature exponent (1.0)")
-    g.add_argument("--mirostat", type=bounded_int(0, 2), default=0, metavar="N",
-                   help="Mirostat sampling: 1 Mirostat, 2 Mirostat 2.0 (top-k, top-p, ... then not applied; "
-                        "0 = disabled)")
-    g.add_argument("--mirostat-lr", dest="mirostat_eta", type=finite_float, default=0.1, metavar="N",
-                   help="Mirostat learning rate, parameter eta (0.1)")
-    g.add_argument("--mirostat-ent", dest="mirostat_tau", type=finite_float, default=5.0, metavar="N",
-                   help="Mirostat target entropy, parameter tau (5.0)")
-
-
-def llama_sampler_settings(args: argparse.Namespace) -> dict:
-    """``add_llama_sampler_args``' values, as SamplingConfig fields."""
-    out = {name: getattr(args, name) for name in (
-        "dry_multiplier", "dry_allowed_length", "dry_penalty_last_n", "xtc_probability", "xtc_threshold",
-        "top_n_sigma", "dynatemp_range", "dynatemp_exponent", "mirostat", "mirostat_eta", "mirostat_tau")}
-    if args.dry_base >= 1.0:
-        out["dry_base"] = args.dry_base
-    if args.dry_sequence_breakers is not None:
-        out["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers)
-    return out
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -188,18 +114,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    metavar="SIMILARITY",
                    help="share of a request's prompt a free slot's cells must hold for the request to go there "
                         "rather than to the least recently used slot (0.1, llama-server's; 0: always that one)")
-    g.add_argument("--samplers", type=_samplers, default=None, metavar="SEQUENCE",
-                   help="llama-server's sampler order for requests that name none, names separated by ';' "
-                        "(e.g. penalties;top_k;top_p;min_p;temperature; also infill, typ_p): the chain "
-                        "llama.cpp's common sampler builds (default: llama-cpp-python's chain, which draws "
-                        "as llama-server's default order)")
-    g.add_argument("--sampler-seq", "--sampling-seq", dest="samplers", type=_sampling_seq, metavar="SEQUENCE",
-                   help="--samplers as one character each (e.g. edskypmxt), as llama.cpp's")
     g.add_argument("--spm-infill", action="store_true",
                    help="/infill: the suffix before the prefix (suffix/prefix/middle), as llama-server's flag, "
                         "for models trained so (default: prefix/suffix/middle)")
     add_sampling_args(p, n_predict=-1)
-    add_llama_sampler_args(p)
+    add_llama_sampler_args(p, request_defaults=True)
     add_placement_args(p)
     p.set_defaults(func=run)
 
@@ -212,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     from saem_gguf.serving.threads import serve_threads, usable_cpus
 
     # -s is the seed of a request without one (None: a random one per request)
-    sampling = replace(sampling_config(args), seed=args.seed, samplers=args.samplers, **llama_sampler_settings(args))
+    sampling = replace(sampling_config(args), seed=args.seed)
     listen = ListenConfig(host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                           verbose=args.verbose)
     sock = bind(listen.host, listen.port)  # before the model loads: a taken port fails at once

@@ -63,7 +63,7 @@ from saem_gguf.engine import (
 )
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar
-from saem_gguf.samplers import server_sampler
+from saem_gguf.samplers import feed_prompt, server_sampler
 from saem_gguf.serving.infill import FimTokens
 from saem_gguf.serving.prompt_cache import PromptCache, common_prefix
 
@@ -668,7 +668,7 @@ class Scheduler:
         seq = _Sequence(handle, slot, limit, sampler, StopText(stops), lines=LineState(req.lines or LineLimits()),
                         task=self._requests_admitted)
         self._requests_admitted += 1
-        self._accept_prompt(seq.sampler, req.prompt_tokens)
+        feed_prompt(self._lc, seq.sampler, req.prompt_tokens)
         keep = common_prefix(self._kept[slot], req.prompt_tokens) if req.cache_prompt else 0
         seq.n_past = seq.n_cached = max(0, min(keep, len(req.prompt_tokens) - 1))
         self._kept[slot] = []
@@ -761,16 +761,6 @@ class Scheduler:
                 grammar=None if sampling.grammar is None else LlamaGrammar.from_string(sampling.grammar))
         finally:
             llm._seed, llm.last_n_tokens_size, llm._saem_logit_bias, llm._saem_budget, llm._saem_grammar_last = saved
-
-    def _accept_prompt(self, sampler, tokens: list[int]) -> None:
-        """The prompt's tokens into the sampler chain before the first draw, as llama-server's
-        ``init_sampler`` feeds them: the penalties and DRY look back over the prompt too (a
-        grammar does not: ChainSampler.accept_prompt)."""
-        if hasattr(sampler, "accept_prompt"):
-            sampler.accept_prompt(tokens)
-            return
-        for token in tokens:
-            self._lc.llama_sampler_accept(sampler.sampler, token)
 
     def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """Load (sequence id, token, position, logits wanted) rows into the llama_batch."""
