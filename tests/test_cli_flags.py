@@ -434,3 +434,34 @@ def test_inspect_ctx_size_zero_plans_for_the_models_context(model):
     r = run_cli("inspect", model, "-c", "0", "--ecr", "25%", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["cache_plan"]["n_ctx"] == 4096
+
+
+def test_escapes_in_the_prompt_and_stop_strings_as_llama_cpp_reads_them(model, tmp_path):
+    """-e/--escape, on by default as in llama.cpp: the prompt (-p, and -f's text too) and -r have
+    their escape sequences processed (cli.common.process_escapes, llama.cpp's
+    string_process_escapes; compared with stock llama-server in test_serve_reference); --no-escape
+    keeps them as typed."""
+    def run(*argv: str) -> dict:
+        r = run_cli("generate", "-m", model, "-n", "8", "--json", "--quiet", *argv)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    typed = "Q: 12 + 7?\\nA:\\t\\x41"  # as a shell passes -p 'Q: 12 + 7?\nA:\t\x41'
+    meant = run("-p", "Q: 12 + 7?\nA:\tA")["prompt_tokens"]
+    assert run("-p", typed)["prompt_tokens"] == meant
+    assert run("-p", typed, "--escape")["prompt_tokens"] == meant
+    literal = run("-p", typed, "--no-escape")
+    assert literal["prompt_tokens"] != meant
+    assert literal["prompt_tokens"] == run("-p", typed, "-e", "--no-escape")["prompt_tokens"]  # the last one holds
+    f = tmp_path / "prompt.txt"
+    f.write_text(typed + "\n")
+    assert run("-f", str(f))["prompt_tokens"] == meant
+    # -r: a stop string typed as \n is the newline
+    free = run("-p", "Wait, let me verify", "-n", "40")
+    assert "\n" in free["text"], free["text"]
+    stopped = run("-p", "Wait, let me verify", "-n", "40", "-r", "\\n")
+    assert stopped["text"] == free["text"][:free["text"].index("\n")] and stopped["finish_reason"] == "stop"
+    r = run_cli("generate", "-m", model, "-p", "\\xff", "-n", "1", "--quiet")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        "error: -p/--prompt is not UTF-8 once its escape sequences are processed (byte 0xff at 0); --no-escape keeps "
+        "them as typed")

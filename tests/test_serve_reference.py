@@ -514,6 +514,27 @@ def test_sampler_flags_are_the_defaults_of_a_request_as_in_llama_server(flags):
         assert ours.stop() == 0, ours.stderr()
 
 
+# escape sequences as a shell passes them: what llama.cpp's string_process_escapes reads (and leaves)
+ESCAPED = ["a\\nb", "\\x41\\x42", "\\x4", "x\\", "end\\\\", "\\q", "\\x 9", "\\x+f", "\\xc3\\xa9", '\\"q\\"', "\\\\n",
+           "\\x0x", "\\t\\r", "\\x\t5"]
+
+
+@pytest.mark.parametrize("escape", [[], ["--no-escape"]], ids=["escape", "no-escape"])
+def test_escape_sequences_read_as_llama_server_reads_them(escape):
+    """-e/--escape (on by default) processes the escapes of --dry-sequence-breaker as llama-server
+    does (and of the prompt and -r, the same function: test_cli_flags); --no-escape keeps them."""
+    flags = [*escape, *(x for b in ESCAPED for x in ("--dry-sequence-breaker", b))]
+    stock = StockServer.start(default_model_path(), "-np", "1", "-c", "512", *flags)
+    ours = ServerProcess(["-np", "1", "-c", "512", "--no-warmup", *flags]).start()
+    try:
+        s, o = _both((stock.url, ours.url), "/completion", {"prompt": "hi", "n_predict": 1})
+        assert o["generation_settings"]["dry_sequence_breakers"] == s["generation_settings"]["dry_sequence_breakers"]
+        assert (s["generation_settings"]["dry_sequence_breakers"] == ESCAPED) == bool(escape)
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+
+
 @pytest.mark.parametrize("flags", [["-np", "1"], ["-np", "2"], ["-np", "1", "--cache-ram", "0"],
                                    ["-np", "2", "-sps", "0"]], ids=["np1", "np2", "no-cache-ram", "lru-only"])
 def test_prompt_cache_in_host_memory_as_llama_server(flags):

@@ -418,6 +418,10 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
                         "15043-1 (15043-inf bans it); repeatable")
     g.add_argument("-r", "--reverse-prompt", dest="reverse_prompt", action="append", default=[],
                    metavar="PROMPT", help="stop generating at PROMPT (the text ends before it); repeatable")
+    g.add_argument("-e", "--escape", action=argparse.BooleanOptionalAction, default=True,
+                   help="process escape sequences (\\n, \\r, \\t, \\', \\\", \\\\, \\xHH) in the prompt (-p, -f), "
+                        "-r and --dry-sequence-breaker, as llama.cpp does (default: on; --no-escape keeps them "
+                        "as typed)")
     c = g.add_mutually_exclusive_group()
     c.add_argument("--grammar", default=None, metavar="GRAMMAR",
                    help="BNF-like grammar (GBNF, llama.cpp's) to constrain generations to")
@@ -427,6 +431,60 @@ def add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 256) -> None:
                         "any JSON object")
     c.add_argument("-jf", "--json-schema-file", default=None, metavar="FILE",
                    help="file to read the JSON schema from")
+
+
+_ESCAPED = {ord("n"): 0x0A, ord("r"): 0x0D, ord("t"): 0x09, ord("'"): 0x27, ord('"'): 0x22, ord("\\"): 0x5C}
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+def _hex_pair(a: int, b: int) -> int | None:
+    """The byte C's strtol(.., 16) reads from the two characters after a ``\\x`` where it reads
+    both (llama.cpp checks that it did): two hex digits, or one after a blank or a sign (strtol
+    skips the one and takes the other; a minus wraps as char(-n) does); None where it does not."""
+    if b not in _HEX:
+        return None
+    if a in _HEX:
+        return int(bytes((a, b)), 16)
+    if a in b" \t\n\v\f\r+":
+        return int(chr(b), 16)
+    if a == ord("-"):
+        return -int(chr(b), 16) & 0xFF
+    return None
+
+
+def process_escapes(text: str, flag: str) -> str:
+    """``text`` as llama.cpp's ``string_process_escapes`` (common/common.cpp) leaves it, which its
+    ``-e/--escape`` (on by default) applies to the prompt, ``-r`` and ``--dry-sequence-breaker``:
+    ``\\n \\r \\t \\' \\" \\\\`` become the character they name and ``\\xHH`` that byte; any
+    other backslash stays, with what follows it. On the UTF-8 bytes, as llama.cpp; a result that
+    is not UTF-8 (a ``\\xHH`` byte that is not part of a character) is one line."""
+    data = text.encode("utf-8", "surrogateescape")
+    out = bytearray()
+    i, n = 0, len(data)
+    while i < n:
+        c = data[i]
+        if c != 0x5C or i + 1 == n:
+            out.append(c)
+            i += 1
+            continue
+        d = data[i + 1]
+        if d in _ESCAPED:
+            out.append(_ESCAPED[d])
+            i += 2
+            continue
+        if d == ord("x") and i + 3 < n:
+            byte = _hex_pair(data[i + 2], data[i + 3])
+            if byte is not None:
+                out.append(byte)
+                i += 4
+                continue
+        out += bytes((c, d))
+        i += 2
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SaemError(f"{flag} is not UTF-8 once its escape sequences are processed (byte 0x{out[e.start]:02x} at "
+                        f"{e.start}); --no-escape keeps them as typed") from None
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -552,6 +610,11 @@ def add_llama_sampler_args(p: argparse.ArgumentParser, request_defaults: bool = 
                    help="Mirostat target entropy, parameter tau (5.0)")
 
 
+def _escaped(args: argparse.Namespace, text: str, flag: str) -> str:
+    """``text`` of ``flag`` with its escape sequences processed where ``-e/--escape`` is on."""
+    return process_escapes(text, flag) if args.escape else text
+
+
 def llama_sampler_settings(args: argparse.Namespace) -> dict:
     """``add_llama_sampler_args``' values, as SamplingConfig fields (none for a command without
     them)."""
@@ -564,7 +627,8 @@ def llama_sampler_settings(args: argparse.Namespace) -> dict:
     if args.dry_base >= 1.0:
         out["dry_base"] = args.dry_base
     if args.dry_sequence_breakers is not None:
-        out["dry_sequence_breakers"] = tuple(args.dry_sequence_breakers)
+        out["dry_sequence_breakers"] = tuple(_escaped(args, b, "--dry-sequence-breaker")
+                                             for b in args.dry_sequence_breakers)
     return out
 
 
@@ -575,7 +639,8 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
                           typical_p=args.typical, repeat_penalty=args.repeat_penalty,
                           repeat_last_n=args.repeat_last_n, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos,
-                          stop=tuple(args.reverse_prompt), grammar=grammar_arg(args),
+                          stop=tuple(_escaped(args, r, "-r/--reverse-prompt") for r in args.reverse_prompt),
+                          grammar=grammar_arg(args),
                           logit_bias=tuple(args.logit_bias), reasoning_budget=getattr(args, "reasoning_budget", -1),
                           reasoning_budget_message=getattr(args, "reasoning_budget_message", ""),
                           **llama_sampler_settings(args))

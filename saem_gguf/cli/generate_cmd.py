@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from saem_gguf.cli.common import (add_chat_args, add_llama_sampler_args, add_model_args, add_placement_args,
-                                  add_sampling_args, sampling_config)
+                                  add_sampling_args, process_escapes, sampling_config)
 from saem_gguf.cli.engine_args import open_engine
 from saem_gguf.errors import SaemError
 
@@ -55,12 +55,16 @@ def _prompt_text(args: argparse.Namespace) -> str:
     if args.system is not None:
         _utf8_arg(args.system, "-sys/--system-prompt")
     if args.prompt is not None:
-        return _utf8_arg(args.prompt, "-p/--prompt")
-    try:
-        text = args.file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SaemError(f"cannot read the prompt file {args.file}: {e}") from None
-    return text[:-1] if text.endswith("\n") else text
+        text = _utf8_arg(args.prompt, "-p/--prompt")
+    else:
+        try:
+            text = args.file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SaemError(f"cannot read the prompt file {args.file}: {e}") from None
+        text = text[:-1] if text.endswith("\n") else text
+    # llama.cpp processes the escapes of a prompt read with -f too: it is the same prompt string
+    return process_escapes(text, "-p/--prompt" if args.prompt is not None else f"-f {args.file}") if args.escape \
+        else text
 
 
 def run(args: argparse.Namespace) -> int:
