@@ -37,6 +37,7 @@ class ChatSession:
     sampling: SamplingConfig = GREEDY
     show_stages: bool = False
     hide_thinking: bool = False  # fold <think>…</think> into one line
+    color: str = "auto"  # dim the thinking: "on", "off", or "auto" (chat_display.use_style)
     out: TextIO = sys.stdout
     notify: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
     messages: list[dict] = field(default_factory=list)
@@ -45,6 +46,7 @@ class ChatSession:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     pending: str = ""  # text files (/read, /glob) the next message starts with
+    turns: int = 0  # messages sent to be answered (/regen's too), answered or not
 
     def __post_init__(self) -> None:
         self.reset()
@@ -129,6 +131,7 @@ class ChatSession:
         """Stream the answer to the conversation so far (it ends with the user's message)."""
         import time
 
+        self.turns += 1
         try:
             prompt = self._fit_prompt()
         except SaemError as e:
@@ -141,7 +144,8 @@ class ChatSession:
         text = bytearray()
         # pieces may end inside a UTF-8 character: the decoder holds such bytes back
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        printer = AnswerPrinter(self.out, styled=use_style(self.out), hide_thinking=self.hide_thinking,
+        styled = use_style(self.out) if self.color == "auto" else self.color == "on"
+        printer = AnswerPrinter(self.out, styled=styled, hide_thinking=self.hide_thinking,
                                 hold_chars=self._cue_hold())
         t0 = None
         n = 0
@@ -243,10 +247,14 @@ def default_history_file() -> Path:
     return cache_root() / "chat_history"
 
 
-def run_repl(session: ChatSession, inp: TextIO = sys.stdin, history_file: Path | None = None) -> None:
+def run_repl(session: ChatSession, inp: TextIO = sys.stdin, history_file: Path | None = None,
+             first_message: str | None = None, single_turn: bool = False) -> None:
     """Read user lines until /quit or end of input. On a terminal ``input`` edits lines with the
     standard readline module and recalls earlier lines (also from earlier sessions: ``history_file``,
-    default <cache>/chat_history, bounded to HISTORY_LINES); otherwise each line is one turn."""
+    default <cache>/chat_history, bounded to HISTORY_LINES); otherwise each line is one turn.
+    As llama-cli: ``first_message`` (-p) is handled before any line is read (shown after the
+    prompt mark on a terminal), and ``single_turn`` (-st) ends the chat after one message was
+    sent to be answered (commands such as /read do not count)."""
     interactive = inp.isatty()
     history = None
     if interactive:
@@ -254,16 +262,22 @@ def run_repl(session: ChatSession, inp: TextIO = sys.stdin, history_file: Path |
         print(f"chat with {session.engine.path.name} — {HELP}", file=sys.stderr)
     try:
         while True:
-            try:
-                line = input("> ") if interactive else inp.readline()
-            except KeyboardInterrupt:
-                print("\n(/quit or Ctrl-D to exit)", file=sys.stderr)
-                continue
-            except EOFError:
-                break
-            if not interactive and line == "":
-                break
-            if not session.handle(line):
+            if first_message is not None:
+                line, first_message = first_message, None
+                if interactive:
+                    print(f"> {line}", flush=True)
+            else:
+                try:
+                    line = input("> ") if interactive else inp.readline()
+                except KeyboardInterrupt:
+                    print("\n(/quit or Ctrl-D to exit)", file=sys.stderr)
+                    continue
+                except EOFError:
+                    break
+                if not interactive and line == "":
+                    break
+            turns = session.turns
+            if not session.handle(line) or (single_turn and session.turns > turns):
                 break
     finally:
         if history is not None:

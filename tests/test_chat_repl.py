@@ -89,6 +89,38 @@ def test_piped_chat_one_turn_per_line_and_hidden_thinking(llama_cpp):
     assert r.stdout.count("[thinking… ") == 2 and "<think>" not in r.stdout
 
 
+def test_first_message_and_single_turn_as_llama_cli(llama_cpp, tmp_path):
+    """llama-cli's -p / -f (the first user message, sent before any input is read, its escapes
+    processed) and -st (the chat ends after one answer; with -p no input is read): -p's answer is
+    the answer to the same message typed, and a command does not use up the single turn."""
+    typed = _chat_piped("--hide-thinking", "-n", REPLY_TOKENS, stdin="What is 9 + 4?\n")
+    assert typed.returncode == 0, typed.stderr
+    r = _chat_piped("--hide-thinking", "-n", REPLY_TOKENS, "-p", "What is 9 + 4?", "-st", stdin=f"{QUESTION}\n")
+    assert r.returncode == 0 and r.stdout == typed.stdout, (r.stdout, r.stderr)
+    both = _chat_piped("--hide-thinking", "-n", REPLY_TOKENS, "-p", "What is 9 + 4?", stdin=f"{QUESTION}\n")
+    assert both.stdout.startswith(typed.stdout) and both.stdout.count("[thinking… ") == 2
+    f = tmp_path / "first.txt"
+    f.write_text("What is 9 +\\x20 4?\n")  # "What is 9 +\x20 4?": \x20 is a space once escapes are processed
+    from_file = _chat_piped("--hide-thinking", "-n", REPLY_TOKENS, "-f", str(f), "-st", stdin="")
+    assert from_file.returncode == 0
+    spaced = _chat_piped("--hide-thinking", "-n", REPLY_TOKENS, "-st", stdin="What is 9 +  4?\nWhat is 1 + 1?\n")
+    assert from_file.stdout == spaced.stdout and spaced.stdout.count("[thinking… ") == 1
+    listed = tmp_path / "notes.txt"
+    listed.write_text("9 + 4 = 13\n")
+    read = _chat_piped("--hide-thinking", "-n", REPLY_TOKENS, "-st", stdin=f"/read {listed}\nWhat is 9 + 4?\n")
+    assert "[loaded text from" in read.stdout and read.stdout.count("[thinking… ") == 1, read.stdout
+
+
+def test_color_flag_as_llama_cli(llama_cpp):
+    """-co/--color on|off|auto (llama-cli's words): on dims the thinking even when piped."""
+    on = _chat_piped("-co", "on", "-n", "12", "-p", QUESTION, "-st", stdin="")
+    assert on.returncode == 0 and f"{DIM}<think>" in on.stdout, on.stdout
+    off = _chat_piped("--color", "false", "-n", "12", "-p", QUESTION, "-st", stdin="")
+    assert off.returncode == 0 and "\x1b[" not in off.stdout and off.stdout == on.stdout.replace(DIM, "").replace(RESET, "")
+    bad = _chat_piped("--color", "maybe", stdin="")
+    assert bad.returncode == 2 and "--color: expected on, off or auto" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_piped_chat_with_a_reasoning_budget_cuts_every_turns_thinking(llama_cpp):
     """--reasoning-budget 5 (llama-cli's): each turn's thinking is cut after 5 tokens by a forced
     </think> (the same cut as the stock server's: tests/test_serve_reference.py)."""

@@ -465,3 +465,35 @@ def test_escapes_in_the_prompt_and_stop_strings_as_llama_cpp_reads_them(model, t
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
         "error: -p/--prompt is not UTF-8 once its escape sequences are processed (byte 0xff at 0); --no-escape keeps "
         "them as typed")
+
+
+def test_system_prompt_file_as_llama_cpp_reads_it(model, tmp_path):
+    """-sysf FNAME (llama.cpp's): the file's text less one trailing newline is the system prompt;
+    the later of -sys and -sysf holds; an unreadable file is one usage line."""
+    f = tmp_path / "system.txt"
+    f.write_text("You answer in one word.\n")
+
+    def prompt(*argv: str) -> list[int]:
+        r = run_cli("generate", "-m", model, "--chat", "-p", "Hi", "-n", "1", "--json", "--quiet", *argv)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["prompt_tokens"]
+
+    given = prompt("-sys", "You answer in one word.")
+    assert prompt("-sysf", str(f)) == given != prompt()
+    assert prompt("-sys", "Other.", "-sysf", str(f)) == given
+    r = run_cli("generate", "-m", model, "--chat", "-p", "Hi", "-sysf", str(tmp_path / "none.txt"))
+    assert r.returncode == 2 and "-sysf/--system-prompt-file: cannot read" in r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr
+
+
+def test_verbose_prompt_lists_the_prompt_tokens_as_llama_cpp(model):
+    """--verbose-prompt (llama.cpp's): the prompt, its token count and each token as
+    ``id -> 'piece'`` on stderr, the ids those generation used."""
+    import re
+
+    r = run_cli("generate", "-m", model, "-p", PROMPT, "-n", "2", "--json", "--quiet", "--verbose-prompt")
+    assert r.returncode == 0, r.stderr
+    used = json.loads(r.stdout)["prompt_tokens"]
+    assert f"prompt: '{PROMPT}'" in r.stderr and f"number of tokens in prompt = {len(used)}" in r.stderr
+    listed = [int(m) for m in re.findall(r"^ *(\d+) -> '", r.stderr, re.M)]
+    assert listed == used

@@ -6,7 +6,7 @@ import argparse
 
 from saem_gguf.chat import ChatSession, run_repl
 from saem_gguf.cli.common import (add_chat_args, add_llama_sampler_args, add_model_args, add_placement_args,
-                                  add_sampling_args, sampling_config)
+                                  add_prompt_args, add_sampling_args, on_off_auto, prompt_arg, sampling_config)
 from saem_gguf.cli.engine_args import open_engine
 
 
@@ -21,11 +21,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "one user turn. A conversation longer than -c loses its oldest turns "
                                    "(the system prompt stays).")
     add_model_args(p)
+    add_prompt_args(p, required=False, what="first user message (llama-cli's: sent before any input is read)")
+    p.add_argument("-st", "--single-turn", action="store_true",
+                   help="end the chat after one answer (llama-cli's); with -p or -f no input is read")
     add_chat_args(p)
     p.add_argument("--show-stages", action="store_true",
                    help="mark stage boundaries in the output, each before the cue that opened it")
     p.add_argument("--hide-thinking", action="store_true",
                    help="fold <think>...</think> into one line saying how much was hidden")
+    p.add_argument("-co", "--color", type=on_off_auto, default="auto", metavar="on|off|auto",
+                   help="dim the thinking (llama-cli's flag): on, off, or auto (default: on a terminal, unless "
+                        "NO_COLOR is set)")
     add_sampling_args(p, n_predict=-1)  # llama-cli's default: a reply runs to its end of turn
     add_llama_sampler_args(p)
     p.add_argument("--no-warmup", action="store_true",
@@ -35,11 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    first = prompt_arg(args)
     sampling = sampling_config(args)
     eng = open_engine(args)
     try:
         run_repl(ChatSession(eng, system=args.system, n_predict=args.n_predict, sampling=sampling,
-                             show_stages=args.show_stages, hide_thinking=args.hide_thinking))
+                             show_stages=args.show_stages, hide_thinking=args.hide_thinking, color=args.color),
+                 first_message=first, single_turn=args.single_turn)
     finally:
         eng.close()
     return 0

@@ -106,8 +106,9 @@ def _n_gpu_layers(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number of layers, auto or all, got {text!r}") from None
 
 
-def _flash_attn(text: str) -> str:
-    """llama.cpp's -fa value words (common/arg.cpp is_truthy / is_falsey / is_autoy)."""
+def on_off_auto(text: str) -> str:
+    """llama.cpp's on/off/auto value words (-fa, --color; common/arg.cpp is_truthy / is_falsey /
+    is_autoy)."""
     for value, words in (("on", ("on", "enabled", "true", "1")), ("off", ("off", "disabled", "false", "0")),
                          ("auto", ("auto", "-1"))):
         if text in words:
@@ -160,7 +161,7 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
                    help="logical maximum batch size (2048)")
     g.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=_positive_int, default=512, metavar="N",
                    help="physical maximum batch size (512); routing is read after each ubatch")
-    g.add_argument("-fa", "--flash-attn", type=_flash_attn, default="auto", metavar="on|off|auto",
+    g.add_argument("-fa", "--flash-attn", type=on_off_auto, default="auto", metavar="on|off|auto",
                    help="Flash Attention (default auto: llama.cpp enables it where the device supports it)")
     g.add_argument("-ctk", "--cache-type-k", choices=KV_CACHE_TYPES, default="f16", metavar="TYPE",
                    help=f"KV cache type for K: {', '.join(KV_CACHE_TYPES)} (f16)")
@@ -487,10 +488,62 @@ def process_escapes(text: str, flag: str) -> str:
                         f"{e.start}); --no-escape keeps them as typed") from None
 
 
+def add_prompt_args(p: argparse.ArgumentParser, required: bool, what: str) -> None:
+    """llama.cpp's -p/--prompt and -f/--file (one of them), for ``what`` the text is."""
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("-p", "--prompt", help=f"{what} text")
+    src.add_argument("-f", "--file", type=Path, metavar="FNAME",
+                     help=f"a file containing the {what} (one trailing newline dropped, as llama.cpp)")
+
+
+def utf8_arg(text: str, flag: str) -> str:
+    """``text`` from the command line; bytes that are not UTF-8 arrive as lone surrogates
+    (Python's surrogateescape) and cannot be tokenized, so they are refused here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SaemError(f"{flag} is not valid UTF-8 (byte 0x{ord(text[e.start]) & 0xFF:02x} at "
+                        f"position {e.start})") from None
+    return text
+
+
+def prompt_arg(args: argparse.Namespace) -> str | None:
+    """The text of -p or -f (``add_prompt_args``), its escapes processed under -e as llama.cpp
+    processes them (a prompt read with -f too: it is the same prompt string there), or None
+    where neither is given; -sys is checked to be UTF-8 here too."""
+    if args.system is not None:
+        utf8_arg(args.system, "-sys/--system-prompt")
+    if args.prompt is not None:
+        text, flag = utf8_arg(args.prompt, "-p/--prompt"), "-p/--prompt"
+    elif args.file is not None:
+        try:
+            text = args.file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SaemError(f"cannot read the prompt file {args.file}: {e}") from None
+        text, flag = text[:-1] if text.endswith("\n") else text, f"-f {args.file}"
+    else:
+        return None
+    return process_escapes(text, flag) if args.escape else text
+
+
+def _system_prompt_file(path: str) -> str:
+    """llama.cpp's -sysf: the file's text, one trailing newline dropped."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{path!r} is not UTF-8 text") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
 def add_chat_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("chat")
     g.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None, metavar="PROMPT",
                    help="system prompt (with the model's chat template)")
+    g.add_argument("-sysf", "--system-prompt-file", dest="system", type=_system_prompt_file, metavar="FNAME",
+                   help="a file containing the system prompt (one trailing newline dropped, as llama.cpp; "
+                        "the later of -sys and -sysf holds)")
     g.add_argument("--chat-template", default=None, metavar="FILE|NAME",
                    help="chat template for a GGUF without one (or to replace it): a Jinja file, or the "
                         "name of a llama-cpp-python chat format (chatml, llama-2, llama-3, gemma, ...); "

@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from saem_gguf.cli.common import (add_chat_args, add_llama_sampler_args, add_model_args, add_placement_args,
-                                  add_sampling_args, process_escapes, sampling_config)
+                                  add_prompt_args, add_sampling_args, prompt_arg, sampling_config)
 from saem_gguf.cli.engine_args import open_engine
-from saem_gguf.errors import SaemError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,10 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "prompt is tokenized as llama.cpp does (BOS when the GGUF asks for it); "
                                    "special-token text in it stays plain text unless --parse-special.")
     add_model_args(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file", type=Path, metavar="FNAME",
-                     help="a file containing the prompt (one trailing newline dropped, as llama.cpp)")
+    add_prompt_args(p, required=True, what="prompt")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the model's chat template as a user turn (its text stays "
                         "literal: no control tokens from it)")
@@ -31,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "llama.cpp does")
     p.add_argument("--json", action="store_true",
                    help="print JSON: text, token ids, finish_reason, seed, timings, stats")
+    p.add_argument("--verbose-prompt", action="store_true",
+                   help="print the prompt, its token count and each token (id -> 'piece') on stderr before "
+                        "generating, as llama.cpp's --verbose-prompt")
     add_chat_args(p)
     add_sampling_args(p)
     add_llama_sampler_args(p)
@@ -40,31 +38,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _utf8_arg(text: str, flag: str) -> str:
-    """``text`` from the command line; bytes that are not UTF-8 arrive as lone surrogates
-    (Python's surrogateescape) and cannot be tokenized, so they are refused here."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise SaemError(f"{flag} is not valid UTF-8 (byte 0x{ord(text[e.start]) & 0xFF:02x} at "
-                        f"position {e.start})") from None
-    return text
+def _print_prompt(eng, prompt, parse_special: bool) -> None:
+    """llama.cpp's --verbose-prompt lines (tools/completion): the prompt, its token count, and each
+    token as ``id -> 'piece'`` (common_token_to_piece: control tokens' text included), as bytes."""
+    from saem_gguf.detokenize import token_piece
+    from saem_gguf.engine import ChatPrompt
 
-
-def _prompt_text(args: argparse.Namespace) -> str:
-    if args.system is not None:
-        _utf8_arg(args.system, "-sys/--system-prompt")
-    if args.prompt is not None:
-        text = _utf8_arg(args.prompt, "-p/--prompt")
-    else:
-        try:
-            text = args.file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SaemError(f"cannot read the prompt file {args.file}: {e}") from None
-        text = text[:-1] if text.endswith("\n") else text
-    # llama.cpp processes the escapes of a prompt read with -f too: it is the same prompt string
-    return process_escapes(text, "-p/--prompt" if args.prompt is not None else f"-f {args.file}") if args.escape \
-        else text
+    text, tokens = (prompt.text, prompt.tokens) if isinstance(prompt, ChatPrompt) else \
+        (prompt, eng.prompt_tokens(prompt, parse_special))
+    vocab = eng.llm._model.vocab
+    out = [f"prompt: '{text}'\n".encode("utf-8"), f"number of tokens in prompt = {len(tokens)}\n".encode()]
+    out += [f"{t:6d} -> '".encode() + token_piece(eng._llama_cpp, vocab, t, True) + b"'\n" for t in tokens]
+    sys.stderr.flush()
+    sys.stderr.buffer.write(b"".join(out))
+    sys.stderr.buffer.flush()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat and args.parse_special:
         raise UsageError("--parse-special is for raw prompts; with --chat the template's markup is "
                          "parsed and the message stays literal")
-    prompt_text = _prompt_text(args)
+    prompt_text = prompt_arg(args)
     sampling = sampling_config(args)
     eng = open_engine(args)
     try:
@@ -87,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             # a chat model continues raw text as text (the embedded model then writes nonsense)
             print("[saem] the prompt goes in as raw text; --chat wraps it in the model's chat template",
                   file=sys.stderr)
+        if args.verbose_prompt:
+            _print_prompt(eng, prompt, args.parse_special)
         stream = None if args.json else (lambda b: (sys.stdout.buffer.write(b), sys.stdout.flush()))
         try:
             res = eng.generate(prompt, args.n_predict, sampling, on_piece=stream,
