@@ -136,6 +136,9 @@ class EngineConfig:
     # without --kv-unified, the KV cache is split into one stream per sequence, each of
     # n_ctx / n_parallel cells (llama.cpp rounds that up to a multiple of 256); see n_ctx_seq
     n_parallel: int = 1
+    # -kvu: one KV stream the sequences share (llama.cpp's kv_unified): each may use the whole
+    # context while the others leave it room, as llama-server without -np runs (its -np auto)
+    kv_unified: bool = False
     n_threads: int | None = None  # -t: threads of a one-token ubatch (None: every CPU this process may use)
     # -tb: threads of a ubatch of several tokens (a prompt, a batch step of several sequences);
     # None: as n_threads (llama.cpp's default)
@@ -425,8 +428,9 @@ def _make_llama_class(llama_cpp):
         - ``saem_experts_on_host``: the expert tensors load into plain (pinned, with a GPU, unless
           ``saem_experts_pinned`` is false: then mapped from the file) host memory the native cache
           can copy from;
-        - ``saem_n_seq_max``: the context holds that many sequences (``-np``), one KV stream each
-          (``kv_unified`` stays llama.cpp's default, off, as in llama-server with ``-np N``);
+        - ``saem_n_seq_max``: the context holds that many sequences (``-np``), one KV stream each,
+          as in llama-server with ``-np N``, or with ``saem_kv_unified`` one stream they share
+          (``-kvu``, llama-server's default without ``-np``);
         - ``saem_tensor_overrides`` (the user's ``-ot``, resolved): appended after that expert
           override, so it decides the expert tensors and the user's patterns everything else;
         - ``saem_no_repack``: llama.cpp's ``-nr`` (``use_extra_bufts`` off), which ``Llama`` cannot
@@ -441,11 +445,12 @@ def _make_llama_class(llama_cpp):
                      saem_experts_on_host: bool = False, saem_experts_pinned: bool = True,
                      saem_progress: TextIO | None = None,
                      saem_tensor_overrides: list[tuple[bytes, int]] | None = None,
-                     saem_flash_attn_auto: bool = False, saem_n_seq_max: int = 1,
+                     saem_flash_attn_auto: bool = False, saem_n_seq_max: int = 1, saem_kv_unified: bool = False,
                      saem_no_repack: bool = False, **kw):
             self._saem_hook = None
             self._saem_no_repack = saem_no_repack
             self._saem_n_seq_max = saem_n_seq_max
+            self._saem_kv_unified = saem_kv_unified
             self._saem_on_host = saem_experts_on_host
             self._saem_pinned = saem_experts_pinned
             self._saem_user_overrides = saem_tensor_overrides or []
@@ -644,6 +649,7 @@ def _make_llama_class(llama_cpp):
             # Llama assigns llama.cpp's defaults first and amends them in place; it never sets
             # n_seq_max (but for embeddings, which the engine does not use)
             params.n_seq_max = self._saem_n_seq_max
+            params.kv_unified = self._saem_kv_unified
             self._saem_context_params = params
 
         def eval(self, tokens):
@@ -728,7 +734,8 @@ class Engine:
                     # llama.cpp computes only for tokens whose logits are requested
                     logits_all=cfg.record,
                     numa=self.numa_plan.llama_strategy, saem_hook=None,
-                    saem_progress=bar_out, saem_n_seq_max=cfg.n_parallel, **llama_kw)
+                    saem_progress=bar_out, saem_n_seq_max=cfg.n_parallel,
+                    saem_kv_unified=cfg.kv_unified, **llama_kw)
         except ValueError as e:
             # llama-cpp-python says only "Failed to load model"; llama.cpp's error log says why
             reason = next((line.split("error loading model:", 1)[1] for line in load_errors

@@ -514,6 +514,40 @@ def test_sampler_flags_are_the_defaults_of_a_request_as_in_llama_server(flags):
         assert ours.stop() == 0, ours.stderr()
 
 
+def test_default_slots_share_the_context_as_in_llama_server():
+    """Without -np, llama-server runs -np auto: 4 slots over one KV cache (kv_unified), each
+    request able to use the whole -c. The same here (-kvu): a 1,501-token prompt at -c 2048
+    answers as stock's (with -np 4 each slot has 512 cells and it does not fit, in both). Two
+    such prompts at once overfill the shared cache: one ends with llama-server's "Context size
+    has been exceeded.", the other is answered, and the server goes on."""
+    import concurrent.futures
+
+    long_prompt = "The capital of France is Paris. " * 100
+    body = {"prompt": long_prompt, "n_predict": 8, "temperature": 0, "return_tokens": True}
+    stock = StockServer.start(default_model_path(), "-c", "2048")
+    ours = ServerProcess(["-c", "2048", "--no-warmup"]).start()
+    try:
+        s, o = _both((stock.url, ours.url), "/completion", body)
+        assert {k: o[k] for k in COUNTS} == {k: s[k] for k in COUNTS} and s["tokens_evaluated"] == 1501
+        assert [x["n_ctx"] for x in httpx.get(ours.url + "/slots").json()] == \
+            [x["n_ctx"] for x in httpx.get(stock.url + "/slots").json()] == [2048] * 4
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda p: httpx.post(ours.url + "/completion", timeout=300, json={
+                **body, "prompt": p, "cache_prompt": False}), [long_prompt, "Paris is in France. " * 110]))
+        assert sorted(r.status_code == 200 for r in answers) == [False, True], [r.text[:200] for r in answers]
+        assert any("Context size has been exceeded." in r.text for r in answers)
+        assert httpx.post(ours.url + "/completion", json=body, timeout=300).json()["tokens"] == s["tokens"]
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+    split = ServerProcess(["-c", "2048", "-np", "4", "--no-warmup"]).start()
+    try:
+        r = httpx.post(split.url + "/completion", json=body, timeout=300)
+        assert r.status_code == 400 and "512 tokens per sequence" in r.text
+    finally:
+        assert split.stop() == 0
+
+
 # escape sequences as a shell passes them: what llama.cpp's string_process_escapes reads (and leaves)
 ESCAPED = ["a\\nb", "\\x41\\x42", "\\x4", "x\\", "end\\\\", "\\q", "\\x 9", "\\x+f", "\\xc3\\xa9", '\\"q\\"', "\\\\n",
            "\\x0x", "\\t\\r", "\\x\t5"]

@@ -18,6 +18,7 @@ from saem_gguf.engine import MAX_PARALLEL
 from saem_gguf.serving.reasoning import FORMATS
 
 DEFAULT_PORT = 8080  # llama-server's
+AUTO_PARALLEL = 4  # llama-server's -np auto
 MAX_QUEUE = 100_000
 WARM_UP_PROMPT = "Hello"  # what the warm-up run decodes after (its reply is thrown away)
 
@@ -63,8 +64,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "interface)")
     g.add_argument("--port", type=bounded_int(0, 65535), default=DEFAULT_PORT,
                    help=f"port to listen on ({DEFAULT_PORT}; 0: a free port, printed at start)")
-    g.add_argument("-np", "--parallel", dest="n_parallel", type=bounded_int(1, MAX_PARALLEL), default=4, metavar="N",
-                   help="sequences decoded together (4, llama-server's auto); each gets -c / N of the context")
+    g.add_argument("-np", "--parallel", dest="n_parallel", type=bounded_int(1, MAX_PARALLEL), default=None,
+                   metavar="N",
+                   help=f"sequences decoded together (default {AUTO_PARALLEL}, llama-server's auto, with -kvu: each "
+                        "may use the whole -c); given, each gets -c / N of the context unless -kvu")
+    g.add_argument("-kvu", "--kv-unified", dest="kv_unified", action=argparse.BooleanOptionalAction, default=None,
+                   help="one KV cache the sequences share, each using the whole -c while the others leave room "
+                        "(llama-server's; default: on without -np, off with it, as llama-server); -no-kvu splits "
+                        "it")
+    g.add_argument("-no-kvu", dest="kv_unified", action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--queue", dest="queue_max", type=bounded_int(1, MAX_QUEUE), default=64, metavar="N",
                    help="requests that may wait for a slot (64); one more is answered 503")
     g.add_argument("--api-key", dest="api_keys", type=_api_keys, default=None, metavar="KEY[,KEY...]",
@@ -138,10 +146,13 @@ def run(args: argparse.Namespace) -> int:
     loading = LoadingAnswers(sock).start()  # 503 "Loading model" until then, as llama-server
     try:
         threads = serve_threads(usable_cpus(), args.threads, args.threads_batch)
-        eng = open_engine(args, n_parallel=args.n_parallel, n_threads=threads.n_threads,
+        # llama-server's -np auto: 4 slots sharing one KV cache; an explicit -np splits it
+        n_parallel = AUTO_PARALLEL if args.n_parallel is None else args.n_parallel
+        unified = args.n_parallel is None if args.kv_unified is None else args.kv_unified
+        eng = open_engine(args, n_parallel=n_parallel, kv_unified=unified, n_threads=threads.n_threads,
                           n_threads_batch=threads.n_threads_batch)
         try:
-            scheduler = Scheduler(eng, n_parallel=args.n_parallel, queue_max=args.queue_max,
+            scheduler = Scheduler(eng, n_parallel=n_parallel, queue_max=args.queue_max,
                                   cache_ram_mib=args.cache_ram, slot_similarity=args.slot_similarity)
             if sampling.grammar is not None:  # every request without its own grammar gets it
                 scheduler.check_grammar(sampling.grammar, "the grammar")
@@ -159,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
             app = create_app(state)
             loading.stop()  # first: a client told the URL below gets the model's answers
             if not args.quiet:
-                print(f"[saem] serving {cfg.model_id} at {url_of(sock)} (-np {args.n_parallel}, "
+                print(f"[saem] serving {cfg.model_id} at {url_of(sock)} (-np {n_parallel}{' -kvu' if unified else ''}, "
                       f"-t {threads.n_threads} -tb {threads.n_threads_batch}, policy {eng.stats()['policy']}); "
                       "Ctrl-C stops", file=sys.stderr, flush=True)
             serve(app, state, sock, listen)

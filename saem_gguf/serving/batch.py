@@ -9,7 +9,10 @@ sequence that has one, with logits for each, (5) samples each with its own llama
 sampler chain, releases its text and retires the finished ones, and (6) hands the step's
 routing, one row per sequence, to ``Placement.on_step``.
 
-KV layout. The context holds ``n_parallel`` sequences in one KV stream each (``kv_unified`` off,
+KV layout (with ``EngineConfig.kv_unified``, llama-server's default without ``-np``, the sequences
+share one stream instead, each able to use all ``n_ctx`` cells: steps go out every ``-ub`` rows, and
+a decode that finds no free cells clears the free slots' kept cells first; ``_decode``). Split: the
+context holds ``n_parallel`` sequences in one KV stream each (``kv_unified`` off,
 llama-server's default with ``-np N``): a slot's sequence has ``n_ctx / n_parallel`` cells (llama.cpp
 rounds up to a multiple of 256), laid out from cell 0 and filled by the same prompt ubatches as
 when it is served alone. llama.cpp decodes a batch of split streams in ubatches of consecutive
@@ -324,6 +327,7 @@ class Scheduler:
         self._mem = self._lc.llama_get_memory(self._ctx)
         self._n_ctx_seq = engine.n_ctx_seq
         self._n_ubatch = int(self._lc.llama_n_ubatch(self._ctx))
+        self._unified = engine.cfg.kv_unified  # one KV stream the slots share (-kvu)
         self._n_vocab = engine.llm.n_vocab()
         self._vocab = engine.llm._model.vocab
         self._lock = threading.Lock()  # guards the queue, the slots' handles and the counters
@@ -775,14 +779,35 @@ class Scheduler:
 
     def _decode(self, seqs: list[_Sequence]) -> bool:
         """Decode the filled batch (tokens of ``seqs``); on failure those sequences end with
-        "error" (the others go on) and False is returned."""
+        "error" (the others go on) and False is returned. In a shared KV stream (-kvu) a batch
+        that finds no free cells is decoded again once the free slots' kept cells are cleared
+        (saved to the prompt cache first), as llama-server does; where none are kept, the context
+        is full: "Context size has been exceeded." as llama-server says it. (A batch is one
+        ubatch here, so a failed one left no cells behind.)"""
         rc = self._lc.llama_decode(self._ctx, self._batch)
+        if rc == 1 and self._unified and self._clear_idle_slots():
+            rc = self._lc.llama_decode(self._ctx, self._batch)
         if rc == 0:
             return True
         n = self._batch.n_tokens
+        error = "Context size has been exceeded." if rc == 1 and self._unified else \
+            f"llama_decode failed (code {rc}) on a batch of {n} tokens"
         for s in seqs:
-            self._finish(s, "error", b"", error=f"llama_decode failed (code {rc}) on a batch of {n} tokens")
+            self._finish(s, "error", b"", error=error)
         return False
+
+    def _clear_idle_slots(self) -> bool:
+        """The cells the free slots kept, into the prompt cache where it takes them, then out of
+        the KV cache (llama-server's ``try_clear_idle_slots``); False where none were kept."""
+        cleared = False
+        for slot, seq in enumerate(self._slots):
+            if seq is None and self._kept[slot]:
+                if self._prompt_cache is not None and self._save_cells(slot):
+                    self._prompt_cache.update()
+                self._lc.llama_memory_seq_rm(self._mem, slot, -1, -1)
+                self._kept[slot] = []
+                cleared = True
+        return cleared
 
     def _decode_step(self) -> None:
         """A prompt ubatch of every sequence still prefilling, then one token of every sequence
@@ -798,7 +823,7 @@ class Scheduler:
             self._steps += 1
             self._rows += len(active)
         routing_runs, pieces, slots = [], [], []  # of the rows decoded, for placement
-        runs = list(_consecutive_runs(active, self._n_ubatch))
+        runs = list(_consecutive_runs(active, self._n_ubatch, self._unified))
         with self._lock:
             self._step_decodes += len(runs)
         for run in runs:
@@ -912,12 +937,13 @@ def _wake_loops(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) 
             pass
 
 
-def _consecutive_runs(active: list[_Sequence], n_ubatch: int) -> Iterator[list[_Sequence]]:
+def _consecutive_runs(active: list[_Sequence], n_ubatch: int, unified: bool = False) -> Iterator[list[_Sequence]]:
     """``active`` (in slot order) split where slot ids are not consecutive and every ``n_ubatch``:
-    the ubatches llama.cpp would make of the step's batch with one KV stream per sequence."""
+    the ubatches llama.cpp would make of the step's batch with one KV stream per sequence; in a
+    shared stream (``unified``) only every ``n_ubatch`` (llama.cpp's split_simple)."""
     run: list[_Sequence] = []
     for s in active:
-        if run and (s.slot != run[-1].slot + 1 or len(run) == n_ubatch):
+        if run and ((s.slot != run[-1].slot + 1 and not unified) or len(run) == n_ubatch):
             yield run
             run = []
         run.append(s)
