@@ -131,7 +131,9 @@ class RopeConfig:
 @dataclass
 class EngineConfig:
     model: Path | None = None  # None: the embedded default model
-    n_ctx: int = 4096
+    # -c: 0 the model's own context length; None 4096, or the model's own where it is shorter
+    # (resources.context_size)
+    n_ctx: int | None = 4096
     # -np: sequences the context holds at once (llama.cpp's n_seq_max). As llama-server does
     # without --kv-unified, the KV cache is split into one stream per sequence, each of
     # n_ctx / n_parallel cells (llama.cpp rounds that up to a multiple of 256); see n_ctx_seq

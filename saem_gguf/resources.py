@@ -149,8 +149,17 @@ def clamp_threads(n_threads: int | None, note: Callable[[str], None], flag: str 
     return n_threads
 
 
-def context_size(info: ModelInfo, n_ctx: int) -> int:
-    """``-c``, with llama.cpp's 0 read as the context the model was trained for."""
+# -c when none is given: llama.cpp's default is the model's own context length (0), which for the
+# large MoE models (40,960-262,144 tokens) would give the KV cache the VRAM the experts need; a model
+# trained on less gets its own, as llama.cpp gives it
+DEFAULT_CONTEXT = 4096
+
+
+def context_size(info: ModelInfo, n_ctx: int | None) -> int:
+    """``-c``, with llama.cpp's 0 read as the context the model was trained for, and None (no
+    ``-c``) as DEFAULT_CONTEXT or that context where it is shorter."""
+    if n_ctx is None:
+        return min(DEFAULT_CONTEXT, info.n_ctx_train) if info.n_ctx_train > 0 else DEFAULT_CONTEXT
     if n_ctx != 0:
         return n_ctx
     if info.n_ctx_train <= 0:
@@ -160,7 +169,7 @@ def context_size(info: ModelInfo, n_ctx: int) -> int:
 
 
 def checked_engine_inputs(cfg, note: Callable[[str], None]):
-    """(cfg with -t and -tb clamped and -c 0 made the model's context length, the validated
+    """(cfg with -t and -tb clamped and -c 0 or None made a context size, the validated
     ModelInfo, the model path) for ``Engine``: the model file checked for everything llama.cpp
     asserts on, -c and the model's context against memory."""
     path = cfg.model
@@ -172,6 +181,8 @@ def checked_engine_inputs(cfg, note: Callable[[str], None]):
     if cfg.n_ctx == 0:
         cfg = dataclasses.replace(cfg, n_ctx=context_size(info, 0))
         note(f"-c 0: the model's context length, {cfg.n_ctx} tokens")
+    elif cfg.n_ctx is None:  # the default, said in -c's help: no note on every run of such a model
+        cfg = dataclasses.replace(cfg, n_ctx=context_size(info, None))
     check_context(info, cfg.n_ctx, cfg.record, available_memory())
     cfg = dataclasses.replace(cfg, n_threads=clamp_threads(cfg.n_threads, note),
                               n_threads_batch=clamp_threads(cfg.n_threads_batch, note, "-tb"))

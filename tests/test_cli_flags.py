@@ -72,6 +72,20 @@ def test_ctx_size_zero_is_the_models_context_length(model, llama_cpp):
     assert "must be >= 0, got -1" in one_line_usage_error(run_cli("generate", "-m", model, "-c", "-1", "-p", "x"))
 
 
+def test_ctx_size_default_is_never_more_than_the_model_was_trained_for(model, llama_cpp):
+    """No -c: 4096, or the model's own context length where that is shorter (llama.cpp's default
+    is the model's own; the embedded model's is 2048); -c N is N."""
+    short = str(ensure_model(spec_for("qwen3moe", "q8_0", n_expert=8, n_expert_used=2, n_layer=3, seed=5,
+                                      n_ctx_train=1024)))
+    for path, argv, expected in ((model, (), 4096), (short, (), 1024), (short, ("-c", "0"), 1024),
+                                 (short, ("-c", "1536"), 1536)):
+        eng = open_with("-m", path, *argv)
+        try:
+            assert eng.cfg.n_ctx == expected == llama_cpp.llama_n_ctx(eng.llm.ctx), (path, argv)
+        finally:
+            eng.close()
+
+
 # --- batch sizes, KV cache types, flash attention -----------------------------------------------
 
 def test_batch_sizes_reach_the_context(model, llama_cpp):
@@ -497,3 +511,15 @@ def test_verbose_prompt_lists_the_prompt_tokens_as_llama_cpp(model):
     assert f"prompt: '{PROMPT}'" in r.stderr and f"number of tokens in prompt = {len(used)}" in r.stderr
     listed = [int(m) for m in re.findall(r"^ *(\d+) -> '", r.stderr, re.M)]
     assert listed == used
+
+
+def test_log_disable_and_threads_http_as_llama_cpp_takes_them(model):
+    """--log-disable (every model command, llama.cpp's): nothing on stderr, even with -v before
+    or after it; serve's --threads-http N (llama-server's) is taken and checked."""
+    for argv in (["--log-disable", "-v"], ["-v", "--log-disable"]):
+        r = run_cli("generate", "-m", model, "-p", PROMPT, "-n", "2", *argv)
+        assert r.returncode == 0 and r.stderr == "" and r.stdout.strip(), (argv, r.stderr)
+    r = run_cli("serve", "-m", "/nonexistent/m.gguf", "--port", "0", "--threads-http", "4")
+    assert r.returncode == 1 and "no such file" in r.stderr.strip().splitlines()[-1]  # parsed, then the model
+    r = run_cli("serve", "--port", "0", "--threads-http", "x")
+    assert r.returncode == 2 and "--threads-http" in r.stderr and "Traceback" not in r.stderr

@@ -548,6 +548,20 @@ def test_default_slots_share_the_context_as_in_llama_server():
         assert split.stop() == 0
 
 
+def test_default_context_is_llama_servers_for_a_model_trained_on_less():
+    """No -c: llama-server's default is the model's own context length (the embedded model's
+    2048); ours is that too where it is under 4096: the same n_ctx in /props and /slots."""
+    stock = StockServer.start(default_model_path())
+    ours = ServerProcess(["--no-warmup"]).start()
+    try:
+        props = [httpx.get(u + "/props").json()["default_generation_settings"]["n_ctx"] for u in (stock.url, ours.url)]
+        slots = [[x["n_ctx"] for x in httpx.get(u + "/slots").json()] for u in (stock.url, ours.url)]
+        assert props == [2048, 2048] and slots[0] == slots[1] == [2048] * 4
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+
+
 # escape sequences as a shell passes them: what llama.cpp's string_process_escapes reads (and leaves)
 ESCAPED = ["a\\nb", "\\x41\\x42", "\\x4", "x\\", "end\\\\", "\\q", "\\x 9", "\\x+f", "\\xc3\\xa9", '\\"q\\"', "\\\\n",
            "\\x0x", "\\t\\r", "\\x\t5"]

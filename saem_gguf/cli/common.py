@@ -144,8 +144,9 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
     g = p.add_argument_group("model (llama.cpp flags, same names and meanings)")
     g.add_argument("-m", "--model", type=Path, required=model_required, default=None,
                    help="GGUF model" + ("" if model_required else " (default: the embedded model)"))
-    g.add_argument("-c", "--ctx-size", type=_non_negative_int, default=4096,
-                   help="context size (4096; 0: the model's own context length, as llama.cpp)")
+    g.add_argument("-c", "--ctx-size", type=_non_negative_int, default=None,
+                   help="context size (default: 4096, or the model's own context length where it is shorter; "
+                        "0: the model's own, as llama.cpp's default)")
     g.add_argument("-t", "--threads", type=_threads, default=None,
                    help="CPU threads of a one-token decode, as llama.cpp's -t (0 or less: every CPU this "
                         "process may use; default: the same, but serve has its own rule, see its help)")
@@ -218,6 +219,8 @@ def add_model_args(p: argparse.ArgumentParser, model_required: bool = False) -> 
     g.add_argument("-v", "--verbose", "--log-verbose", dest="verbose", action="store_true",
                    help="llama.cpp's log and placement details")
     g.add_argument("--quiet", action="store_true", help="no progress bars or notes")
+    g.add_argument("--log-disable", action="store_true",
+                   help="llama.cpp's: no log at all (--quiet, and llama.cpp's log stays off even with -v)")
 
 
 def add_placement_args(p: argparse.ArgumentParser, multi: bool = False) -> None:

@@ -23,8 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--vram-budget", metavar="SIZE", help="device memory to plan for, e.g. 8G, 12GiB")
     g.add_argument("--ecr", metavar="R", type=ecr_arg, help=ECR_HELP + ": the VRAM it needs")
-    p.add_argument("-c", "--ctx-size", type=bounded_int(0, MAX_CONTEXT), default=4096,
-                   help="context for the KV cache (4096; 0: the model's own context length, as llama.cpp)")
+    p.add_argument("-c", "--ctx-size", type=bounded_int(0, MAX_CONTEXT), default=None,
+                   help="context for the KV cache (default: 4096, or the model's own context length where it is "
+                        "shorter, as the other commands; 0: the model's own)")
     p.add_argument("--overhead", metavar="SIZE", default=None,
                    help="device compute-buffer reserve (default: estimated from the model)")
     p.add_argument("--ram-budget", metavar="SIZE|auto", type=ram_budget_arg, default=None,
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     info = read_model_info(args.model)
-    args.ctx_size = context_size(info, args.ctx_size)  # -c 0: the model's, as the engine reads it
+    args.ctx_size = context_size(info, args.ctx_size)  # -c 0 or none: as the engine reads it
     overhead = parse_size(args.overhead) if args.overhead is not None else None
     plan = None
     if args.vram_budget is not None:

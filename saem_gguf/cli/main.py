@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if getattr(args, "log_disable", False):  # wherever it stands, as llama.cpp pauses its log
+        args.quiet, args.verbose = True, False
     return run_command(args)
 
 

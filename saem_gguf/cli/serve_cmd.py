@@ -85,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="accepted for llama-server's command lines: GET /metrics is always on here")
     g.add_argument("-cb", "--cont-batching", action="store_true",
                    help="accepted for llama-server's command lines: batching is always continuous here")
+    g.add_argument("--threads-http", type=bounded_int(-1, 1 << 16), default=-1, metavar="N",
+                   help="accepted for llama-server's command lines: HTTP requests are served by one event loop "
+                        "here (uvicorn's); the value is checked, not used")
     g.add_argument("--no-webui", action="store_true",
                    help="accepted for llama-server's command lines: there is no web UI here")
     g.add_argument("-a", "--alias", default=None, metavar="NAME",
