@@ -34,7 +34,8 @@ N = 24  # tokens per answer in the comparisons
 
 @pytest.fixture(scope="module")
 def server():
-    # 8192 tokens per sequence; thinking left in content, so answers compare with generate's text
+    # 8192 cells per sequence, a slot capped at the 2048 the model was trained on (as llama-server);
+    # thinking left in content, so answers compare with generate's text
     # (the split, llama-server's default, is tested against llama-server: test_serve_reference.py)
     s = ServerProcess(["-np", "4", "-c", "32768", "--reasoning-format", "none"]).start()
     yield s
@@ -299,7 +300,9 @@ def test_apply_template_and_props(server, cli_chat):
                                                    "chat_template_kwargs": {"bos_token": "x"}})
     assert taken.status_code == 400 and "'bos_token' is set by the chat handler" in taken.json()["error"]["message"]
     props = httpx.get(server.url + "/props", timeout=30).json()
-    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 8192
+    # -c 32768 over 4 slots is 8192 each, capped at the model's training context (2048), as
+    # llama-server's n_ctx_slot caps it
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 2048
     assert props["default_generation_settings"]["params"]["temperature"] == 0.0
     assert props["chat_template"].startswith("{%- for message in messages") and props["eos_token"] == "<|im_end|>"
     assert props["model_path"].endswith("default-model.gguf") and props["modalities"]["vision"] is False
@@ -496,8 +499,9 @@ def test_full_queue_is_503_and_every_accepted_request_is_answered(small_server):
         with pytest.raises(openai.InternalServerError) as e:  # the client's class for any 5xx
             c.chat.completions.create(**body)
         assert e.value.status_code == 503 and e.value.code == "queue_full"
-        for f in (running, queued):
-            assert f.result().usage.completion_tokens == 6000
+        for f in (running, queued):  # each runs to the end of its slot's context (2048, as trained)
+            done = f.result()
+            assert done.usage.total_tokens == 2048 and done.choices[0].finish_reason == "length"
 
 
 def test_default_system_prompt_for_chats_without_one(small_server):
@@ -677,7 +681,7 @@ def test_slots_show_the_busy_one(server):
         stats = httpx.get(server.url + "/v1/saem/stats", timeout=60).json()
     assert [s["id"] for s in slots] == [0, 1, 2, 3], slots
     assert sum(s["is_processing"] for s in slots) == 1, (slots, stats)
-    assert all(s["n_ctx"] == 8192 and s["speculative"] is False for s in slots)
+    assert all(s["n_ctx"] == 2048 and s["speculative"] is False for s in slots)  # the training context
     # where its generation stands, as llama-server's slot tells it while it runs
     (busy,) = [s for s in slots if s["is_processing"]]
     (now,) = busy["next_token"]

@@ -550,16 +550,22 @@ def test_default_slots_share_the_context_as_in_llama_server():
 
 def test_default_context_is_llama_servers_for_a_model_trained_on_less():
     """No -c: llama-server's default is the model's own context length (the embedded model's
-    2048); ours is that too where it is under 4096: the same n_ctx in /props and /slots."""
-    stock = StockServer.start(default_model_path())
-    ours = ServerProcess(["--no-warmup"]).start()
-    try:
-        props = [httpx.get(u + "/props").json()["default_generation_settings"]["n_ctx"] for u in (stock.url, ours.url)]
-        slots = [[x["n_ctx"] for x in httpx.get(u + "/slots").json()] for u in (stock.url, ours.url)]
-        assert props == [2048, 2048] and slots[0] == slots[1] == [2048] * 4
-    finally:
-        stock.stop()
-        assert ours.stop() == 0, ours.stderr()
+    2048); ours is that too where it is under 4096: the same n_ctx in /props and /slots. With a
+    larger -c, a slot still holds at most the training context (llama-server's n_ctx_slot): a
+    longer prompt is refused by both."""
+    for flags in ([], ["-c", "8192"]):  # more than it was trained on: a slot still holds 2048, as there
+        stock = StockServer.start(default_model_path(), *flags)
+        ours = ServerProcess(["--no-warmup", *flags]).start()
+        try:
+            urls = (stock.url, ours.url)
+            props = [httpx.get(u + "/props").json()["default_generation_settings"]["n_ctx"] for u in urls]
+            slots = [[x["n_ctx"] for x in httpx.get(u + "/slots").json()] for u in urls]
+            assert props == [2048, 2048] and slots[0] == slots[1] == [2048] * 4, flags
+            too_long = {"prompt": "Paris is in France. " * 250, "n_predict": 2}  # 2,501 tokens
+            assert [httpx.post(u + "/completion", json=too_long, timeout=120).status_code for u in urls] == [400, 400]
+        finally:
+            stock.stop()
+            assert ours.stop() == 0, ours.stderr()
 
 
 # escape sequences as a shell passes them: what llama.cpp's string_process_escapes reads (and leaves)

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             if sampling.grammar is not None:  # every request without its own grammar gets it
                 scheduler.check_grammar(sampling.grammar, "the grammar")
             cfg = ServeConfig(model_id=args.alias or eng.path.name, sampling=sampling,
-                              max_tokens=args.n_predict, n_ctx_per_sequence=eng.n_ctx_seq,
+                              max_tokens=args.n_predict, n_ctx_per_sequence=scheduler.n_ctx_seq,
                               api_keys=(*(args.api_keys or ()), *(k for f in args.api_key_files for k in f)),
                               system=args.system,
                               reasoning_format=args.reasoning_format, chat_template=eng.chat_template_source(),

@@ -325,7 +325,10 @@ class Scheduler:
         self._ctx = engine.llm.ctx
         self._llama_ctx = engine.llm._ctx  # the LlamaContext a sampler's sample() takes
         self._mem = self._lc.llama_get_memory(self._ctx)
-        self._n_ctx_seq = engine.n_ctx_seq
+        # a slot's context: its share of the KV cache, at most what the model was trained on, as
+        # llama-server's n_ctx_slot caps it
+        trained = engine.info.n_ctx_train
+        self._n_ctx_seq = min(engine.n_ctx_seq, trained) if trained > 0 else engine.n_ctx_seq
         self._n_ubatch = int(self._lc.llama_n_ubatch(self._ctx))
         self._unified = engine.cfg.kv_unified  # one KV stream the slots share (-kvu)
         self._n_vocab = engine.llm.n_vocab()
@@ -364,7 +367,8 @@ class Scheduler:
 
     @property
     def n_ctx_seq(self) -> int:
-        """Tokens one request may hold, prompt and reply together (its share of ``-c``)."""
+        """Tokens one request may hold, prompt and reply together (its share of ``-c``, or all of it
+        in a shared cache; at most the model's training context, as llama-server's)."""
         return self._n_ctx_seq
 
     # --- requests in ---------------------------------------------------------------------------
