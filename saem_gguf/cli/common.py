@@ -517,16 +517,18 @@ def prompt_arg(args: argparse.Namespace) -> str | None:
     if args.system is not None:
         utf8_arg(args.system, "-sys/--system-prompt")
     if args.prompt is not None:
-        text, flag = utf8_arg(args.prompt, "-p/--prompt"), "-p/--prompt"
+        flag = "-p/--prompt"
+        text = utf8_arg(args.prompt, flag)
     elif args.file is not None:
+        flag = f"-f {args.file}"
         try:
             text = args.file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise SaemError(f"cannot read the prompt file {args.file}: {e}") from None
-        text, flag = text[:-1] if text.endswith("\n") else text, f"-f {args.file}"
+        text = text[:-1] if text.endswith("\n") else text
     else:
         return None
-    return process_escapes(text, flag) if args.escape else text
+    return _escaped(args, text, flag)
 
 
 def _system_prompt_file(path: str) -> str:
@@ -593,20 +595,10 @@ def chat_template_kwargs(args: argparse.Namespace) -> tuple[tuple[str, object], 
     return tuple(variables.items())
 
 
-def _samplers(text: str) -> tuple[str, ...]:
-    """llama.cpp's --samplers: names separated by ';' (unknown ones skipped, as llama.cpp)."""
-    try:
-        return cli_sampler_order(text)
-    except SaemError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _sampling_seq(text: str) -> tuple[str, ...]:
-    """llama.cpp's --sampling-seq: one character per sampler (e.g. edskypmxt)."""
-    try:
-        return sampler_order(text)
-    except SaemError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+# llama.cpp's --samplers (names separated by ';', unknown ones skipped) and --sampling-seq (one
+# character per sampler, e.g. edskypmxt)
+_samplers = _usage(cli_sampler_order)
+_sampling_seq = _usage(sampler_order)
 
 
 class _DryBreakers(argparse.Action):
