@@ -20,6 +20,7 @@ URL_LINE = re.compile(r"\[saem\] serving .* at (http://\S+) ")
 @dataclass
 class ServerProcess:
     args: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     proc: subprocess.Popen | None = None
     url: str = ""
     stderr_lines: list[str] = field(default_factory=list)
@@ -28,7 +29,7 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> ServerProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "saem_gguf", "serve", "--port", "0", *self.args],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, cwd=REPO, env={**os.environ, "NO_COLOR": "1"})
+                                     text=True, cwd=REPO, env={**os.environ, "NO_COLOR": "1", **self.env})
         listening = threading.Event()
 
         def read() -> None:  # keeps the pipe drained for the process's whole life

@@ -61,11 +61,12 @@ class StockServer:
     url: str
 
     @classmethod
-    def start(cls, model: Path, *args: str, timeout: float = 120.0) -> StockServer:
+    def start(cls, model: Path, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> StockServer:
         port = free_port()
         proc = subprocess.Popen([str(llama_server()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
                                  "-t", "1", "--no-webui", *args],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})})
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -1176,3 +1176,30 @@ def test_prompt_tokens_counted_as_llama_server(pair, path, body):
     assistant message included)."""
     stock, ours = _both(pair, path, body)
     assert ours == stock and stock["input_tokens"] > 10
+
+
+def test_llama_servers_environment_variables_configure_serve_as_llama_server():
+    """A llama-server configured by its environment (LLAMA_ARG_*), with a flag on the command line
+    (in llama.cpp's --flag_name spelling) that overrides one of them: the same slots, context,
+    name and request defaults in both, and the same tokens drawn from those defaults."""
+    env = {"LLAMA_ARG_CTX_SIZE": "1024", "LLAMA_ARG_N_PARALLEL": "2", "LLAMA_ARG_KV_UNIFIED": "on",
+           "LLAMA_ARG_TEMPERATURE": "0.9", "LLAMA_ARG_TOP_K": "40", "LLAMA_ARG_N_PREDICT": "6",
+           "LLAMA_ARG_ALIAS": "from-the-environment"}
+    stock = StockServer.start(default_model_path(), "--top_k", "7", env=env)
+    ours = ServerProcess(["--no-warmup", "--top_k", "7"], env=env).start()
+    try:
+        urls = (stock.url, ours.url)
+        settings = [httpx.get(u + "/props").json()["default_generation_settings"] for u in urls]
+        for s in settings:
+            # n_predict: a request's own default, -n applies to one that sets none (below)
+            assert (s["n_ctx"], s["params"]["top_k"], s["params"]["n_predict"]) == (1024, 7, -1), s
+            assert s["params"]["temperature"] == pytest.approx(0.9)
+        assert [[x["n_ctx"] for x in httpx.get(u + "/slots").json()] for u in urls] == [[1024] * 2] * 2
+        assert [httpx.get(u + "/v1/models").json()["data"][0]["id"] for u in urls] == ["from-the-environment"] * 2
+        s, o = _both(urls, "/completion", {"prompt": PROMPT, "seed": 11})
+        assert {k: o[k] for k in COUNTS} == {k: s[k] for k in COUNTS} and s["tokens_predicted"] == 6
+    finally:
+        stock.stop()
+        assert ours.stop() == 0, ours.stderr()
+    assert "warn: LLAMA_ARG_TOP_K environment variable is set, but will be overwritten by command line argument " \
+           "--top-k" in ours.stderr()

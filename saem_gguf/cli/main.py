@@ -21,6 +21,7 @@ import signal
 import sys
 
 from saem_gguf import __version__
+from saem_gguf.cli.llama_env import annotate_help, environment_arguments, underscores_read_as_dashes
 from saem_gguf.cli.llama_flags import refuse_llama_flags
 from saem_gguf.cli.signals import interrupts_raise
 from saem_gguf.errors import SaemError, Terminated, UsageError
@@ -48,10 +49,14 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
-        # a command's parser (the top one has the subcommands): a llama.cpp flag it does not take
-        # is refused by name before argparse reads it as something else (llama_flags.py)
+        # a command's parser (the top one has the subcommands): llama.cpp's --flag_name spelling is
+        # read, a llama.cpp flag it does not take is refused by name before argparse reads it as
+        # something else (llama_flags.py), and llama.cpp's LLAMA_ARG_* variables are read before
+        # the command line, as llama.cpp reads them (llama_env.py)
         if args is not None and self._subparsers is None:
-            refuse_llama_flags(self, list(args))
+            args = underscores_read_as_dashes(self, list(args))
+            refuse_llama_flags(self, args)
+            args = environment_arguments(self, args) + args
         return super().parse_known_args(args, namespace)
 
 
@@ -73,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         mod.register(sub)
+    for command in sub.choices.values():
+        annotate_help(command)
     parser.commands = sub.choices  # name -> the command's parser (main names it in an error)
     return parser
 

@@ -598,13 +598,14 @@ def _numbered(chunk: bytes, index: int, native: bool, ids: list[str]) -> bytes:
 def _props(state: ServerState) -> dict:
     """llama-server's GET /props: the fields a client reads (its web UI, editor plugins), for this
     server; ``default_generation_settings.params`` are the CLI's sampling flags under
-    llama-server's names."""
+    llama-server's names, with a request's own default n_predict (-1): llama-server shows a fresh
+    task's there, and applies -n to a request that sets none."""
     eng, cfg = state.scheduler.engine, state.cfg
     text = eng.llm._model.token_get_text
     bos, eos = eng.llm.token_bos(), eng.llm.token_eos()
     return {
         "default_generation_settings": {"n_ctx": cfg.n_ctx_per_sequence,
-                                        "params": native_settings(cfg.sampling, cfg.max_tokens)},
+                                        "params": native_settings(cfg.sampling, -1)},
         "total_slots": state.scheduler.n_parallel,
         "model_alias": cfg.model_id,
         "model_path": str(eng.path),
