@@ -131,6 +131,8 @@ def test_a_variable_for_an_option_the_command_does_not_take_is_refused(monkeypat
     monkeypatch.delenv("LLAMA_ARG_CACHE_REUSE")
     monkeypatch.setenv("LLAMA_ARG_NO_HOST", "0")  # a flag whose variable is not truthy: nothing to take
     assert _parse("serve").command == "serve"
+    monkeypatch.setenv("HF_TOKEN", "hf_x")  # llama.cpp's -hft, for downloads; other tools read it too
+    assert _parse("chat").command == "chat"
 
 
 def test_underscores_in_a_flag_read_as_dashes_as_llama_cpp_reads_them(capsys):

@@ -36,10 +36,14 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from saem_gguf.cli.llama_flags import sdist_arg_cpp
+from saem_gguf.cli.llama_flags import llama_cpp_flags, sdist_arg_cpp
 
 # which llama.cpp program (its LLAMA_EXAMPLE_*, without the prefix) each command stands for
 EXAMPLE_OF_COMMAND = {"generate": "COMPLETION", "chat": "CLI", "serve": "SERVER"}
+
+# variables other tools read too, for what this project never does: left alone rather than refused
+# (HF_TOKEN is llama.cpp's -hft, a token for downloads from Hugging Face; nothing is downloaded here)
+NOT_READ = frozenset({"HF_TOKEN"})
 
 _TRUTHY = ("on", "enabled", "true", "1")
 _FALSEY = ("off", "disabled", "false", "0")
@@ -158,9 +162,8 @@ def command_example(parser: argparse.ArgumentParser) -> str | None:
 
 def underscores_read_as_dashes(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
     """``args`` with a ``--flag_name`` this parser or llama.cpp knows as ``--flag-name`` spelled so,
-    as llama.cpp reads every ``--`` argument; values and what follows ``--`` are left as they are."""
-    from saem_gguf.cli.llama_flags import llama_cpp_flags
-
+    as llama.cpp reads every ``--`` argument (on every command: it costs nothing where no llama.cpp
+    habit is at stake); values and what follows ``--`` are left as they are."""
     known = parser._option_string_actions
     out = []
     for i, arg in enumerate(args):
@@ -180,7 +183,8 @@ def environment_arguments(parser: argparse.ArgumentParser, args: list[str],
     """The command-line arguments llama.cpp's environment variables stand for, for this command's
     parser, to be read before ``args`` (so that ``args`` win). A variable llama.cpp would apply
     that the command cannot take, or a value its flag refuses, is a usage error naming the
-    variable. For each flag in ``args`` that a variable also sets, llama.cpp's warning line."""
+    variable (but for ``NOT_READ``'s). For each flag in ``args`` that a variable also sets, llama.cpp's
+    warning line."""
     example = command_example(parser)
     if example is None:
         return []
@@ -190,7 +194,7 @@ def environment_arguments(parser: argparse.ArgumentParser, args: list[str],
     out: list[str] = []
     for option in options_for(example):
         value = option.value(environ)
-        if value is None:
+        if value is None or option.env in NOT_READ:
             continue
         flags = _arguments_for(parser, option, value)
         if not flags:
