@@ -38,6 +38,7 @@ class ChatSession:
     show_stages: bool = False
     hide_thinking: bool = False  # fold <think>…</think> into one line
     color: str = "auto"  # dim the thinking: "on", "off", or "auto" (chat_display.use_style)
+    show_timings: bool = False  # llama-cli's line of prompt and generation speed after each answer
     out: TextIO = sys.stdout
     notify: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
     messages: list[dict] = field(default_factory=list)
@@ -150,6 +151,7 @@ class ChatSession:
         t0 = None
         n = 0
         interrupted = False
+        t_start = time.perf_counter()
         steps = eng.stream(prompt, self.n_predict, sampling, reuse_prefix=True)
         try:
             for tok, piece in steps:
@@ -167,13 +169,20 @@ class ChatSession:
             interrupted = True
         self.last_finish_reason = steps.finish_reason
         if t0 is not None:
-            self.decode_seconds += time.perf_counter() - t0
+            t_end = time.perf_counter()
+            self.decode_seconds += t_end - t0
             self.decode_tokens += n
         # the history holds what llama-cpp-python's create_chat_completion would return
         reply = text.decode("utf-8", errors="ignore")
         printer.feed(decoder.decode(b"", final=True))
         printer.finish()
         self._write("\n" + ("[interrupted]\n" if interrupted else ""))
+        if self.show_timings and t0 is not None:
+            # llama-server's rates, which llama-cli shows: the prompt tokens decoded (a reused
+            # prefix not counted) over the time to the first token, the tokens drawn over the rest
+            prompt_s, gen_s = t0 - t_start, t_end - t0
+            self.notify(f"[ Prompt: {steps.prompt_tokens_evaluated / prompt_s if prompt_s > 0 else 0.0:.1f} t/s | "
+                        f"Generation: {n / gen_s if gen_s > 0 else 0.0:.1f} t/s ]")
         self.messages.append({"role": "assistant", "content": reply})
         return reply
 

@@ -380,6 +380,9 @@ class TokenStream:
         self.seed = seed
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        # prompt tokens decoded before the first token was drawn (fewer than the prompt's where a
+        # prefix was reused); set when the first token comes
+        self.prompt_tokens_evaluated = 0
         self._steps: Iterator[tuple[int | None, bytes]] = iter(())
 
     def __iter__(self) -> Iterator[tuple[int | None, bytes]]:
@@ -450,6 +453,7 @@ def _make_llama_class(llama_cpp):
                      saem_flash_attn_auto: bool = False, saem_n_seq_max: int = 1, saem_kv_unified: bool = False,
                      saem_no_repack: bool = False, **kw):
             self._saem_hook = None
+            self.saem_tokens_evaluated = 0  # every token eval() has decoded (a stream's prompt count)
             self._saem_no_repack = saem_no_repack
             self._saem_n_seq_max = saem_n_seq_max
             self._saem_kv_unified = saem_kv_unified
@@ -655,6 +659,7 @@ def _make_llama_class(llama_cpp):
             self._saem_context_params = params
 
         def eval(self, tokens):
+            self.saem_tokens_evaluated += len(tokens)
             hook = self._saem_hook
             if hook is None:
                 return super().eval(tokens)
@@ -1319,10 +1324,12 @@ class Engine:
         if not reuse_prefix:
             llm.reset()
         self._in_prompt = True  # evals before the first sampled token are the prompt's
+        evaluated = llm.saem_tokens_evaluated
         if limit == 0:  # -n 0: the prompt is evaluated (timings, traces), nothing generated
             llm.reset()
             llm.eval(out.prompt_token_ids)
             self._in_prompt = False
+            out.prompt_tokens_evaluated = llm.saem_tokens_evaluated - evaluated
             out.finish_reason = "length"
             return
         llm.set_seed(out.seed)
@@ -1344,7 +1351,9 @@ class Engine:
                                     temp=max(sampling.temp, 0.0), repeat_penalty=sampling.repeat_penalty,
                                     frequency_penalty=sampling.frequency_penalty,
                                     presence_penalty=sampling.presence_penalty, reset=True, grammar=grammar):
-                self._in_prompt = False
+                if self._in_prompt:
+                    self._in_prompt = False
+                    out.prompt_tokens_evaluated = llm.saem_tokens_evaluated - evaluated
                 if lc.llama_vocab_is_eog(llm._model.vocab, tok):
                     out.finish_reason = "stop"
                     break

@@ -219,3 +219,40 @@ def test_terminal_without_color_and_with_hidden_thinking(terminal_env):
     text = term.out.decode("utf-8", errors="replace")
     assert "[thinking… " in text and "<think>" not in text and "Answer: 85" in text
     assert DIM not in text
+
+
+TIMINGS_LINE = re.compile(r"^\[ Prompt: \d+\.\d t/s \| Generation: \d+\.\d t/s \]$", re.M)
+
+
+def test_timings_after_each_answer_as_llama_cli(llama_cpp):
+    """llama-cli's --show-timings (on by default): after each answer a line of prompt and
+    generation speed, here on stderr (stdout holds the conversation); --no-show-timings: none."""
+    r = _chat_piped("-n", "8", stdin=f"{QUESTION}\nWhat is 9 + 4?\n/stats\n")
+    assert r.returncode == 0 and len(TIMINGS_LINE.findall(r.stderr)) == 2, r.stderr
+    assert not TIMINGS_LINE.search(r.stdout)
+    quiet = _chat_piped("-n", "8", "--no-show-timings", stdin=f"{QUESTION}\nWhat is 9 + 4?\n")
+    assert quiet.returncode == 0 and not TIMINGS_LINE.search(quiet.stderr) and quiet.stdout == r.stdout.split("policy")[0]
+
+
+def test_a_turns_prompt_rate_counts_only_the_tokens_decoded(llama_cpp):
+    """The prompt rate is over the tokens decoded for the turn: a prefix kept from the turn before
+    (chat reuses it) is not counted, as llama-server's prompt_n."""
+    from saem_gguf.default_model import default_model_path
+    from saem_gguf.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model=default_model_path(), n_ctx=512, n_threads=2, seed=0, progress=False))
+    try:
+        first = eng.prompt_tokens("Q: What is 2 + 2?\nA:")
+        steps = eng.stream(first, 4, reuse_prefix=True)
+        drawn = [t for t, _ in steps if t is not None]
+        assert steps.prompt_tokens_evaluated == len(first)
+        second = first + drawn + eng.prompt_tokens("\nQ: And 3 + 3?\nA:")[1:]
+        steps = eng.stream(second, 4, reuse_prefix=True)
+        list(steps)
+        kept = len(first) + len(drawn) - 1  # the last drawn token was never decoded
+        assert steps.prompt_tokens_evaluated == len(second) - kept
+        steps = eng.stream(second, 4)  # no reuse: all of it
+        list(steps)
+        assert steps.prompt_tokens_evaluated == len(second)
+    finally:
+        eng.close()

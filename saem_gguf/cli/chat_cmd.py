@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-co", "--color", type=on_off_auto, default="auto", metavar="on|off|auto",
                    help="dim the thinking (llama-cli's flag): on, off, or auto (default: on a terminal, unless "
                         "NO_COLOR is set)")
+    p.add_argument("--show-timings", action=argparse.BooleanOptionalAction, default=True,
+                   help="after each answer, llama-cli's line of prompt and generation speed in tokens/s, on "
+                        "stderr (default: on)")
     add_sampling_args(p, n_predict=-1)  # llama-cli's default: a reply runs to its end of turn
     add_llama_sampler_args(p)
     p.add_argument("--no-warmup", action="store_true",
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     eng = open_engine(args)
     try:
         run_repl(ChatSession(eng, system=args.system, n_predict=args.n_predict, sampling=sampling,
-                             show_stages=args.show_stages, hide_thinking=args.hide_thinking, color=args.color),
+                             show_stages=args.show_stages, hide_thinking=args.hide_thinking, color=args.color,
+                             show_timings=args.show_timings),
                  first_message=first, single_turn=args.single_turn)
     finally:
         eng.close()
