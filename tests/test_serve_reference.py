@@ -1203,3 +1203,117 @@ def test_llama_servers_environment_variables_configure_serve_as_llama_server():
         assert ours.stop() == 0, ours.stderr()
     assert "warn: LLAMA_ARG_TOP_K environment variable is set, but will be overwritten by command line argument " \
            "--top-k" in ours.stderr()
+
+
+# gpt-oss's answers (serving.harmony): outputs forced by a grammar on a test model with gpt-oss's
+# template and harmony tokens. A grammar cannot end with <|return|> (an end of generation), so each
+# ends where the model may end it.
+_A, _F, _S, _E = '<|channel|> "analysis" <|message|>', '<|channel|> "final" <|message|>', '<|start|> "assistant"', "<|end|>"
+HARMONY_FORCED = {
+    "reasoning-then-answer": f'{_A} "We add." {_E} {_S} {_F} "It is 5."',
+    "answer-alone": f'{_F} "It is 5."',
+    "reasoning-alone": f'{_A} "We add." {_E}',
+    "reasoning-unended": f'{_A} "We add and add and add."',
+    "two-reasonings": f'{_A} "One." {_E} {_S} {_A} "Two." {_E} {_S} {_F} "Five."',
+    "preamble": f'<|channel|> "commentary" <|message|> "Note." {_E} {_S} {_F} "X."',
+    "stray-commentary": f'<|channel|> "commentary" {_A} "R." {_E} {_S} {_F} "C."',
+    "stray-to-assistant": f'<|channel|> "commentary to=assistant" {_A} "R." {_E} {_S} {_F} "C."',
+    "text-after-the-answer": f'{_F} "X." {_E} "tail"',
+    "blank-parts": f'{_A} " " {_E} {_S} {_F} " c "',
+    "empty-reasoning": f'{_A} {_E} {_S} {_F} "C."',
+    # nothing captured: the text as it came, in both
+    "unsolicited-call": f'<|channel|> "commentary to=functions.x" <|message|> "{{}}" {_E}',
+}
+
+
+@pytest.fixture(scope="module")
+def harmony_pair():
+    """(stock llama-server, serve) on a gpt-oss test model with gpt-oss's own template."""
+    from saem_gguf.testmodels import ModelSpec, ensure_model
+
+    model = ensure_model(ModelSpec(arch="gpt-oss", chat_template="gpt-oss"))
+    stock = StockServer.start(model, "-np", "1", "-c", "2048")
+    ours = ServerProcess(["-m", str(model), "-np", "1", "-c", "2048", "--no-warmup"]).start()
+    yield stock.url, ours.url
+    stock.stop()
+    assert ours.stop() == 0, ours.stderr()
+
+
+def _harmony_chat(url: str, grammar: str, stream: bool = False, **fields):
+    body = {"messages": [{"role": "user", "content": "What is 2+3?"}], "temperature": 0, "max_tokens": 60,
+            "grammar": "root ::= " + grammar, "stream": stream, **fields}
+    if not stream:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text[:300]
+        return _message(r.json())
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    # the opening chunk aside (llama-server's content null, OpenAI's and ours "")
+    return [(e["choices"][0]["delta"].get("reasoning_content"), e["choices"][0]["delta"].get("content"),
+             e["choices"][0]["finish_reason"]) for e in events[1:] if e["choices"]]
+
+
+@pytest.mark.parametrize("fields", [{}, {"reasoning_format": "none"}, {"max_tokens": 9}],
+                         ids=["split", "format-none", "cut-short"])
+@pytest.mark.parametrize("name", list(HARMONY_FORCED))
+def test_gpt_oss_answers_split_by_channel_as_llama_server(harmony_pair, name, fields):
+    """The analysis channel is the reasoning and the final one the content (reasoning_format none:
+    the analysis markup stays in the content), commentary preambles are content, a stray
+    commentary channel is skipped; cut short by max_tokens, the parts so far."""
+    stock, ours = (_harmony_chat(url, HARMONY_FORCED[name], **fields) for url in harmony_pair)
+    assert ours == stock
+    if name == "reasoning-then-answer" and not fields:
+        assert ours == ("It is 5.", "We add.", "stop")
+
+
+@pytest.mark.parametrize("name", ["reasoning-then-answer", "two-reasonings", "preamble", "stray-commentary",
+                                  "blank-parts"])
+@pytest.mark.parametrize("fields", [{}, {"reasoning_format": "none"}], ids=["split", "format-none"])
+def test_a_streamed_gpt_oss_answer_in_the_deltas_of_llama_server(harmony_pair, name, fields):
+    stock, ours = (_harmony_chat(url, HARMONY_FORCED[name], stream=True, **fields) for url in harmony_pair)
+    assert ours == stock
+
+
+def test_gpt_oss_output_that_does_not_parse_is_its_text_here(harmony_pair):
+    """llama-server answers 500 to gpt-oss output that begins with no channel; here the answer is
+    that text, whole and streamed alike (serving.harmony's one difference on purpose)."""
+    stock, ours = harmony_pair
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9, "grammar": 'root ::= "Hello there."'}
+    assert httpx.post(stock + "/v1/chat/completions", json=body, timeout=300).status_code == 500
+    assert _harmony_chat(ours, '"Hello there."') == ("Hello there.", None, "stop")
+    deltas = _harmony_chat(ours, '"Hello there."', stream=True)
+    assert "".join(c or "" for _, c, _ in deltas) == "Hello there."
+
+
+CONTINUED = [{"role": "user", "content": "What is 2+3?"},
+             {"role": "assistant", "content": "It is", "reasoning_content": "We add."}]
+
+
+@pytest.mark.parametrize("last,fields", [
+    ({"content": "It is", "reasoning_content": "We add."}, {}),
+    ({"content": "It is"}, {}),
+    ({"content": "", "reasoning_content": "We add"}, {}),
+    ({"content": "It is", "reasoning_content": "We add."}, {"continue_final_message": "reasoning_content",
+                                                           "add_generation_prompt": False}),
+], ids=["both", "content-alone", "reasoning-alone", "reasoning-asked"])
+def test_gpt_oss_continues_a_final_message_in_its_channels_as_llama_server(harmony_pair, last, fields):
+    """A final assistant message is continued as llama-server's gpt-oss prefill continues it: the
+    analysis channel with its reasoning, then the final channel with its content; the same prompt
+    (/apply-template), and the same answer, whole and streamed, its parts starting with the
+    message's."""
+    messages = [CONTINUED[0], {"role": "assistant", **last}]
+    prompts = [httpx.post(u + "/apply-template", json={"messages": messages, **fields}, timeout=60).json()["prompt"]
+               for u in harmony_pair]
+    in_reasoning = not last["content"] or fields.get("continue_final_message") == "reasoning_content"
+    assert prompts[0] == prompts[1] and prompts[0].endswith(last["reasoning_content" if in_reasoning else "content"])
+    grammar = '" and more."' if in_reasoning else '" 5." <|end|>'
+    for stream in (False, True):
+        stock, ours = (_harmony_chat(url, grammar, stream=stream, messages=messages, **fields) for url in harmony_pair)
+        assert ours == stock, stream
+
+
+def test_gpt_oss_continuation_asked_streams_only_what_is_generated_as_llama_server(harmony_pair):
+    for echo in (False, True):
+        fields = {"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": False, "echo": echo}
+        stock, ours = (_harmony_chat(url, '" 5." <|end|>', stream=True, **fields) for url in harmony_pair)
+        assert ours == stock, echo

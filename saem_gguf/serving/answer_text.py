@@ -9,7 +9,8 @@ module:
   the message's and its content starts with the message's (unsplit: the whole
   ``<think>...</think>content`` markup the prompt ends with); continuing its reasoning, the
   reasoning starts with the message's;
-* a schema's JSON alone (serving.output_format).
+* a schema's JSON alone (serving.output_format);
+* under gpt-oss's template, its channels (serving.harmony) in place of the thinking block.
 
 A stream sends the continued text with the first piece, as llama-server does, except where the
 request asked for the continuation itself (``continue_final_message``) and not for ``echo``: then
@@ -19,6 +20,7 @@ what is generated, while the whole answer still holds it.
 
 from __future__ import annotations
 
+from saem_gguf.serving.harmony import HarmonyText, continuation_markup
 from saem_gguf.serving.output_format import JsonAnswer, json_answer_text
 from saem_gguf.serving.prefill import Continuation
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning
@@ -29,14 +31,21 @@ class ChatText:
     """One answer's text, streamed (``add``, piece by piece) or whole (``whole``)."""
 
     def __init__(self, split: bool, reasons: bool, opened: str | None, continued: Continuation | None,
-                 hide_continued: bool, json_answer: bool) -> None:
+                 hide_continued: bool, json_answer: bool, harmony: bool = False) -> None:
         """``split``: the reasoning format splits; ``reasons``: the template has a thinking block;
         ``opened``: the reasoning the prompt has begun (prefill.opened_reasoning), None where no
         block is open; ``continued``: the final message continued; ``hide_continued``: a stream
-        leaves the continued text out; ``json_answer``: the content is a schema's JSON."""
-        self._thinking: Reasoning | None = None
+        leaves the continued text out; ``json_answer``: the content is a schema's JSON;
+        ``harmony``: the template is gpt-oss's (its answers parsed by channel, a continued message's
+        markup first)."""
+        self._thinking: Reasoning | HarmonyText | None = None
         reasoning, content = "", ""  # what the answer starts with, before anything generated
-        if continued is not None and continued.part == "content":
+        if harmony:  # the continued message is part of what is parsed
+            markup = "" if continued is None else "".join(text for text, _ in continuation_markup(
+                continued.reasoning, continued.content if continued.part == "content" else None))
+            self._thinking = HarmonyText(split, markup, hide_continued)
+            hide_continued = False
+        elif continued is not None and continued.part == "content":
             if reasons and split:
                 reasoning, content = continued.reasoning, continued.content
             elif reasons:
@@ -73,7 +82,10 @@ class ChatText:
     def whole(self, generated: str) -> tuple[str | None, str]:
         """(reasoning or None, content) of the whole answer."""
         reasoning, content = self._start
-        if self._thinking is not None:
+        if isinstance(self._thinking, HarmonyText):
+            split, generated = self._thinking.whole(generated)
+            reasoning += split or ""
+        elif self._thinking is not None:
             split, generated = split_reasoning(generated, self._thinking.prefix)
             reasoning += split or ""
         content += generated

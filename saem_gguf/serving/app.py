@@ -47,6 +47,7 @@ from saem_gguf.serving.anthropic import MessagesReply
 from saem_gguf.serving.answer_text import ChatText
 from saem_gguf.serving.output_format import answer_grammar, thinking_of
 from saem_gguf.serving.prefill import ChatEnd, asks_continuation, chat_end, continued, opened_reasoning
+from saem_gguf.serving.harmony import template_is_harmony
 from saem_gguf.serving.reasoning import splits
 from saem_gguf.serving.responses import ResponsesReply, sse_event
 from saem_gguf.thinking import template_reasons
@@ -290,7 +291,7 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
         told_text = ChatText(splits(req.reasoning_format or state.cfg.reasoning_format, template),
                              template_reasons(template), opened_reasoning(handle.request.chat_text, more, template),
                              more, asks_continuation(req.continue_final_message) and not req.echo,
-                             gen.json_answer)
+                             gen.json_answer, harmony=template_is_harmony(template))
 
     stop_word: list[str | None] = [None]  # the stop string that ended the answer, if one did
 
@@ -321,6 +322,9 @@ async def _complete(state: ServerState, request: Request, chat: bool, api: ChatA
                 events += told.closing(ev.finish_reason, ev.stop_word, _usage(ev), _timings(ev))
             return [sse_event(*e) for e in events]
         tokens = _token_logprobs(ev, reply.top_n, state.piece)
+        if reasoning and piece:  # a chunk per part, as llama-server sends a chunk per diff
+            out.append(sse(reply.chunk("", tokens, text_offset=offset, reasoning=reasoning)))
+            reasoning, tokens = "", None
         if piece or reasoning or tokens:
             out.append(sse(reply.chunk(piece, tokens, text_offset=offset, reasoning=reasoning)))
             offset += len(piece)

@@ -36,6 +36,7 @@ from saem_gguf.errors import SaemError
 from saem_gguf.grammar import json_schema_grammar
 from saem_gguf.samplers import DEFAULT_ORDER, sampler_order
 from saem_gguf.serving.batch import LineLimits, SlotState
+from saem_gguf.serving.harmony import template_is_harmony
 from saem_gguf.serving.output_format import JSON_OBJECT
 
 INT32_MAX = 2**31 - 1  # llama-server's hard limit of its integer fields
@@ -158,10 +159,12 @@ def message_dicts(messages: list[Message], template: str = "") -> list[dict]:
     """The messages as a chat template takes them (content one string), a ``developer`` message
     as a ``system`` one unless ``template`` is GPT-OSS's (llama.cpp's map_developer_role_to_system:
     templates other than GPT-OSS's, which has a developer role, know no such role)."""
-    keep = "<|channel|>" in template
+    keep = template_is_harmony(template)
+    # where given, as llama.cpp's render_message_to_json; gpt-oss's template reads it as "thinking"
+    # (common_chat_params_init_gpt_oss copies it there)
+    reasoning = ("reasoning_content", "thinking") if keep else ("reasoning_content",)
     return [{"role": "system" if m.role == "developer" and not keep else m.role, "content": m.text(),
-             # where given, as llama.cpp's render_message_to_json
-             **({"reasoning_content": m.reasoning_content} if m.reasoning_content else {})}
+             **({k: m.reasoning_content for k in reasoning} if m.reasoning_content else {})}
             for m in messages]
 
 

@@ -58,7 +58,8 @@ class ModelSpec:
     # before a raw prompt when true, as for Gemma, Llama and Mixtral GGUFs
     add_bos_token: bool = False
     # "chatml" (the default), "gemma" (writes {{ bos_token }}, BOS <bos>, turns end with the EOT
-    # <end_of_turn>, which is not EOS) or "none" (no tokenizer.chat_template at all)
+    # <end_of_turn>, which is not EOS), "gpt-oss" (gpt-oss's own template and harmony tokens,
+    # <|return|> the EOS) or "none" (no tokenizer.chat_template at all)
     chat_template: str = "chatml"
     # Qwen-Coder's fill-in-the-middle tokens in the vocabulary (testmodels.vocab.FIM_TOKENS): a model
     # llama-server and `serve` answer /infill for

@@ -46,6 +46,19 @@ FIM_TOKENS = (
     ("<|file_sep|>", 3),
 )
 
+# gpt-oss's harmony markup (a model with the "gpt-oss" chat template): CONTROL tokens, as in its
+# GGUFs. <|return|> is its EOS; with <|call|> there, llama.cpp takes <|end|> out of the
+# end-of-generation tokens (it ends one message of an answer: the analysis, then the final one)
+HARMONY_TOKENS = (
+    ("<|start|>", 3),
+    ("<|end|>", 3),
+    ("<|message|>", 3),
+    ("<|channel|>", 3),
+    ("<|constrain|>", 3),
+    ("<|return|>", 3),
+    ("<|call|>", 3),
+)
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
@@ -69,8 +82,11 @@ GEMMA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
+# gpt-oss's own template (llama.cpp's models/templates/openai-gpt-oss-120b.jinja, OpenAI's)
+GPT_OSS_TEMPLATE = resources.files("saem_gguf.data.templates").joinpath("gpt-oss.jinja").read_text(encoding="utf-8")
+
 # the chat templates a test model can carry (ModelSpec.chat_template); "none" writes no template
-CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "gemma": GEMMA_TEMPLATE, "none": None}
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "gemma": GEMMA_TEMPLATE, "gpt-oss": GPT_OSS_TEMPLATE, "none": None}
 
 
 @dataclass(frozen=True)
@@ -90,13 +106,14 @@ class Vocab:
         return self.tokens.index(text)
 
 
-@lru_cache(maxsize=2)
-def load_vocab(fim: bool = False) -> Vocab:
-    """The test vocabulary; ``fim``: with the fill-in-the-middle tokens after the special ones."""
+@lru_cache(maxsize=4)
+def load_vocab(fim: bool = False, harmony: bool = False) -> Vocab:
+    """The test vocabulary; ``fim``: with the fill-in-the-middle tokens after the special ones;
+    ``harmony``: with gpt-oss's, ``<|return|>`` the EOS."""
     data = json.loads(resources.files("saem_gguf.data.tokenizer").joinpath(VOCAB_FILE).read_text())
     tokens = list(data["tokens"])
     types = [1] * len(tokens)  # NORMAL
-    for text, ttype in SPECIAL_TOKENS + (FIM_TOKENS if fim else ()):
+    for text, ttype in SPECIAL_TOKENS + (FIM_TOKENS if fim else ()) + (HARMONY_TOKENS if harmony else ()):
         tokens.append(text)
         types.append(ttype)
     # pad to a multiple of 64 rows: quantized output/embedding rows tile cleanly
@@ -104,7 +121,7 @@ def load_vocab(fim: bool = False) -> Vocab:
         tokens.append(f"[PAD{len(tokens)}]")
         types.append(5)  # UNUSED
     return Vocab(tuple(tokens), tuple(types), tuple(data["merges"]),
-                 eos_id=tokens.index("<|im_end|>"), im_start_id=tokens.index("<|im_start|>"),
+                 eos_id=tokens.index("<|return|>" if harmony else "<|im_end|>"), im_start_id=tokens.index("<|im_start|>"),
                  im_end_id=tokens.index("<|im_end|>"))
 
 

@@ -35,7 +35,7 @@ def random_tensors(spec: ModelSpec, vocab: Vocab) -> Iterator[tuple[str, np.ndar
 
 def write_model(spec: ModelSpec, path: Path) -> Path:
     """A random test model for ``spec``."""
-    vocab = load_vocab(spec.fim)
+    vocab = load_vocab(spec.fim, harmony=spec.chat_template == "gpt-oss")
     return write_gguf(path, spec, vocab, random_tensors(spec, vocab),
                       chat_template=CHAT_TEMPLATES[spec.chat_template])
 
