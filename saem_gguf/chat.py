@@ -23,6 +23,8 @@ from saem_gguf.chat_display import PIECE_SLACK, AnswerPrinter, use_style
 from saem_gguf.chat_files import GLOB_MAX_FILES, file_block, glob_files
 from saem_gguf.engine import GREEDY, SEED_RANDOM, ChatPrompt, Engine, SamplingConfig
 from saem_gguf.errors import SaemError
+from saem_gguf.harmony import HarmonyText, template_is_harmony
+from saem_gguf.thinking import THINK_CLOSE, THINK_OPEN
 
 HELP = ("/stats  placement statistics   /clear (/reset)  new conversation   /regen  answer the last message "
         "again   /read FILE  add a text file to the next message   /glob PATTERN  add the files it matches   "
@@ -148,6 +150,9 @@ class ChatSession:
         styled = use_style(self.out) if self.color == "auto" else self.color == "on"
         printer = AnswerPrinter(self.out, styled=styled, hide_thinking=self.hide_thinking,
                                 hold_chars=self._cue_hold())
+        # gpt-oss answers in channels: shown as thinking and answer, as llama-cli shows them
+        channels = ChannelDisplay() if template_is_harmony(eng.chat_template_source()) else None
+        show = channels.shown if channels is not None else (lambda s, final=False: s)
         t0 = None
         n = 0
         interrupted = False
@@ -164,7 +169,7 @@ class ChatSession:
                         printer.stage_mark(e.source, e.cue)
                     ev_seen = len(eng.placement.stats.events)
                 text += piece
-                printer.feed(decoder.decode(piece))
+                printer.feed(show(decoder.decode(piece)))
         except KeyboardInterrupt:
             interrupted = True
         self.last_finish_reason = steps.finish_reason
@@ -172,9 +177,12 @@ class ChatSession:
             t_end = time.perf_counter()
             self.decode_seconds += t_end - t0
             self.decode_tokens += n
-        # the history holds what llama-cpp-python's create_chat_completion would return
+        # the history holds what llama-cpp-python's create_chat_completion would return; of
+        # gpt-oss's channels, the answer (its template refuses channel markup in a message)
         reply = text.decode("utf-8", errors="ignore")
-        printer.feed(decoder.decode(b"", final=True))
+        printer.feed(show(decoder.decode(b"", final=True), final=True))
+        if channels is not None:
+            reply = channels.harmony.whole(reply)[1]
         printer.finish()
         self._write("\n" + ("[interrupted]\n" if interrupted else ""))
         if self.show_timings and t0 is not None:
@@ -248,6 +256,27 @@ class ChatSession:
 
 
 HISTORY_LINES = 1000  # the history file keeps the most recent lines
+
+
+@dataclass
+class ChannelDisplay:
+    """gpt-oss's channels (saem_gguf.harmony) as the printer's thinking block and answer: the
+    analysis between ``<think>`` and ``</think>``, which the printer dims or folds, then the final
+    channel's text."""
+
+    harmony: HarmonyText = field(default_factory=lambda: HarmonyText(extract_reasoning=True))
+    thinking: bool = False  # inside the shown <think> block
+
+    def shown(self, text: str, final: bool = False) -> str:
+        reasoning, content = self.harmony.add(text, final)
+        out = ""
+        if reasoning:
+            out += ("" if self.thinking else THINK_OPEN) + reasoning
+            self.thinking = True
+        if content and self.thinking:
+            out += THINK_CLOSE
+            self.thinking = False
+        return out + content
 
 
 def default_history_file() -> Path:

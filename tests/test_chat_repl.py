@@ -256,3 +256,22 @@ def test_a_turns_prompt_rate_counts_only_the_tokens_decoded(llama_cpp):
         assert steps.prompt_tokens_evaluated == len(second)
     finally:
         eng.close()
+
+
+HARMONY_GRAMMAR = ('root ::= <|channel|> "analysis" <|message|> "We add." <|end|> <|start|> "assistant" '
+                   '<|channel|> "final" <|message|> "It is 5."')
+
+
+def test_gpt_oss_channels_shown_as_thinking_and_answer(llama_cpp):
+    """gpt-oss answers in channels (saem_gguf.harmony): the analysis is shown as the thinking (dimmed,
+    folded by --hide-thinking) and the final channel as the answer, as llama-cli shows them; the
+    history keeps the answer alone, so the next turn renders (gpt-oss's template refuses channel
+    markup in a message: the second turn failed before)."""
+    from saem_gguf.testmodels import ModelSpec, ensure_model
+
+    model = str(ensure_model(ModelSpec(arch="gpt-oss", chat_template="gpt-oss")))
+    r = _chat_piped("-m", model, "--grammar", HARMONY_GRAMMAR, "--no-show-timings", stdin="What is 2+3?\nAnd 3+2?\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "<think>We add.</think>It is 5.\n" * 2, (r.stdout, r.stderr)
+    folded = _chat_piped("-m", model, "--grammar", HARMONY_GRAMMAR, "--hide-thinking", stdin="What is 2+3?\n")
+    assert "<|channel|>" not in folded.stdout and folded.stdout.startswith("[thinking… ") and "It is 5." in folded.stdout

@@ -1205,7 +1205,7 @@ def test_llama_servers_environment_variables_configure_serve_as_llama_server():
            "--top-k" in ours.stderr()
 
 
-# gpt-oss's answers (serving.harmony): outputs forced by a grammar on a test model with gpt-oss's
+# gpt-oss's answers (saem_gguf.harmony): outputs forced by a grammar on a test model with gpt-oss's
 # template and harmony tokens. A grammar cannot end with <|return|> (an end of generation), so each
 # ends where the model may end it.
 _A, _F, _S, _E = '<|channel|> "analysis" <|message|>', '<|channel|> "final" <|message|>', '<|start|> "assistant"', "<|end|>"
@@ -1276,7 +1276,7 @@ def test_a_streamed_gpt_oss_answer_in_the_deltas_of_llama_server(harmony_pair, n
 
 def test_gpt_oss_output_that_does_not_parse_is_its_text_here(harmony_pair):
     """llama-server answers 500 to gpt-oss output that begins with no channel; here the answer is
-    that text, whole and streamed alike (serving.harmony's one difference on purpose)."""
+    that text, whole and streamed alike (saem_gguf.harmony's one difference on purpose)."""
     stock, ours = harmony_pair
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9, "grammar": 'root ::= "Hello there."'}
     assert httpx.post(stock + "/v1/chat/completions", json=body, timeout=300).status_code == 500

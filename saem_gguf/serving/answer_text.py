@@ -10,7 +10,7 @@ module:
   ``<think>...</think>content`` markup the prompt ends with); continuing its reasoning, the
   reasoning starts with the message's;
 * a schema's JSON alone (serving.output_format);
-* under gpt-oss's template, its channels (serving.harmony) in place of the thinking block.
+* under gpt-oss's template, its channels (saem_gguf.harmony) in place of the thinking block.
 
 A stream sends the continued text with the first piece, as llama-server does, except where the
 request asked for the continuation itself (``continue_final_message``) and not for ``echo``: then
@@ -20,7 +20,7 @@ what is generated, while the whole answer still holds it.
 
 from __future__ import annotations
 
-from saem_gguf.serving.harmony import HarmonyText, continuation_markup
+from saem_gguf.harmony import HarmonyText, continuation_markup
 from saem_gguf.serving.output_format import JsonAnswer, json_answer_text
 from saem_gguf.serving.prefill import Continuation
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning

@@ -47,7 +47,7 @@ from saem_gguf.serving.anthropic import MessagesReply
 from saem_gguf.serving.answer_text import ChatText
 from saem_gguf.serving.output_format import answer_grammar, thinking_of
 from saem_gguf.serving.prefill import ChatEnd, asks_continuation, chat_end, continued, opened_reasoning
-from saem_gguf.serving.harmony import template_is_harmony
+from saem_gguf.harmony import template_is_harmony
 from saem_gguf.serving.reasoning import splits
 from saem_gguf.serving.responses import ResponsesReply, sse_event
 from saem_gguf.thinking import template_reasons

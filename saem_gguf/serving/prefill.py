@@ -12,7 +12,7 @@ block the generation prompt opened and appends ``<think>``, the message's ``reas
 and then, continuing the content, ``</think>`` and the content; continuing the reasoning (its
 ``reasoning_content`` alone, or ``"reasoning_content"`` asked), the block stays open. The
 answer's content starts with the continued content (streamed, with the first piece), its
-reasoning with the continued reasoning. gpt-oss's template (serving.harmony) continues in its
+reasoning with the continued reasoning. gpt-oss's template (saem_gguf.harmony) continues in its
 channels instead: the analysis channel with the message's reasoning, then, continuing the
 content, the final channel with it. Here the prompt is built the same way, but the texts are
 tokenized as plain text, like every message's: llama-server parses them, so ``<|im_end|>`` in
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from saem_gguf.engine import ChatPrompt
-from saem_gguf.serving.harmony import continuation_markup, template_is_harmony
+from saem_gguf.harmony import continuation_markup, template_is_harmony
 from saem_gguf.serving.protocol import bad_request
 from saem_gguf.thinking import THINK_CLOSE, THINK_OPEN, forced_open_prefix, template_reasons
 
@@ -94,7 +94,7 @@ def continued(prompt: ChatPrompt, message: Continuation, template: str,
     """``prompt`` (the messages before the final one, with the generation prompt) continued by
     ``message``; ``tokenize(text, parse_special)``."""
     tokens, text = list(prompt.tokens), prompt.text
-    if template_is_harmony(template):  # gpt-oss's channels after its header (serving.harmony)
+    if template_is_harmony(template):  # gpt-oss's channels after its header (saem_gguf.harmony)
         parts = continuation_markup(message.reasoning, message.content if message.part == "content" else None)
     elif template_reasons(template):
         opened = forced_open_prefix(text)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from saem_gguf.serving.harmony import template_is_harmony
+from saem_gguf.harmony import template_is_harmony
 from saem_gguf.thinking import THINK_CLOSE, THINK_OPEN, template_reasons
 
 FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
@@ -35,7 +35,7 @@ FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
 def splits(reasoning_format: str, template: str) -> bool:
     """Whether responses are split under ``reasoning_format`` (llama-server's names; its
     ``deepseek-legacy`` gave the same split as ``deepseek`` on the stock build); gpt-oss's
-    template always reasons (serving.harmony)."""
+    template always reasons (saem_gguf.harmony)."""
     if reasoning_format == "none":
         return False
     return reasoning_format != "auto" or template_reasons(template) or template_is_harmony(template)

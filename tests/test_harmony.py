@@ -1,4 +1,4 @@
-"""serving.harmony's parser without a server: a stream's deltas add up to the whole answer's split
+"""saem_gguf.harmony's parser on its own: a stream's deltas add up to the whole answer's split
 for any cut of the text into pieces, what is not decided yet is held back, and the lenient PEG
 rules at the end of the text. The comparison with the stock llama-server is in
 test_serve_reference (the gpt-oss tests)."""
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from saem_gguf.serving.harmony import HarmonyText, continuation_markup, parse
+from saem_gguf.harmony import HarmonyText, continuation_markup, parse
 
 A, F, S, E = "<|channel|>analysis<|message|>", "<|channel|>final<|message|>", "<|start|>assistant", "<|end|>"
 P = "<|channel|>commentary<|message|>"
