@@ -34,10 +34,12 @@ from saem_gguf.detokenize import detokenize
 from saem_gguf.errors import SaemError
 from saem_gguf.gpu_memory import gpu_memory
 from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar, grammar_sampler
+from saem_gguf.harmony import ANALYSIS_START, END, template_is_harmony
 from saem_gguf.interrupts import deferred_signals
 from saem_gguf.llama_lib import load_llama_cpp
 from saem_gguf.resources import available_memory, checked_engine_inputs
-from saem_gguf.thinking import THINK_CLOSE, THINK_OPEN, ReasoningBudget, open_block_tokens, template_reasons
+from saem_gguf.thinking import (THINK_CLOSE, THINK_OPEN, ReasoningBudget, forced_open_prefix, open_block_tokens,
+                                template_reasons)
 from saem_gguf.trace import ModelSignature, SequenceTrace
 
 DEFAULT_ECR = 0.25
@@ -1302,7 +1304,16 @@ class Engine:
         """The reasoning budget of a chat generation (thinking.py), its prompt's open thinking block
         already counted; None where there is none: ``sampling.reasoning_budget`` -1, or a chat
         template without a thinking block (as llama-server, which applies it to those alone)."""
-        if sampling.reasoning_budget < 0 or not template_reasons(self.chat_template_source()):
+        template = self.chat_template_source()
+        if sampling.reasoning_budget < 0:
+            return None
+        if template_is_harmony(template):  # gpt-oss's: the analysis channel (llama.cpp's thinking tags)
+            open_tag, close_tag = ANALYSIS_START, END
+            opened = prompt_text.rfind(open_tag) > max(prompt_text.rfind(close_tag), -1)
+        elif template_reasons(template):
+            open_tag, close_tag = THINK_OPEN, THINK_CLOSE
+            opened = forced_open_prefix(prompt_text) is not None
+        else:
             return None
         llm = self.llm
 
@@ -1310,10 +1321,10 @@ class Engine:
             return llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
         message = sampling.reasoning_budget_message
-        start, end = tags(THINK_OPEN), tags(THINK_CLOSE)
+        start, end = tags(open_tag), tags(close_tag)
         forced = (llm.tokenize(message.encode("utf-8"), add_bos=False, special=False) if message else []) + end
         budget = ReasoningBudget(start, end, forced, sampling.reasoning_budget, self.piece)
-        for tok in open_block_tokens(prompt_tokens, prompt_text, start):
+        for tok in open_block_tokens(prompt_tokens, opened, start):
             budget.accept(tok)
         return budget
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 CHANNEL = "<|channel|>"
 START, END, MESSAGE = "<|start|>assistant", "<|end|>", "<|message|>"
 GENERATION_PROMPT = START  # what the template's generation prompt adds, parsed before the answer
+ANALYSIS_START = CHANNEL + "analysis" + MESSAGE  # llama.cpp's thinking start tag for gpt-oss (END ends it)
 
 
 def template_is_harmony(template: str) -> bool:

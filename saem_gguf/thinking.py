@@ -153,11 +153,12 @@ class ReasoningBudget:
                 self.state = BudgetState.DONE
 
 
-def open_block_tokens(prompt_tokens: Sequence[int], prompt_text: str, start: Sequence[int]) -> list[int]:
-    """The prompt's tokens from the start tag of a thinking block its generation prompt leaves
-    open (``<think>\\n``: the template opened it) to its end, which llama.cpp's budget takes as
-    the prefill (they count against the budget); [] when the prompt opens none."""
-    if forced_open_prefix(prompt_text) is None or not start:
+def open_block_tokens(prompt_tokens: Sequence[int], opened: bool, start: Sequence[int]) -> list[int]:
+    """The prompt's tokens from the start tag of a thinking block it leaves ``opened`` (``<think>\\n``:
+    the template opened it; gpt-oss's analysis channel a continued reasoning is in) to its end,
+    which llama.cpp's budget takes as the prefill (they count against the budget); [] when the
+    prompt opens none."""
+    if not opened or not start:
         return []
     n = len(start)
     for at in range(len(prompt_tokens) - n, -1, -1):

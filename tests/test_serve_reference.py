@@ -1317,3 +1317,44 @@ def test_gpt_oss_continuation_asked_streams_only_what_is_generated_as_llama_serv
         fields = {"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": False, "echo": echo}
         stock, ours = (_harmony_chat(url, '" 5." <|end|>', stream=True, **fields) for url in harmony_pair)
         assert ours == stock, echo
+
+
+def _analysis_by_tokens(url: str) -> str:
+    """The grammar's <|channel|>analysis<|message|> as the tokens a model writes it in (token ids:
+    llama.cpp's budget matches its start tag by tokens, and a grammar's "analysis" may come out
+    in other pieces)."""
+    ids = httpx.post(url + "/tokenize", json={"content": "<|channel|>analysis<|message|>", "parse_special": True},
+                     timeout=60).json()["tokens"]
+    return " ".join(f"<[{i}]>" for i in ids)
+
+
+@pytest.mark.parametrize("fields", [
+    {"reasoning_budget_tokens": 0}, {"reasoning_budget_tokens": 3},
+    {"reasoning_budget_tokens": 2, "reasoning_budget_message": " Time to answer."},
+    {"reasoning_budget_tokens": 3, "reasoning_format": "none"}, {"reasoning_budget_tokens": 400},
+], ids=["zero", "three", "message", "format-none", "not-reached"])
+def test_gpt_oss_reasoning_budget_as_llama_server(harmony_pair, fields):
+    """gpt-oss's analysis channel is its thinking block for the budget (llama.cpp's thinking tags
+    for it: <|channel|>analysis<|message|> ... <|end|>): cut after the budget's tokens, the
+    message and <|end|> forced, then the answer; whole and streamed. Unbudgeted, this model's
+    analysis runs to max_tokens."""
+    grammar = f'{_analysis_by_tokens(harmony_pair[0])} [A-Za-z .]* {_E} {_S} {_F} "It is 5."'
+    for stream in (False, True):
+        stock, ours = (_harmony_chat(url, grammar, stream=stream, max_tokens=40, **fields) for url in harmony_pair)
+        assert ours == stock, stream
+    whole = _harmony_chat(harmony_pair[1], grammar, max_tokens=40, **fields)
+    assert whole[2] == ("length" if fields["reasoning_budget_tokens"] == 400 else "stop")
+    if "reasoning_budget_message" in fields:
+        assert whole[1].endswith(" Time to answer.")
+
+
+def test_gpt_oss_budget_counts_a_continued_reasoning_as_llama_server(harmony_pair):
+    """A continued reasoning is inside the analysis channel: its tokens count (llama.cpp's prefill);
+    with 4 of budget and 2 spent by the message's, the end comes 2 tokens on."""
+    fields = {"messages": [CONTINUED[0], {"role": "assistant", "content": "", "reasoning_content": "We add"}],
+              "reasoning_budget_tokens": 4}
+    grammar = f'[A-Za-z .]* {_E} {_S} {_F} "5."'
+    stock, ours = (_harmony_chat(url, grammar, max_tokens=40, **fields) for url in harmony_pair)
+    assert ours == stock and stock[2] == "stop"
+    unbudgeted = _harmony_chat(harmony_pair[1], grammar, max_tokens=40, messages=fields["messages"])
+    assert unbudgeted[2] == "length"

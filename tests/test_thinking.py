@@ -80,12 +80,16 @@ def test_an_open_block_in_the_prompt_is_the_prefill():
     """The generation prompt's <think>\\n counts: budget 1 is spent by the newline, so the end is
     forced first; budget 0 is spent at <think> and its forced end is taken by the newline itself."""
     prompt = [50, 51, START, 9]
-    assert open_block_tokens(prompt, "<|im_start|>assistant\n<think>\n", [START]) == [START, 9]
-    assert open_block_tokens(prompt, "<|im_start|>assistant\n", [START]) == []
-    assert open_block_tokens(prompt, "<think>a</think>\n", [START]) == []
+
+    def opened(text: str) -> bool:
+        return forced_open_prefix(text) is not None
+
+    assert open_block_tokens(prompt, opened("<|im_start|>assistant\n<think>\n"), [START]) == [START, 9]
+    assert open_block_tokens(prompt, opened("<|im_start|>assistant\n"), [START]) == []
+    assert open_block_tokens(prompt, opened("<think>a</think>\n"), [START]) == []
     for budget, first in ((1, END), (0, 3)):
         b = ReasoningBudget([START], [END], [END], budget, piece)
-        for t in open_block_tokens(prompt, "x<think>\n", [START]):
+        for t in open_block_tokens(prompt, opened("x<think>\n"), [START]):
             b.accept(t)
         assert run(b, [3, 4])[0] == first
 
