@@ -84,6 +84,13 @@ def test_a_variable_is_read_and_the_command_line_wins_with_llama_cpps_warning(mo
     assert _parse("serve", "--ctx-size=98").ctx_size == 98
 
 
+def test_a_value_that_begins_with_a_dash_is_a_value(monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_N_PREDICT", "-1")
+    monkeypatch.setenv("LLAMA_ARG_ALIAS", "-x-")
+    args = _parse("serve")
+    assert (args.n_predict, args.alias) == (-1, "-x-")
+
+
 def test_variables_of_llama_server_only_are_not_read_by_generate(monkeypatch):
     monkeypatch.setenv("LLAMA_ARG_PORT", "9999")  # llama-completion has no --port: ignored, as there
     assert _parse("serve").port == 9999

@@ -234,7 +234,8 @@ def _arguments_for(parser: argparse.ArgumentParser, option: EnvOption, value: st
         parser._get_values(action, [value])  # the flag's own check, so that the error names the variable
     except argparse.ArgumentError as e:
         parser.error(f"environment variable {name}: {e.message}")
-    return [flag, value]
+    # --flag=value: a value that begins with "-" (LLAMA_ARG_N_PREDICT=-1) stays a value
+    return [f"{flag}={value}"] if flag.startswith("--") else [flag, value]
 
 
 def annotate_help(parser: argparse.ArgumentParser) -> None:
