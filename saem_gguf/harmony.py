@@ -181,7 +181,7 @@ def _grammar(extract_reasoning: bool) -> _Parser:
     """``common_chat_params_init_gpt_oss``'s parser without tools or a response format."""
     content = _Until(END)
     stray = _optional(_seq(CHANNEL + "commentary", _optional(" to=assistant")))
-    start_analysis = _seq(stray, CHANNEL + "analysis" + MESSAGE)
+    start_analysis = _seq(stray, ANALYSIS_START)
     if extract_reasoning:
         analysis = _seq(start_analysis, _Tag("reasoning", content), END)
     else:
@@ -214,7 +214,7 @@ def continuation_markup(reasoning: str, content: str | None) -> list[tuple[str, 
     (``common_chat_params_init_gpt_oss``'s prefill): its reasoning in the analysis channel, and,
     continuing its ``content`` (None: continuing the reasoning), the final channel opened on it.
     As (text, is markup) parts; llama-server always opens the analysis channel, empty or not."""
-    parts = [(CHANNEL + "analysis" + MESSAGE, True), (reasoning, False)]
+    parts = [(ANALYSIS_START, True), (reasoning, False)]
     if content is not None:
         parts += [(END + START + CHANNEL + "final" + MESSAGE, True), (content, False)]
     return parts
