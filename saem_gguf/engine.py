@@ -1309,7 +1309,7 @@ class Engine:
             return None
         if template_is_harmony(template):  # gpt-oss's: the analysis channel (llama.cpp's thinking tags)
             open_tag, close_tag = ANALYSIS_START, END
-            opened = prompt_text.rfind(open_tag) > max(prompt_text.rfind(close_tag), -1)
+            opened = prompt_text.rfind(open_tag) > prompt_text.rfind(close_tag)
         elif template_reasons(template):
             open_tag, close_tag = THINK_OPEN, THINK_CLOSE
             opened = forced_open_prefix(prompt_text) is not None

@@ -155,11 +155,16 @@ def clamp_threads(n_threads: int | None, note: Callable[[str], None], flag: str 
 DEFAULT_CONTEXT = 4096
 
 
+def at_most_trained(n_ctx: int, info: ModelInfo) -> int:
+    """``n_ctx`` capped at the context the model was trained for, where the file says it."""
+    return min(n_ctx, info.n_ctx_train) if info.n_ctx_train > 0 else n_ctx
+
+
 def context_size(info: ModelInfo, n_ctx: int | None) -> int:
     """``-c``, with llama.cpp's 0 read as the context the model was trained for, and None (no
     ``-c``) as DEFAULT_CONTEXT or that context where it is shorter."""
     if n_ctx is None:
-        return min(DEFAULT_CONTEXT, info.n_ctx_train) if info.n_ctx_train > 0 else DEFAULT_CONTEXT
+        return at_most_trained(DEFAULT_CONTEXT, info)
     if n_ctx != 0:
         return n_ctx
     if info.n_ctx_train <= 0:

@@ -12,6 +12,7 @@ from saem_gguf.build.source import fetch_sdist
 from saem_gguf.cli.llama_env import command_example, env_options_in_arg_cpp, llama_cpp_env_options, options_for
 from saem_gguf.cli.llama_flags import sdist_arg_cpp
 from saem_gguf.cli.main import build_parser
+from test_llama_flags import _usage_error  # one usage line, exit 2
 
 
 @pytest.fixture(autouse=True)
@@ -61,14 +62,6 @@ def test_each_flag_taken_reads_a_value_where_llama_cpp_reads_one(command):
 def _parse(*argv: str):
     return build_parser().parse_args(list(argv))
 
-
-def _usage_error(capsys, *argv: str) -> str:
-    with pytest.raises(SystemExit) as e:
-        _parse(*argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
 
 
 def test_a_variable_is_read_and_the_command_line_wins_with_llama_cpps_warning(monkeypatch, capsys):

@@ -20,7 +20,7 @@ what is generated, while the whole answer still holds it.
 
 from __future__ import annotations
 
-from saem_gguf.harmony import HarmonyText, continuation_markup
+from saem_gguf.harmony import HarmonyText
 from saem_gguf.serving.output_format import JsonAnswer, json_answer_text
 from saem_gguf.serving.prefill import Continuation
 from saem_gguf.serving.reasoning import Reasoning, split_reasoning
@@ -41,8 +41,7 @@ class ChatText:
         self._thinking: Reasoning | HarmonyText | None = None
         reasoning, content = "", ""  # what the answer starts with, before anything generated
         if harmony:  # the continued message is part of what is parsed
-            markup = "" if continued is None else "".join(text for text, _ in continuation_markup(
-                continued.reasoning, continued.content if continued.part == "content" else None))
+            markup = "" if continued is None else "".join(text for text, _ in continued.harmony_markup())
             self._thinking = HarmonyText(split, markup, hide_continued)
             hide_continued = False
         elif continued is not None and continued.part == "content":

@@ -30,6 +30,7 @@ from saem_gguf import __version__
 from saem_gguf.build.source import LLAMA_CPP_PYTHON_VERSION
 from saem_gguf.engine import ChatPrompt, SamplingConfig
 from saem_gguf.errors import SaemError
+from saem_gguf.harmony import template_is_harmony
 from saem_gguf.serving.auth import ApiKeyMiddleware
 from saem_gguf.serving.batch import (
     BatchRequest, EmptyPrompt, PromptTooLong, QueueFull, Scheduler, SchedulerStopped, SequenceHandle, TokenEvent,
@@ -47,7 +48,6 @@ from saem_gguf.serving.anthropic import MessagesReply
 from saem_gguf.serving.answer_text import ChatText
 from saem_gguf.serving.output_format import answer_grammar, thinking_of
 from saem_gguf.serving.prefill import ChatEnd, asks_continuation, chat_end, continued, opened_reasoning
-from saem_gguf.harmony import template_is_harmony
 from saem_gguf.serving.reasoning import splits
 from saem_gguf.serving.responses import ResponsesReply, sse_event
 from saem_gguf.thinking import template_reasons

@@ -66,6 +66,7 @@ from saem_gguf.engine import (
 )
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import ChainSampler, GrammarDeadEnd, check_grammar
+from saem_gguf.resources import at_most_trained
 from saem_gguf.samplers import feed_prompt, server_sampler
 from saem_gguf.serving.infill import FimTokens
 from saem_gguf.serving.prompt_cache import PromptCache, common_prefix
@@ -327,8 +328,7 @@ class Scheduler:
         self._mem = self._lc.llama_get_memory(self._ctx)
         # a slot's context: its share of the KV cache, at most what the model was trained on, as
         # llama-server's n_ctx_slot caps it
-        trained = engine.info.n_ctx_train
-        self._n_ctx_seq = min(engine.n_ctx_seq, trained) if trained > 0 else engine.n_ctx_seq
+        self._n_ctx_seq = at_most_trained(engine.n_ctx_seq, engine.info)
         self._n_ubatch = int(self._lc.llama_n_ubatch(self._ctx))
         self._unified = engine.cfg.kv_unified  # one KV stream the slots share (-kvu)
         self._n_vocab = engine.llm.n_vocab()

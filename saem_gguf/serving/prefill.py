@@ -44,6 +44,11 @@ class Continuation:
     part: Literal["content", "reasoning"]  # which of them the answer continues
 
 
+    def harmony_markup(self) -> list[tuple[str, bool]]:
+        """The message in gpt-oss's channels (harmony.continuation_markup), as (text, is markup)."""
+        return continuation_markup(self.reasoning, self.content if self.part == "content" else None)
+
+
 @dataclass(frozen=True)
 class ChatEnd:
     continuation: Continuation | None  # the final message continued (then left out of the rendered messages)
@@ -95,7 +100,7 @@ def continued(prompt: ChatPrompt, message: Continuation, template: str,
     ``message``; ``tokenize(text, parse_special)``."""
     tokens, text = list(prompt.tokens), prompt.text
     if template_is_harmony(template):  # gpt-oss's channels after its header (saem_gguf.harmony)
-        parts = continuation_markup(message.reasoning, message.content if message.part == "content" else None)
+        parts = message.harmony_markup()
     elif template_reasons(template):
         opened = forced_open_prefix(text)
         if opened is not None:  # llama-server cuts the generation prompt before its <think>

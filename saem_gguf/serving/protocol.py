@@ -34,9 +34,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from saem_gguf.engine import SEED_RANDOM, SamplingConfig
 from saem_gguf.errors import SaemError
 from saem_gguf.grammar import json_schema_grammar
+from saem_gguf.harmony import template_is_harmony
 from saem_gguf.samplers import DEFAULT_ORDER, sampler_order
 from saem_gguf.serving.batch import LineLimits, SlotState
-from saem_gguf.harmony import template_is_harmony
 from saem_gguf.serving.output_format import JSON_OBJECT
 
 INT32_MAX = 2**31 - 1  # llama-server's hard limit of its integer fields
